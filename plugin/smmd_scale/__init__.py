@@ -1,0 +1,14 @@
+"""smmd-scale: Smooth-MMD numeric loss for vocabulary-parallel LLM training.
+
+    vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer)
+    out = smmd_scale.smmd_cross_entropy(logits, targets, smmd_scale.SMMDLoss(vocab), weight=1.0)
+    out.total.backward()
+"""
+
+from .integrations import install
+from .loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
+from .vocab import NumericVocab
+
+__version__ = "0.1.0"
+
+__all__ = ["NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy", "__version__"]

@@ -1,0 +1,108 @@
+"""Input validation shared by the single-device and the vocab-parallel paths.
+
+A check returns a :class:`Problem` (a code and a few integers) instead of raising, so that under
+tensor parallelism a rank can put its verdict into the one all-reduce and *every* rank raises
+the same exception after it (DESIGN.md §3): a rank that raised alone would leave the others
+waiting in the collective. ``Problem.error()`` turns the code back into the exception on any
+rank, which is why messages are built only from the integers carried.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+# dtypes and device types are carried as indices into these tables.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "npu", "meta")
+
+LOGITS_DTYPE = 1
+TARGETS_DTYPE = 2
+TARGETS_SHAPE = 3
+TARGETS_DEVICE = 4
+LOGITS_WIDTH = 5
+SHARD_OUTSIDE_VOCAB = 6
+TARGET_OUT_OF_RANGE = 7
+NUM_ITEMS = 8
+
+_ERRORS = {
+    LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
+                   "float64)"),
+    TARGETS_DTYPE: (TypeError, "targets have dtype {0}; expected an integer dtype (token ids)"),
+    TARGETS_SHAPE: (ValueError, "targets hold {0} positions in {1} dims but logits [..., V] hold {2} positions in "
+                    "{3} dims; targets must have the logits' shape without the last (vocabulary) dim "
+                    "(already shifted: position t of targets is scored by logits[..., t, :])"),
+    TARGETS_DEVICE: (ValueError, "targets are on {2}:{3} but logits are on {0}:{1}; move targets to the logits' "
+                     "device"),
+    LOGITS_WIDTH: (ValueError, "logits have {0} columns but the numeric vocabulary was built for vocab_size={1}; "
+                   "build NumericVocab for the model's logits width (vocab_size=...) or pass tp_group and "
+                   "vocab_start_index for a vocab-parallel shard"),
+    SHARD_OUTSIDE_VOCAB: (ValueError, "the logits shard covers vocabulary ids [{0}, {1}) which is not inside "
+                          "[0, {2}) (vocab_start_index={0}, shard width {3}); check vocab_start_index"),
+    TARGET_OUT_OF_RANGE: (ValueError, "targets[{0}] = {1} is outside the vocabulary [0, {2}) and is not "
+                          "ignore_index={3} (position counted over the flattened targets)"),
+    NUM_ITEMS: (ValueError, "num_items_in_batch={0} must be >= 0"),
+}
+
+
+def _name(table, index):
+    return str(table[index]) if 0 <= index < len(table) else f"<{index}>"
+
+
+class Problem(NamedTuple):
+    """A failed check: ``code`` (one of the constants above) and up to four integers."""
+
+    code: int
+    args: tuple
+
+    def error(self, prefix: str = "") -> Exception:
+        exception_type, template = _ERRORS[self.code]
+        args = list(self.args)
+        if self.code in (LOGITS_DTYPE, TARGETS_DTYPE):
+            args[0] = _name(DTYPES, args[0])
+        if self.code == TARGETS_DEVICE:
+            args[0] = _name(DEVICE_TYPES, args[0])
+            args[2] = _name(DEVICE_TYPES, args[2])
+        return exception_type(prefix + template.format(*args))
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+
+
+def _device_code(device: torch.device) -> tuple:
+    type_code = DEVICE_TYPES.index(device.type) if device.type in DEVICE_TYPES else len(DEVICE_TYPES)
+    return type_code, -1 if device.index is None else device.index
+
+
+def check_inputs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
+                 tensor_parallel: bool, ignore_index: int, num_items_in_batch=None) -> Optional[Problem]:
+    """Validate one call's tensors; return the first problem or ``None``.
+
+    logits: ``[..., V_local]``, targets: ``[...]``. Only cheap checks; the one data-dependent
+    check (targets in range) costs a single reduction and a host read.
+    """
+    if not logits.is_floating_point():
+        return Problem(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        return Problem(TARGETS_DTYPE, (_dtype_code(targets.dtype), ))
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        return Problem(TARGETS_SHAPE, (targets.numel(), targets.dim(), logits.numel() // max(logits.shape[-1], 1),
+                                       logits.dim() - 1))
+    if targets.device != logits.device:
+        return Problem(TARGETS_DEVICE, (*_device_code(logits.device), *_device_code(targets.device)))
+    width = logits.shape[-1]
+    if not tensor_parallel and (vocab_start_index != 0 or width != vocab_size):
+        return Problem(LOGITS_WIDTH, (width, vocab_size))
+    if vocab_start_index < 0 or vocab_start_index + width > vocab_size:
+        return Problem(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
+    if num_items_in_batch is not None and float(num_items_in_batch) < 0:
+        return Problem(NUM_ITEMS, (int(num_items_in_batch), ))
+    flat = targets.reshape(-1)
+    out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
+    if out_of_range.any():
+        position = int(out_of_range.nonzero()[0, 0])
+        return Problem(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))
+    return None

@@ -1,0 +1,42 @@
+"""Where the loss meets frameworks: Hugging Face (``hf``), DeepSpeed AutoTP (``deepspeed``) and
+Megatron-core (``megatron``). :func:`install` is the one entry point for HF models and engines."""
+
+from __future__ import annotations
+
+from ..loss import SMMDLoss
+from ..vocab import NumericVocab
+from .deepspeed import find_vocab_parallel_head, unwrap_model
+from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function
+
+
+def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, **smmd_options) -> InstalledLoss:
+    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * SMMD.
+
+    Replaces ``model.loss_function``. If DeepSpeed AutoTP made the LM head vocabulary-parallel,
+    the hook computes on this rank's logits shard with the head's ``mp_group`` and
+    ``vocab_start_index`` (one packed all-reduce per forward); otherwise on full logits.
+    ``smmd_options`` go to :class:`SMMDLoss`. Returns an :class:`InstalledLoss` with
+    ``last_stats`` and ``restore()``.
+    """
+    model = unwrap_model(model_or_engine)
+    smmd = SMMDLoss(vocab, **smmd_options)
+    head = find_vocab_parallel_head(model)
+    if head is not None:
+        if head.vocab_size != vocab.vocab_size:
+            raise ValueError(f"the vocabulary-parallel head scores {head.vocab_size} tokens but the numeric vocabulary "
+                             f"was built for vocab_size={vocab.vocab_size}; build it with vocab_size="
+                             f"{head.vocab_size}")
+        hook = SMMDCausalLMLoss(smmd, weight, tp_group=head.mp_group, vocab_start_index=head.vocab_start_index)
+    else:
+        config_vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        if config_vocab_size is not None and config_vocab_size != vocab.vocab_size:
+            raise ValueError(f"the model's logits have {config_vocab_size} columns (config.vocab_size) but the "
+                             f"numeric vocabulary was built for vocab_size={vocab.vocab_size}; build it with "
+                             f"NumericVocab.from_tokenizer(tokenizer, vocab_size={config_vocab_size})")
+        hook = SMMDCausalLMLoss(smmd, weight)
+    installed = InstalledLoss(model, hook, head)
+    set_loss_function(model, hook)
+    return installed
+
+
+__all__ = ["install", "InstalledLoss", "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model"]

@@ -1,0 +1,100 @@
+"""Hugging Face integration: the causal-LM ``loss_function`` hook.
+
+HF models call ``self.loss_function(logits=..., labels=..., vocab_size=..., **kwargs)`` from their
+forward (``num_items_in_batch``, ``shift_labels`` and ``ignore_index`` arrive as kwargs). The hook
+below is a drop-in for HF's ``ForCausalLMLoss`` that returns CE + weight * SMMD, computed on full
+logits or — when DeepSpeed AutoTP made the head vocabulary-parallel — on this rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
+
+
+class SMMDCausalLMLoss:
+    """``loss_function`` hook: CE + weight * SMMD with HF's causal shift and normalisation.
+
+    ``labels [B, S]`` are shifted like HF does (pad one ``ignore_index`` on the right, drop the
+    first), or ``shift_labels`` are used as given. ``num_items_in_batch`` divides CE as in HF
+    (see :func:`smmd_cross_entropy` for SMMD's matching weight). ``last_stats`` holds the last
+    call's statistics (floats) and ``last_losses`` its detached (total, ce, smmd).
+    """
+
+    def __init__(self, smmd: SMMDLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
+        self.smmd = smmd
+        self.weight = weight
+        self.tp_group = tp_group
+        self.vocab_start_index = vocab_start_index
+        self.last_stats: Optional[dict] = None
+        self.last_losses: Optional[tuple] = None
+
+    def __repr__(self):
+        where = "full logits" if self.tp_group is None else f"vocab shard from {self.vocab_start_index}"
+        return f"SMMDCausalLMLoss(weight={self.weight}, {where}, {self.smmd!r})"
+
+    def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
+                 num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                 **kwargs) -> torch.Tensor:
+        if ignore_index != self.smmd.ignore_index:
+            raise ValueError(f"the model asked for ignore_index={ignore_index} but the installed SMMDLoss uses "
+                             f"ignore_index={self.smmd.ignore_index}; install with ignore_index={ignore_index}")
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("the loss hook needs labels or shift_labels")
+            # Pad-and-drop shifts the labels instead of slicing the logits, so the logits are never copied.
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch)
+        return output.total
+
+    def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> SMMDOutput:
+        """The full :class:`SMMDOutput` for already-shifted labels (records ``last_*``)."""
+        output = smmd_cross_entropy(logits, shift_labels, self.smmd, weight=self.weight, tp_group=self.tp_group,
+                                    vocab_start_index=self.vocab_start_index, num_items_in_batch=num_items_in_batch)
+        self.last_stats = output.stats
+        self.last_losses = (output.total.detach(), output.ce.detach(), output.smmd.detach())
+        return output
+
+
+class InstalledLoss:
+    """What :func:`smmd_scale.install` returns: the hook, where it went, and how to undo it."""
+
+    def __init__(self, model, hook: SMMDCausalLMLoss, head=None):
+        self.model = model
+        self.hook = hook
+        self.head = head
+        self._had_own = "_loss_function" in vars(model)
+        self._previous = vars(model).get("_loss_function")
+
+    @property
+    def last_stats(self) -> Optional[dict]:
+        return self.hook.last_stats
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.hook.tp_group is not None
+
+    def restore(self) -> None:
+        """Put back the loss function the model had before ``install``."""
+        if self._had_own:
+            self.model.loss_function = self._previous
+        else:
+            vars(self.model).pop("_loss_function", None)
+
+    def __repr__(self):
+        return f"InstalledLoss(on {type(self.model).__name__}, {self.hook!r})"
+
+
+def set_loss_function(model, hook) -> None:
+    """Replace ``model.loss_function`` and check that the model really calls the new one."""
+    if not hasattr(model, "loss_function"):
+        raise TypeError(f"{type(model).__name__} has no loss_function hook; smmd_scale.install needs a Hugging Face "
+                        "causal LM (transformers>=4.46)")
+    model.loss_function = hook
+    if model.loss_function is not hook:
+        raise TypeError(f"{type(model).__name__}.loss_function cannot be replaced (read-only or ignoring its "
+                        "setter); use smmd_cross_entropy on the model's logits instead")

@@ -1,0 +1,248 @@
+"""The one collective of the vocab-parallel loss (DESIGN.md §3). The only module that talks to
+``torch.distributed`` for the loss.
+
+Tensor-parallel rank k holds ``logits[..., s_k:e_k]``; targets are replicated in the group. Per
+forward, every rank packs what the others need into **one SUM all-reduce**:
+
+    header          int64    [TP, HEADER_FIELDS]  verdict of its input checks, its shard layout, a
+                                                  fingerprint of its vocabulary/options and of its
+                                                  targets, its count of numeric positions P
+    lse slots       float    [tokens, TP]         its local log-sum-exp per token (CE only)
+    target logits   logits'  [tokens]             logits[t, y_t] for the targets it owns (CE only)
+    numeric logits  logits'  [capacity, N]        its numeric columns at the P numeric positions
+
+Every element has exactly one writer (the others write zeros), so the SUM is a gather by
+disjoint writes. It runs on the buffer's **integer** bit patterns: the sum of one bit pattern
+and zeros is that bit pattern, so every value arrives bit-exact and bf16 logits travel as bf16.
+Backward needs no communication: each rank already holds everything for its own columns.
+
+Why the header rides in the same collective: a bad input on one rank (an out-of-range target,
+targets that differ across the group, a shard that does not tile the vocabulary) must make all
+ranks raise together, not leave the healthy ranks waiting. Each rank writes its verdict; after
+the all-reduce every rank reads every verdict and raises the same error.
+
+Why the buffer length never depends on target values: ranks that disagree on the length of an
+all-reduce do not get an error, they abort or hang (gloo: SIGABRT, "Received data size doesn't
+match expected size"). The length depends only on the logits' leading shape and dtype (which
+the model's own tensor-parallel all-reduces already force to agree), on TP, N, and on
+``capacity``. ``capacity`` (rows reserved for numeric positions) is state derived only from
+earlier all-reduced headers, so it is identical on every rank. When this call has more numeric
+positions than that, every rank learns it from the header and a second all-reduce carries the
+numeric rows at a grown capacity (it starts at 0; the first call of a group pays the second
+round once, and the capacity keeps the high-water mark after that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .checks import Problem
+
+# Header fields, one int64 row per rank.
+CODE, ARG0, ARG1, ARG2, ARG3, VOCAB_START, WIDTH, VOCAB_SIZE, NUMERIC_SIZE, LOSS_FINGERPRINT, \
+    TARGETS_FINGERPRINT, NUMERIC_POSITIONS = range(12)
+HEADER_FIELDS = 12
+WORD_BYTES = 4  # the packed buffer is int32
+_PRIME = 2**31 - 1  # fingerprints are sums mod this prime, exact in int64
+
+CAPACITY_ROUNDING = 64
+CAPACITY_HEADROOM = 1.125
+
+
+def group_size_and_rank(tp_group) -> tuple:
+    """(world size, rank) of ``tp_group``; (1, 0) without a group or distributed init."""
+    if tp_group is None or not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def options_fingerprint(*parts) -> int:
+    """A deterministic 62-bit fingerprint of loss options (identical across processes)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def targets_fingerprint(targets: torch.Tensor) -> torch.Tensor:
+    """A 62-bit fingerprint of ``targets [tokens]`` as an int64 device tensor (no host sync).
+
+    Two position-weighted sums mod 2^31-1: a difference at one position changes both unless
+    it is a multiple of the prime, which token ids and ignore_index never are.
+    """
+    positions = torch.arange(targets.numel(), device=targets.device, dtype=torch.int64)
+    values = torch.remainder(targets.reshape(-1).to(torch.int64), _PRIME)
+    first = torch.remainder(values * torch.remainder((positions + 1) * 48271, _PRIME), _PRIME).sum()
+    second = torch.remainder(values * torch.remainder((positions + 7) * 69621, _PRIME), _PRIME).sum()
+    return torch.remainder(first, _PRIME) * _PRIME + torch.remainder(second, _PRIME)
+
+
+@dataclass
+class ExchangeState:
+    """Per (loss, TP group) state. Derived only from all-reduced data, so equal on every rank."""
+
+    capacity: int = 0
+
+
+@dataclass
+class LocalPieces:
+    """What one rank contributes to the exchange.
+
+    tokens:            number of positions in the call (the logits' leading numel)
+    numeric_logits:    ``[P, hi - lo]`` this rank's numeric columns at the numeric positions
+    numeric_columns:   (lo, hi) — indices into the numeric vocabulary owned by this shard
+    local_lse:         ``[tokens]`` compute dtype, or None (SMMD-only calls carry no CE pieces)
+    target_logits:     ``[tokens]`` logits' dtype, logits[t, y_t] where this rank owns y_t else 0
+    """
+
+    problem: Optional[Problem]
+    tokens: int
+    numeric_size: int
+    vocab_start: int
+    width: int
+    vocab_size: int
+    loss_fingerprint: int
+    targets: torch.Tensor
+    numeric_positions: int = 0
+    numeric_logits: Optional[torch.Tensor] = None
+    numeric_columns: tuple = (0, 0)
+    local_lse: Optional[torch.Tensor] = None
+    target_logits: Optional[torch.Tensor] = None
+    compute_dtype: torch.dtype = torch.float32
+    logits_dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    with_ce: bool = True
+
+
+@dataclass
+class Exchanged:
+    """What every rank holds after the exchange (identical on every rank of the group).
+
+    lse_slots: ``[tokens, TP]`` local log-sum-exps of all ranks (None without CE)
+    target_logits: ``[tokens]`` logits[t, y_t] (zero where y_t is ignored; None without CE)
+    numeric_logits: ``[P, N]`` the full numeric slice at the numeric positions
+    """
+
+    lse_slots: Optional[torch.Tensor]
+    target_logits: Optional[torch.Tensor]
+    numeric_logits: torch.Tensor
+    comm_calls: int
+    comm_bytes: int
+
+
+class _PackedBuffer:
+    """An int32 buffer carved into typed sections, each starting on an 8-byte boundary."""
+
+    def __init__(self):
+        self._sections = []
+        self.words = 0
+
+    def reserve(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
+        numel = math.prod(shape)
+        words = -(-numel * dtype.itemsize // WORD_BYTES)
+        words += words % 2
+        self._sections.append((name, self.words, words, shape, dtype))
+        self.words += words
+
+    def allocate(self, device) -> tuple:
+        buffer = torch.zeros(self.words, dtype=torch.int32, device=device)
+        views = {}
+        for name, offset, words, shape, dtype in self._sections:
+            numel = math.prod(shape)
+            views[name] = buffer[offset:offset + words].view(dtype)[:numel].view(shape)
+        return buffer, views
+
+
+def _all_reduce(buffer: torch.Tensor, tp_group) -> None:
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=tp_group)
+
+
+def _grown_capacity(needed: int) -> int:
+    rows = math.ceil(needed * CAPACITY_HEADROOM)
+    return -(-rows // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+
+
+def _raise_on_disagreement(header: list) -> None:
+    """Raise the same error on every rank if any rank's verdict or view of the call differs."""
+    for rank, row in enumerate(header):
+        if row[CODE] != 0:
+            problem = Problem(int(row[CODE]), tuple(int(a) for a in row[ARG0:ARG3 + 1]))
+            raise problem.error(prefix=f"tensor-parallel rank {rank} of the group: ")
+    described = [f"rank {rank}: N={row[NUMERIC_SIZE]}, vocab_size={row[VOCAB_SIZE]}, "
+                 f"fingerprint={row[LOSS_FINGERPRINT]}" for rank, row in enumerate(header)]
+    if len({(row[NUMERIC_SIZE], row[VOCAB_SIZE], row[LOSS_FINGERPRINT]) for row in header}) > 1:
+        raise ValueError("the tensor-parallel ranks of the group hold different numeric vocabularies or SMMD "
+                         "options (" + "; ".join(described) + "); build them identically on every rank")
+    vocab_size = header[0][VOCAB_SIZE]
+    shards = sorted((row[VOCAB_START], row[VOCAB_START] + row[WIDTH], rank) for rank, row in enumerate(header))
+    expected_start = 0
+    for start, end, _ in shards:
+        if start != expected_start or end <= start:
+            break
+        expected_start = end
+    if expected_start != vocab_size or any(end <= start for start, end, _ in shards):
+        layout = ", ".join(f"rank {rank}: [{start}, {end})" for start, end, rank in sorted(shards, key=lambda s: s[2]))
+        raise ValueError(f"the logits shards do not tile the vocabulary [0, {vocab_size}) exactly once ({layout}); "
+                         "each rank must pass its own contiguous shard and its vocab_start_index")
+    fingerprints = [(row[TARGETS_FINGERPRINT], row[NUMERIC_POSITIONS]) for row in header]
+    if len(set(fingerprints)) > 1:
+        described = "; ".join(f"rank {rank}: fingerprint {fp}, {count} numeric positions"
+                              for rank, (fp, count) in enumerate(fingerprints))
+        raise ValueError("targets differ across the tensor-parallel ranks of the group (" + described + "); every "
+                         "rank of a tensor-parallel group must receive the same batch")
+
+
+def exchange(pieces: LocalPieces, tp_group, state: ExchangeState) -> Exchanged:
+    """Run the packed all-reduce for one call; raise on every rank if any rank's input is bad."""
+    tp_size, tp_rank = group_size_and_rank(tp_group)
+    tokens, numeric_size = pieces.tokens, pieces.numeric_size
+    layout = _PackedBuffer()
+    layout.reserve("header", (tp_size, HEADER_FIELDS), torch.int64)
+    if pieces.with_ce:
+        layout.reserve("lse", (tokens, tp_size), pieces.compute_dtype)
+        layout.reserve("target", (tokens, ), pieces.logits_dtype)
+    layout.reserve("numeric", (state.capacity, numeric_size), pieces.logits_dtype)
+    buffer, views = layout.allocate(pieces.device)
+
+    row = [0] * HEADER_FIELDS
+    if pieces.problem is not None:
+        row[CODE] = pieces.problem.code
+        row[ARG0:ARG0 + len(pieces.problem.args)] = pieces.problem.args
+    row[VOCAB_START], row[WIDTH], row[VOCAB_SIZE] = pieces.vocab_start, pieces.width, pieces.vocab_size
+    row[NUMERIC_SIZE], row[LOSS_FINGERPRINT] = numeric_size, pieces.loss_fingerprint
+    row[NUMERIC_POSITIONS] = pieces.numeric_positions
+    own_header = views["header"][tp_rank]
+    own_header.copy_(torch.tensor(row, dtype=torch.int64))
+    healthy = pieces.problem is None
+    if healthy:
+        own_header[TARGETS_FINGERPRINT] = targets_fingerprint(pieces.targets)
+        if pieces.with_ce:
+            views["lse"][:, tp_rank] = pieces.local_lse
+            views["target"].copy_(pieces.target_logits)
+        lo, hi = pieces.numeric_columns
+        if pieces.numeric_positions <= state.capacity:
+            views["numeric"][:pieces.numeric_positions, lo:hi] = pieces.numeric_logits
+
+    _all_reduce(buffer, tp_group)
+    comm_calls, comm_bytes = 1, buffer.numel() * WORD_BYTES
+    _raise_on_disagreement(views["header"].tolist())
+
+    numeric = views["numeric"]
+    if pieces.numeric_positions > state.capacity:
+        # All ranks agree on numeric_positions (checked above), so all of them take this branch.
+        state.capacity = _grown_capacity(pieces.numeric_positions)
+        again = _PackedBuffer()
+        again.reserve("numeric", (state.capacity, numeric_size), pieces.logits_dtype)
+        second, second_views = again.allocate(pieces.device)
+        lo, hi = pieces.numeric_columns
+        second_views["numeric"][:pieces.numeric_positions, lo:hi] = pieces.numeric_logits
+        _all_reduce(second, tp_group)
+        comm_calls, comm_bytes = 2, comm_bytes + second.numel() * WORD_BYTES
+        numeric = second_views["numeric"]
+    return Exchanged(lse_slots=views.get("lse"), target_logits=views.get("target"),
+                     numeric_logits=numeric[:pieces.numeric_positions], comm_calls=comm_calls,
+                     comm_bytes=comm_bytes)
