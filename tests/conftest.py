@@ -1,0 +1,60 @@
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from smmd_scale import NumericVocab
+
+# The paper-implementation reference values (DESIGN.md §1), copied from shared/fixtures.
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "smmd_reference_digits.pt"
+# Fresh random inputs every run; rerun one with SMMD_TEST_SEED=<seed printed in the header>.
+SESSION_SEED = int(os.environ.get("SMMD_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+
+
+def pytest_report_header(config):
+    return f"smmd-scale random seed: SMMD_TEST_SEED={SESSION_SEED}"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tests run beside other processes on 2 cores; one intra-op thread keeps them predictable.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def reference_cases():
+    return torch.load(FIXTURES)
+
+
+def random_problem(generator, vocab_size=None, numeric_size=None, shape=None, numeric_share=0.4, ignore_share=0.15,
+                   duplicate_values=False, dtype=torch.float64, scale=3.0):
+    """Fresh random (vocab, logits, targets): targets mix numeric ids, other ids and ignore_index."""
+    def draw(low, high):
+        return int(torch.randint(low, high, (1, ), generator=generator))
+
+    vocab_size = vocab_size or draw(20, 200)
+    numeric_size = numeric_size or draw(2, min(vocab_size, 40))
+    shape = shape or (draw(1, 4), draw(1, 12))
+    token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
+    if duplicate_values:
+        values = torch.randint(0, max(numeric_size // 2, 1), (numeric_size, ), generator=generator).double()
+    else:
+        values = torch.randperm(3 * numeric_size, generator=generator)[:numeric_size].double()
+    logits = (torch.randn(*shape, vocab_size, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    targets = torch.randint(0, vocab_size, shape, generator=generator)
+    numeric = torch.rand(shape, generator=generator) < numeric_share
+    targets[numeric] = token_ids[torch.randint(0, numeric_size, (int(numeric.sum()), ), generator=generator)]
+    targets[torch.rand(shape, generator=generator) < ignore_share] = -100
+    vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
+    return vocab, logits, targets
+
+
+@pytest.fixture
+def generator(request):
+    """A generator seeded from the session seed and the test's id."""
+    return torch.Generator().manual_seed(SESSION_SEED ^ zlib.crc32(request.node.nodeid.encode()))

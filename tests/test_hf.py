@@ -1,0 +1,134 @@
+"""smmd_scale.install on a plain Hugging Face causal LM (TP=1) and with transformers.Trainer."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import smmd_scale
+from reference import reference_total
+from smmd_scale import NumericVocab
+
+VOCAB_SIZE = 96
+NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def numeric_vocab():
+    return NumericVocab(NUMERIC_IDS, list(range(10)), VOCAB_SIZE)
+
+
+def batch(generator, rows=2, length=12):
+    ids = torch.randint(0, VOCAB_SIZE, (rows, length), generator=generator)
+    ids[:, 2:8] = torch.randint(20, 30, (rows, 6), generator=generator)
+    labels = ids.clone()
+    labels[:, :1] = -100
+    return ids, labels
+
+
+def test_install_and_restore():
+    model = tiny_llama()
+    installed = smmd_scale.install(model, numeric_vocab(), weight=0.5)
+    assert model.loss_function is installed.hook and not installed.vocab_parallel
+    installed.restore()
+    assert model.loss_function is ForCausalLMLoss
+    custom = lambda **kwargs: torch.tensor(0.0)  # noqa: E731  (a user's own hook is put back too)
+    model.loss_function = custom
+    installed = smmd_scale.install(model, numeric_vocab())
+    installed.restore()
+    assert model.loss_function is custom
+
+
+@pytest.mark.parametrize("num_items", [None, 37])
+def test_weight_zero_equals_hf_loss_and_gradients(generator, num_items):
+    ids, labels = batch(generator)
+    reference_model, model = tiny_llama(), tiny_llama()
+    reference_loss = reference_model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
+    reference_loss.backward()
+    installed = smmd_scale.install(model, numeric_vocab(), weight=0.0)
+    loss = model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(reference_loss.item(), rel=1e-6)
+    for (name, ours), theirs in zip(model.named_parameters(), reference_model.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, rtol=1e-4, atol=1e-7), name
+    assert installed.last_stats["numeric_tokens"] > 0
+
+
+def test_hook_computes_ce_plus_smmd_on_shifted_labels(generator):
+    ids, labels = batch(generator)
+    model = tiny_llama().double()
+    installed = smmd_scale.install(model, numeric_vocab(), weight=0.3)
+    output = model(input_ids=ids, labels=labels)
+    shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
+    total, ce, smmd = reference_total(output.logits.detach(), shifted, NUMERIC_IDS, list(range(10)), weight=0.3)
+    assert output.loss.item() == pytest.approx(total.item(), abs=1e-10)
+    assert installed.hook.last_losses[1].item() == pytest.approx(ce.item(), abs=1e-10)
+    # shift_labels given explicitly are used as they are.
+    explicit = model.loss_function(output.logits, None, VOCAB_SIZE, shift_labels=shifted)
+    assert explicit.item() == pytest.approx(total.item(), abs=1e-10)
+
+
+def test_gradient_accumulation_keeps_smmd_at_its_mean_scale(generator):
+    """Two micro-batches that are copies of one batch, with HF's num_items_in_batch over both,
+    sum to exactly the one-batch loss: SMMD is not counted twice."""
+    ids, labels = batch(generator)
+    model = tiny_llama().double()
+    smmd_scale.install(model, numeric_vocab(), weight=2.0)
+    single = model(input_ids=ids, labels=labels).loss
+    items = int((labels[:, 1:] != -100).sum())
+    accumulated = sum(model(input_ids=ids, labels=labels, num_items_in_batch=2 * items).loss for _ in range(2))
+    assert accumulated.item() == pytest.approx(single.item(), rel=1e-12)
+
+
+def test_install_rejects_a_vocab_built_for_another_width():
+    with pytest.raises(ValueError, match="logits have 96 columns .* vocab_size=100"):
+        smmd_scale.install(tiny_llama(), NumericVocab([1, 2], [1.0, 2.0], vocab_size=100))
+
+
+def test_ignore_index_mismatch_is_named(generator):
+    model = tiny_llama()
+    smmd_scale.install(model, numeric_vocab())
+    ids, labels = batch(generator)
+    logits = model(input_ids=ids).logits
+    with pytest.raises(ValueError, match="ignore_index=-1 .* ignore_index=-100"):
+        model.loss_function(logits, labels, VOCAB_SIZE, ignore_index=-1)
+
+
+def test_trainer_trains_with_the_hook(tmp_path, generator):
+    """transformers.Trainer with gradient accumulation: the hook is what it optimises, the loss
+    falls on a fixed batch, and the last step's statistics are exposed."""
+    ids, labels = batch(generator, rows=4, length=16)
+
+    class FixedBatch(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return {"input_ids": ids[index % 4], "labels": labels[index % 4]}
+
+    model = tiny_llama()
+    installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
+    calls = []
+    hook_call = installed.hook.__call__
+
+    def recording_hook(*args, **kwargs):
+        loss = hook_call(*args, **kwargs)
+        calls.append((loss.item(), kwargs.get("num_items_in_batch")))
+        return loss
+
+    model.loss_function = recording_hook
+    arguments = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2,
+                                  gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[], use_cpu=True,
+                                  save_strategy="no", logging_steps=1, seed=0)
+    Trainer(model=model, args=arguments, train_dataset=FixedBatch()).train()
+    assert len(calls) == 24
+    assert all(num_items is not None for _, num_items in calls)  # HF passes its token count
+    first, last = sum(loss for loss, _ in calls[:4]), sum(loss for loss, _ in calls[-4:])
+    assert last < first
+    assert installed.last_stats["numeric_tokens"] > 0 and 0 <= installed.last_stats["numeric_accuracy"] <= 1
