@@ -5,10 +5,11 @@
     out.total.backward()
 """
 
-from .integrations import install
+from .integrations import install, vocab_parallel_smmd_cross_entropy
 from .loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
 from .vocab import NumericVocab
 
 __version__ = "0.1.0"
 
-__all__ = ["NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy", "__version__"]
+__all__ = ["NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy",
+           "vocab_parallel_smmd_cross_entropy", "__version__"]

@@ -381,6 +381,11 @@ class SMMDLoss:
                      tp_state=self._tp_state(tp_group) if tensor_parallel else None, compute_dtype=compute_dtype)
         return logits_2d, call
 
+    def numeric_mask(self, targets: torch.Tensor) -> torch.Tensor:
+        """``targets [...]`` -> bool ``[...]``: where the target is a numeric token (where SMMD applies)."""
+        token_ids = self._vocab_tensors(targets.device, torch.float32).token_ids
+        return torch.isin(targets, token_ids)
+
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                  vocab_start_index: Optional[int] = 0) -> torch.Tensor:
         logits_2d, call = self._prepare(logits, targets, tp_group, vocab_start_index, with_ce=False)

@@ -16,12 +16,10 @@ import hashlib
 import math
 import numbers
 import re
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerBase
 
 POLICIES = ("integers", "digits", "floats")
 
@@ -42,7 +40,6 @@ _NUMBER_PATTERNS = {
 # Error messages list at most this many offending values.
 _MAX_LISTED = 5
 
-AnyTokenizer = Union[PreTrainedTokenizerBase, Tokenizer]
 
 
 class NumericVocab:
@@ -134,7 +131,7 @@ class NumericVocab:
         return text + ")"
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: AnyTokenizer, policy: str = "integers", max_value: Optional[float] = 999,
+    def from_tokenizer(cls, tokenizer, policy: str = "integers", max_value: Optional[float] = 999,
                        vocab_size: Optional[int] = None) -> "NumericVocab":
         """Scan every token of ``tokenizer`` and keep those that are numbers under ``policy``.
 
@@ -200,8 +197,14 @@ def _parse_numeric_token(token: str, policy: str) -> Optional[float]:
     return value if math.isfinite(value) else None  # a 400-digit token overflows to inf
 
 
-def _scan_tokenizer(tokenizer: AnyTokenizer) -> tuple[dict, int, set]:
-    """(token string -> id incl. added tokens, tokenizer length incl. added tokens, ids never numeric)."""
+def _scan_tokenizer(tokenizer) -> tuple[dict, int, set]:
+    """(token string -> id incl. added tokens, tokenizer length incl. added tokens, ids never numeric).
+
+    tokenizers and transformers are imported here, not at module import: the loss needs neither.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
     if isinstance(tokenizer, Tokenizer):
         token_to_id = tokenizer.get_vocab(with_added_tokens=True)
         tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -222,8 +225,10 @@ def _scan_tokenizer(tokenizer: AnyTokenizer) -> tuple[dict, int, set]:
     return token_to_id, tokenizer_size, special_ids | appended_ids
 
 
-def _model_token_to_id(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], Optional[int]]:
+def _model_token_to_id(tokenizer) -> Callable[[str], Optional[int]]:
     """The lookup of the tokenizer's model itself, bypassing its added-token table."""
+    from tokenizers import Tokenizer
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, Tokenizer):
         return backend.model.token_to_id

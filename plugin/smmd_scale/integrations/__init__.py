@@ -7,6 +7,7 @@ from ..loss import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
 from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function
+from .megatron import vocab_parallel_smmd_cross_entropy
 
 
 def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, **smmd_options) -> InstalledLoss:
@@ -39,4 +40,5 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, **smmd_op
     return installed
 
 
-__all__ = ["install", "InstalledLoss", "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model"]
+__all__ = ["install", "InstalledLoss", "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model",
+           "vocab_parallel_smmd_cross_entropy"]

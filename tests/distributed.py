@@ -1,0 +1,84 @@
+"""Run a function on real gloo ranks (spawned processes) under a hard timeout.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes on 127.0.0.1, each with its
+own process group (gloo, ``pg_timeout`` seconds), calls ``fn(rank, world_size, *args)`` and
+returns one :class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds all are
+killed and the test fails: a hang is a failure, never a stuck CI job.
+"""
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import NamedTuple
+
+
+class Outcome(NamedTuple):
+    rank: int
+    ok: bool
+    value: object  # fn's return value, or "ExceptionType: message"
+    traceback: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker(rank, world_size, port, pg_timeout, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        results.put(Outcome(rank, True, fn(rank, world_size, *args)))
+    except BaseException as error:  # reported to the parent, which fails the test
+        results.put(Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: float = 60) -> list:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_worker, args=(rank, world_size, port, pg_timeout, fn, args, results),
+                                 daemon=True) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    outcomes, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish within "
+                                     f"{timeout:.0f} s (a hang); finished: {sorted(outcomes)}")
+            try:
+                outcome = results.get(timeout=min(remaining, 1.0))
+                outcomes[outcome.rank] = outcome
+            except queue.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead and len(outcomes) + len(dead) >= world_size:
+                    raise AssertionError(f"a rank died without reporting (exit codes "
+                                         f"{[p.exitcode for p in processes]})")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def values_or_raise(outcomes) -> list:
+    """The ranks' return values; fail with every failing rank's traceback otherwise."""
+    failed = [outcome for outcome in outcomes if not outcome.ok]
+    if failed:
+        raise AssertionError("\n".join(f"rank {o.rank}: {o.value}\n{o.traceback}" for o in failed))
+    return [outcome.value for outcome in outcomes]
