@@ -51,7 +51,7 @@ HEADER_FIELDS = 12
 WORD_BYTES = 4  # the packed buffer is int32
 _PRIME = 2**31 - 1  # fingerprints are sums mod this prime, exact in int64
 
-CAPACITY_ROUNDING = 64
+CAPACITY_ROUNDING = 8
 CAPACITY_HEADROOM = 1.125
 
 

@@ -1,0 +1,172 @@
+"""What crosses the wire per loss call: collectives, bytes and time at TP = 1, 2, 4 (gloo ranks).
+
+Contenders on the same logits shard and targets:
+  ours          smmd_cross_entropy (CE + SMMD): one packed integer all-reduce per forward
+  deepspeed_ce  deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy (CE only), with the
+                shard layout resolved once as DeepSpeed's VocabParallelCausalLMLoss does
+  allgather     all-gathering the logits (what a naive vocab-parallel SMMD would have to do)
+
+Collectives and bytes are counted by wrapping torch.distributed's collectives (the real calls
+run); bytes are the payload each rank hands to the collective. Times are medians of forward +
+backward, interleaved, and are reported as ratios to deepspeed_ce in the same run.
+
+    python benchmarks/bench_comm.py            # tokens 2048, V in {32000, 128256}, N in {10, 1000}
+    python benchmarks/bench_comm.py --quick    # a small shape, for a smoke run
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, median_and_spread, write_results  # noqa: E402
+
+# collective -> (position, keyword) of the tensor this rank hands in
+COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
+               "all_gather_into_tensor": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
+               "all_to_all_single": (1, "input")}
+
+
+class Counter:
+    """Counts collectives and the bytes handed to them while active; the real collectives run."""
+
+    def __init__(self):
+        self.calls = self.bytes = 0
+        self.originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def __enter__(self):
+        for name, original in self.originals.items():
+            position, keyword = COLLECTIVES[name]
+
+            def counted(*args, _original=original, _position=position, _keyword=keyword, **kwargs):
+                self.calls += 1
+                tensor = args[_position] if len(args) > _position else kwargs[_keyword]
+                self.bytes += tensor.numel() * tensor.element_size()
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def _problem(tokens, vocab_size, numeric_size, share, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
+    logits = torch.randn(tokens, vocab_size, generator=generator) * 2
+    targets = torch.randint(0, vocab_size, (tokens, ), generator=generator)
+    numeric = torch.rand(tokens, generator=generator) < share
+    targets[numeric] = token_ids[torch.randint(0, numeric_size, (int(numeric.sum()), ), generator=generator)]
+    return token_ids, logits, targets
+
+
+def _worker(rank, world_size, port, configs, repeats, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
+    import smmd_scale
+    deepspeed.comm.init_distributed("gloo", verbose=False)
+    group = dist.group.WORLD if world_size > 1 else None
+    rows = []
+    for tokens, vocab_size, numeric_size, share in configs:
+        token_ids, logits, targets = _problem(tokens, vocab_size, numeric_size, share)
+        start, end = vocab_size * rank // world_size, vocab_size * (rank + 1) // world_size
+        shard_source = logits[:, start:end].contiguous()
+        smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(token_ids.tolist(), list(range(numeric_size)),
+                                                           vocab_size))
+
+        def ours():
+            shard = shard_source.clone().requires_grad_(True)
+            out = smmd_scale.smmd_cross_entropy(shard, targets, smmd, tp_group=group, vocab_start_index=start)
+            out.total.backward()
+
+        def deepspeed_ce():
+            shard = shard_source.clone().requires_grad_(True)
+            loss = vocab_parallel_cross_entropy(shard, targets, tp_group=group, vocab_start_index=start,
+                                                vocab_end_index=end, global_vocab_size=vocab_size)
+            loss.backward()
+
+        def allgather():
+            shard = shard_source.clone()
+            if world_size > 1:
+                parts = [torch.empty(tokens, vocab_size * (k + 1) // world_size - vocab_size * k // world_size)
+                         for k in range(world_size)]
+                dist.all_gather(parts, shard)
+
+        contenders = {"ours": ours, "deepspeed_ce": deepspeed_ce, "allgather": allgather}
+        counts = {}
+        for name, run in contenders.items():
+            run()  # warm-up; for ours this also grows the numeric capacity once
+            with Counter() as counter:
+                run()
+            counts[name] = (counter.calls, counter.bytes)
+        times = {name: [] for name in contenders}
+        for _ in range(repeats):
+            for name, run in contenders.items():
+                if world_size > 1:
+                    dist.barrier()
+                began = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - began)
+        for name in contenders:
+            seconds, spread = median_and_spread(times[name])
+            rows.append({"tp": world_size, "tokens": tokens, "vocab_size": vocab_size, "numeric_size": numeric_size,
+                         "numeric_share": share, "contender": name, "collectives": counts[name][0],
+                         "bytes": counts[name][1], "logits_bytes": tokens * vocab_size * 4, "seconds": seconds,
+                         "spread": spread})
+    if rank == 0:
+        Path(out_dir, "rows.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small shape")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.quick:
+        configs = [(256, 4096, 100, 0.3)]
+    else:
+        configs = [(2048, 32000, 10, 0.3), (2048, 32000, 1000, 0.3), (2048, 128256, 1000, 0.3),
+                   (2048, 128256, 1000, 0.05)]
+    rows = []
+    for world_size in args.tp:
+        with tempfile.TemporaryDirectory() as out_dir:
+            from socket import socket
+            with socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            mp.spawn(_worker, args=(world_size, port, configs, args.repeats, out_dir), nprocs=world_size)
+            rows += json.loads(Path(out_dir, "rows.json").read_text())
+    baseline = {(r["tp"], r["tokens"], r["vocab_size"], r["numeric_size"], r["numeric_share"]): r["seconds"]
+                for r in rows if r["contender"] == "deepspeed_ce"}
+    for row in rows:
+        key = (row["tp"], row["tokens"], row["vocab_size"], row["numeric_size"], row["numeric_share"])
+        row["time_vs_deepspeed_ce"] = row["seconds"] / baseline[key]
+        row["bytes_vs_logits"] = row["bytes"] / row["logits_bytes"]
+    columns = [("tp", "TP", "d"), ("tokens", "tokens", "d"), ("vocab_size", "V", "d"), ("numeric_size", "N", "d"),
+               ("numeric_share", "numeric", ".0%"), ("contender", "loss", "s"), ("collectives", "collectives", "d"),
+               ("bytes", "bytes/rank", ",d"), ("bytes_vs_logits", "bytes / (4·tokens·V)", ".3%"),
+               ("time_vs_deepspeed_ce", "time vs DeepSpeed CE", ".2f"), ("spread", "spread", ".0%")]
+    print(markdown_table(rows, columns))
+    print("wrote", write_results("bench_comm" + ("_quick" if args.quick else ""), rows,
+                                 note="forward+backward; bytes = payload handed to collectives per rank per call"))
+
+
+if __name__ == "__main__":
+    main()

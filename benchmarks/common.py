@@ -1,0 +1,53 @@
+"""Shared pieces of the benchmark scripts: the machine description, JSON results and a table."""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """What the numbers were measured on (recorded next to them)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    description = {"date": datetime.date.today().isoformat(), "cpu": cpu, "cpu_cores": os.cpu_count(),
+                   "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        description["gpu"] = torch.cuda.get_device_name()
+    return description
+
+
+def median_and_spread(samples: list) -> tuple:
+    """(median, (max - min) / median) of repeated measurements."""
+    middle = statistics.median(samples)
+    return middle, (max(samples) - min(samples)) / middle if middle else 0.0
+
+
+def write_results(name: str, rows: list, **extra) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **extra, "rows": rows}, indent=1))
+    return path
+
+
+def markdown_table(rows: list, columns: list) -> str:
+    """``columns``: (key, header, format) triples; rows are dicts."""
+    lines = ["| " + " | ".join(header for _, header, _ in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key, "")
+            cells.append(format(value, fmt) if value != "" and value is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
