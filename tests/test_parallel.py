@@ -214,9 +214,17 @@ def test_one_collective_per_forward_none_in_backward_and_byte_budget(world_size)
     reports = values_or_raise(run_ranks(_collectives_and_bytes, world_size, int(torch.randint(0, 2**31, (1, )))))
     assert all(report == reports[0] for report in reports)  # identical accounting on every rank
     tokens, numeric_size, vocab_size = 64, 40, 512 * world_size
+    high_water = 0
     for dtype, call, calls, payload, numeric_positions in reports[0]:
-        # The first call of a group grows the numeric capacity with a second round; then one.
-        assert calls == (2 if (dtype, call) == ("torch.float32", 0) else 1), (dtype, call, calls)
+        # One all-reduce whenever the call has no more numeric positions than an earlier call (the
+        # capacity keeps the high-water mark); a group's first call grows it with a second round.
+        if (dtype, call) == ("torch.float32", 0):
+            assert calls == 2
+        elif numeric_positions <= high_water:
+            assert calls == 1, (dtype, call, calls, numeric_positions, high_water)
+        else:
+            assert calls in (1, 2)
+        high_water = max(high_water, numeric_positions)
         element = 2 if "bfloat16" in dtype else 4
         header = world_size * 12 * 8
         budget = header + 4 * tokens * world_size + element * tokens + element * tokens * numeric_size + 64
