@@ -1,0 +1,136 @@
+"""Llama-architecture presets for pretraining from scratch, and their exact parameter counts.
+
+Shapes (the ``config.json`` of each HF checkpoint, as documented by transformers' Llama pages):
+
+* ``1b``  = Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied embeddings,
+  rope_theta 500000. ``3b`` = Llama-3.2-3B: hidden 3072, 28 layers, 24 heads (head_dim 128),
+  8 KV heads, MLP 8192, tied, rope_theta 500000. Their ``llama3`` RoPE scaling (factor 32, for
+  128k-token contexts) is left out: a model trained from scratch learns its own context length.
+* ``7b`` / ``13b`` / ``70b`` = Llama-2-7B / 13B / 70B: hidden 4096 / 5120 / 8192, layers
+  32 / 40 / 80, heads 32 / 40 / 64, KV heads 32 / 40 / 8, MLP 11008 / 13824 / 28672,
+  rope_theta 10000, untied.
+* ``34b`` = CodeLlama-34B: hidden 8192, 48 layers, 64 heads, 8 KV heads, MLP 22016,
+  rope_theta 1000000, untied.
+* ``125m`` / ``350m``: GPT-3 Small / Medium (Brown et al. 2020, Table 2.1: d_model 768 / 1024,
+  12 / 24 layers, 12 / 16 heads of 64) in Llama form: RMSNorm, RoPE, SwiGLU with Llama's MLP
+  width 8/3 * hidden rounded up to a multiple of 256 (2048 / 2816), tied embeddings. The names
+  count GPT-3's 50k vocabulary; with Llama-3's 128k one they have 183M / 440M parameters.
+* ``tiny``: 1.0M parameters with a 2048-token vocabulary (hidden 128, 4 layers, 4 heads of 32,
+  2 KV heads so GQA and a 2-way TP split are exercised, MLP 8/3 * 128 rounded up to 352), for CPU
+  tests and the demo.
+
+All use RMSNorm eps 1e-5 (Llama-2 and Llama-3), no biases, SiLU, attention dropout 0. Embeddings
+are tied for ``tiny`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7b`` and up (as Llama-2).
+"""
+
+from __future__ import annotations
+
+import transformers
+
+_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
+
+
+def _preset(hidden, layers, heads, kv_heads, intermediate, rope_theta, tied):
+    return dict(_COMMON, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=intermediate, tie_word_embeddings=tied,
+                rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)})
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": _preset(128, 4, 4, 2, 352, 10_000, tied=True),
+    "125m": _preset(768, 12, 12, 12, 2048, 10_000, tied=True),
+    "350m": _preset(1024, 24, 16, 16, 2816, 10_000, tied=True),
+    "1b": _preset(2048, 16, 32, 8, 8192, 500_000, tied=True),
+    "3b": _preset(3072, 28, 24, 8, 8192, 500_000, tied=True),
+    "7b": _preset(4096, 32, 32, 32, 11008, 10_000, tied=False),
+    "13b": _preset(5120, 40, 40, 40, 13824, 10_000, tied=False),
+    "34b": _preset(8192, 48, 64, 8, 22016, 1_000_000, tied=False),
+    "70b": _preset(8192, 80, 64, 8, 28672, 10_000, tied=False),
+}
+"""LlamaConfig keyword arguments of each preset, without ``vocab_size`` (that is the tokenizer's)."""
+
+
+def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 4096,
+                  **overrides) -> transformers.LlamaConfig:
+    """The ``LlamaConfig`` of preset ``name`` for a ``vocab_size``-token vocabulary; ``overrides``
+    are further LlamaConfig keyword arguments and win over the preset's."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
+                         "(or pass a local Hugging Face model dir where a dir is accepted)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} must be a positive int (the tokenizer's size, padded)")
+    return transformers.LlamaConfig(**{**PRESETS[name], "vocab_size": vocab_size,
+                                       "max_position_embeddings": max_position_embeddings, **overrides})
+
+
+def _check_tp_size(config, tp_size: int) -> None:
+    """AutoTP splits heads, KV heads, the MLP width and the vocabulary evenly ``tp_size`` ways."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r} must be a positive int")
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    uneven = {name: size for name, size in sizes.items() if size % tp_size}
+    if uneven:
+        raise ValueError(f"tp_size={tp_size} does not divide {uneven}: AutoTP would shard them unevenly (or, past "
+                         "the KV head count, leave ranks without attention); pick a tp_size that divides them all "
+                         "(a vocabulary can be padded to a multiple of 64 * tp_size, as training/model.py does)")
+
+
+def _attention_params(config, tp_size: int) -> dict:
+    """Parameters of each attention projection of one layer on one of ``tp_size`` ranks: q/k/v
+    are column-parallel (weight and bias split), o_proj row-parallel (weight split, bias whole)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_width = config.num_attention_heads * head_dim // tp_size
+    kv_width = config.num_key_value_heads * head_dim // tp_size
+    bias = bool(config.attention_bias)
+    return {"q_proj": (hidden + bias) * q_width, "k_proj": (hidden + bias) * kv_width,
+            "v_proj": (hidden + bias) * kv_width, "o_proj": q_width * hidden + bias * hidden}
+
+
+def _mlp_params(config, tp_size: int) -> dict:
+    """Parameters of each SwiGLU projection of one layer on one of ``tp_size`` ranks: gate/up
+    column-parallel, down row-parallel."""
+    hidden, bias = config.hidden_size, bool(config.mlp_bias)
+    width = config.intermediate_size // tp_size
+    return {"gate_proj": (hidden + bias) * width, "up_proj": (hidden + bias) * width,
+            "down_proj": width * hidden + bias * hidden}
+
+
+def _embedding_and_head_params(config, tp_size: int) -> tuple:
+    """(embedding, lm_head) parameters on one of ``tp_size`` ranks, lm_head 0 when tied.
+
+    DeepSpeed AutoTP with ``vocab_parallel_lm_head`` (what smmd-scale runs) splits the head over
+    the vocabulary; HF's Llama TP plan leaves ``embed_tokens`` whole on every rank unless it is
+    tied to the head, in which case it becomes a VocabParallelEmbedding sharing the head's shard.
+    """
+    full = config.vocab_size * config.hidden_size
+    if config.tie_word_embeddings:
+        return full // tp_size, 0
+    return full, full // tp_size
+
+
+def parameter_count(config, tp_size: int = 1) -> int:
+    """Exact parameter count of ``LlamaForCausalLM(config)``, a tied lm_head counted once: the
+    embedding, per layer the attention (GQA-sized k/v) and SwiGLU projections and two RMSNorms,
+    the final RMSNorm, and the lm_head unless tied.
+
+    With ``tp_size`` > 1: the parameters one tensor-parallel rank holds under DeepSpeed AutoTP
+    with a vocabulary-parallel head (projections and head split, norms and an untied embedding
+    whole), i.e. what ZeRO-3 then partitions over that rank's data-parallel group.
+    """
+    _check_tp_size(config, tp_size)
+    embedding, head = _embedding_and_head_params(config, tp_size)
+    layer = (sum(_attention_params(config, tp_size).values()) + sum(_mlp_params(config, tp_size).values())
+             + 2 * config.hidden_size)
+    return embedding + config.num_hidden_layers * layer + config.hidden_size + head
+
+
+def largest_layer_params(config, tp_size: int = 1) -> int:
+    """Parameters of the largest single module of ``LlamaForCausalLM(config)`` (its own
+    parameters, not its children's), as ``deepspeed.runtime.zero.stage3.model_to_params`` counts
+    them for the ZeRO-3 estimator: the embedding / lm_head, unless an MLP projection is larger.
+    ``tp_size`` > 1: on one AutoTP rank, as in :func:`parameter_count`. A tied head is the
+    embedding's weight, so it is as large as the embedding."""
+    _check_tp_size(config, tp_size)
+    embedding, head = _embedding_and_head_params(config, tp_size)
+    return max(embedding, head, *_attention_params(config, tp_size).values(), *_mlp_params(config, tp_size).values())

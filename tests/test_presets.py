@@ -1,0 +1,222 @@
+"""Model presets (exact parameter counts against real HF models) and launch/estimate.py (activation
+counts against the tensors autograd saves, model states against DeepSpeed's own estimator)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from smmd_scale.training.presets import PRESETS, largest_layer_params, parameter_count, preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("estimate", ROOT / "launch" / "estimate.py")
+estimate_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(estimate_cli)
+
+# The brief's real-world shapes: (hidden, layers, heads, kv heads, intermediate, tied).
+REAL_WORLD = {"1b": (2048, 16, 32, 8, 8192, True), "3b": (3072, 28, 24, 8, 8192, True),
+              "7b": (4096, 32, 32, 32, 11008, False), "13b": (5120, 40, 40, 40, 13824, False),
+              "34b": (8192, 48, 64, 8, 22016, False), "70b": (8192, 80, 64, 8, 28672, False)}
+
+
+def _meta_model(config):
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_count_equals_the_model(name):
+    config = preset_config(name, vocab_size=128256 if name != "tiny" else 2048)
+    model = _meta_model(config)
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters())
+    assert largest_layer_params(config) == model_to_params(model)[1]
+
+
+def test_parameter_count_random_configs(generator):
+    def draw(low, high):
+        return int(torch.randint(low, high, (1, ), generator=generator))
+
+    for _ in range(4):
+        kv_heads = draw(1, 4)
+        heads = kv_heads * draw(1, 4)
+        # head_dim need not be hidden / heads (as in Gemma-style configs), but heads must divide hidden.
+        config = LlamaConfig(vocab_size=draw(50, 3000), hidden_size=heads * 4 * draw(1, 10),
+                             num_hidden_layers=draw(1, 5), num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=4 * draw(1, 10), intermediate_size=draw(8, 500),
+                             tie_word_embeddings=bool(draw(0, 2)), attention_bias=bool(draw(0, 2)),
+                             mlp_bias=bool(draw(0, 2)))
+        model = _meta_model(config)
+        assert parameter_count(config) == sum(p.numel() for p in model.parameters()), config
+        assert largest_layer_params(config) == model_to_params(model)[1], config
+
+
+def test_tp_rank_counts_match_deepspeed_autotp():
+    # Recorded from deepspeed.initialize on 2 gloo ranks (ZeRO-3, autotp_size 2,
+    # vocab_parallel_lm_head): per rank, the sum of ds_numel and the largest module's ds_numel.
+    # Minutes on CPU, so it is not rerun here.
+    untied = preset_config("tiny", vocab_size=2048, tie_word_embeddings=False)
+    tied = preset_config("tiny", vocab_size=2048)
+    assert (parameter_count(untied, 2), largest_layer_params(untied, 2)) == (763008, 262144)
+    assert (parameter_count(tied, 2), largest_layer_params(tied, 2)) == (500864, 131072)
+    with pytest.raises(ValueError, match=r"tp_size=4 does not divide \{'num_key_value_heads': 2\}"):
+        parameter_count(tied, 4)
+
+
+@pytest.mark.parametrize("name", list(REAL_WORLD))
+def test_real_world_shapes(name):
+    hidden, layers, heads, kv_heads, intermediate, tied = REAL_WORLD[name]
+    config = preset_config(name, vocab_size=32000)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.tie_word_embeddings) == REAL_WORLD[name]
+    assert config.head_dim * heads == hidden
+
+
+def test_tiny_is_small_and_trains_on_cpu():
+    config = preset_config("tiny", vocab_size=2048, max_position_embeddings=256)
+    assert 500_000 <= parameter_count(config) <= 5_000_000
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 2048, (4, 128))
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert time.perf_counter() - start < 5.0
+    assert abs(loss.item() - torch.log(torch.tensor(2048.0)).item()) < 0.5  # near-uniform at init
+
+
+def test_preset_config_contract():
+    assert [name for name in PRESETS] == ["tiny", "125m", "350m", "1b", "3b", "7b", "13b", "34b", "70b"]
+    for name in PRESETS:
+        assert "vocab_size" not in PRESETS[name]
+        assert preset_config(name, 1000).tie_word_embeddings == (name in ("tiny", "125m", "350m", "1b", "3b"))
+    config = preset_config("7b", 5000, max_position_embeddings=1024, num_hidden_layers=2)
+    assert (config.vocab_size, config.max_position_embeddings, config.num_hidden_layers) == (5000, 1024, 2)
+    with pytest.raises(ValueError, match="unknown model preset '8b'; choose one of tiny, 125m, 350m, 1b"):
+        preset_config("8b", 1000)
+    with pytest.raises(ValueError, match="vocab_size=0 must be a positive int"):
+        preset_config("tiny", 0)
+
+
+def _saved_activation_bytes(config, micro_batch, seq_len):
+    """Bytes of the distinct non-parameter storages autograd saves in a bf16 forward."""
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_activation_bytes_equal_what_autograd_saves(attention, kv_heads, generator):
+    micro_batch, seq_len = int(torch.randint(1, 4, (1, ), generator=generator)), 8 * int(
+        torch.randint(2, 6, (1, ), generator=generator))
+    configs = [LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+                           intermediate_size=176, num_hidden_layers=layers, attn_implementation=attention)
+               for layers in (1, 2)]
+    one, two = (_saved_activation_bytes(config, micro_batch, seq_len) for config in configs)
+    flash = attention == "sdpa"
+    assert two - one == estimate_cli.layer_activation_bytes(configs[0], seq_len, micro_batch, flash_attention=flash)
+    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin.
+    extra = micro_batch * seq_len * 8 + 2 * seq_len * configs[1].head_dim * 2
+    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash) + extra
+
+
+@pytest.mark.parametrize("name", ["1b", "7b", "70b"])
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("offload", [False, True])
+def test_model_states_are_deepspeeds_estimate(name, tp_size, offload):
+    config = preset_config(name, vocab_size=128256)
+    result = estimate_cli.estimate(config, nodes=2, gpus_per_node=8, tp_size=tp_size, offload=offload)
+    cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
+        parameter_count(config, tp_size), largest_layer_params(config, tp_size), num_gpus_per_node=8 // tp_size,
+        num_nodes=2, cpu_offload=offload, cpu_offload_params=offload, zero_init=True, additional_buffer_factor=1.5)
+    assert result["model_states_gpu_bytes"] == gpu_bytes
+    assert result["model_states_cpu_per_node_bytes"] == tp_size * cpu_bytes
+    assert result["dp_size"] == 16 // tp_size
+    assert result["total_gpu_bytes"] == gpu_bytes + result["activation_bytes"] + result["logits_and_loss_bytes"]
+    assert result["logits_and_loss_bytes"] == 4096 * 128256 // tp_size * 8
+
+
+@pytest.mark.parametrize("name", ["1b", "13b", "70b"])
+def test_estimate_moves_the_right_way(name):
+    config = preset_config(name, vocab_size=128256)
+    base = estimate_cli.estimate(config, nodes=1, gpus_per_node=8)
+
+    def changed(**setup):
+        return estimate_cli.estimate(config, **{**base["setup"], **setup})
+
+    assert changed(nodes=4)["model_states_gpu_bytes"] < base["model_states_gpu_bytes"]
+    assert changed(nodes=4)["model_states_cpu_per_node_bytes"] <= base["model_states_cpu_per_node_bytes"]
+    assert changed(offload=True)["total_gpu_bytes"] < base["total_gpu_bytes"]
+    assert changed(tp_size=2)["activation_bytes"] < base["activation_bytes"]
+    assert changed(tp_size=2)["logits_and_loss_bytes"] == base["logits_and_loss_bytes"] // 2
+    assert changed(gradient_checkpointing=True)["activation_bytes"] < base["activation_bytes"]
+    assert changed(micro_batch=2)["activation_bytes"] > base["activation_bytes"]
+    assert changed(flash_attention=False)["activation_bytes"] > base["activation_bytes"]
+
+
+@pytest.mark.parametrize("name", ["1b", "7b", "13b", "34b", "70b"])
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_next_steps_fit_and_need_every_change(name, micro_batch):
+    config = preset_config(name, vocab_size=128256)
+    setup = dict(nodes=1, gpus_per_node=8, micro_batch=micro_batch, gpu_memory_gib=80.0)
+    steps = estimate_cli.next_steps(config, **setup)
+    if steps is None:
+        assert estimate_cli.estimate(config, **setup)["verdict"] == "fits"
+        return
+    assert steps["fits"] and steps["estimate"]["verdict"] == "fits"
+    chosen = steps["estimate"]["setup"]
+    # Undoing any one change gives a cheaper setup, which must not fit, or it would have been chosen.
+    undo = []
+    if chosen["offload"]:
+        undo.append({"offload": False})
+    if chosen["tp_size"] > 1:
+        undo.append({"tp_size": chosen["tp_size"] // 2})
+    if chosen["gradient_checkpointing"]:
+        undo.append({"gradient_checkpointing": False})
+    if chosen["micro_batch"] < micro_batch:
+        undo.append({"micro_batch": 2 * chosen["micro_batch"]})
+    assert len(undo) == len(steps["flags"]) >= 1
+    for change in undo:
+        assert estimate_cli.estimate(config, **{**chosen, **change})["verdict"] != "fits", change
+
+
+def test_layout_errors():
+    config = preset_config("7b", vocab_size=128256)
+    with pytest.raises(ValueError, match="tp_size=3 must divide gpus_per_node=8"):
+        estimate_cli.estimate(config, gpus_per_node=8, tp_size=3)
+    with pytest.raises(ValueError, match="nodes=0 must be a positive int"):
+        estimate_cli.estimate(config, nodes=0)
+
+
+def test_all_prints_a_markdown_row_per_preset(capsys):
+    estimate_cli.main(["--all", "--nodes", "1", "--gpus_per_node", "8", "--tp", "2", "--gradient_checkpointing"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| model")]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(estimate_cli.TABLE_PRESETS)
+    assert "TP 2 x DP 4" in lines[0]
+
+
+def test_cli_json():
+    completed = subprocess.run([sys.executable, str(ROOT / "launch" / "estimate.py"), "--model", "1b", "--nodes", "1",
+                                "--gpus_per_node", "8", "--json"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    record = json.loads(completed.stdout)
+    assert record["model"] == "1b" and record["params"] == parameter_count(preset_config("1b", 128256))
+    assert record["total_gpu_gib"] == pytest.approx(record["total_gpu_bytes"] / 2**30, abs=1e-3)
