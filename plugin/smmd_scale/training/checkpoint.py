@@ -1,0 +1,101 @@
+"""Checkpoints that resume exactly and are never half-trusted.
+
+DeepSpeed's ``save_checkpoint`` writes every rank's shards; but with ``save_latest=True`` rank 0
+writes ``latest`` before the other ranks are known to be done and not atomically, so a crash in
+that window leaves ``latest`` pointing at a broken checkpoint. Here each save is *committed* only
+after every rank returned: rank 0 writes ``<tag>/commit.json`` and then replaces ``latest``
+atomically. Resuming trusts ``latest`` only if its tag is committed, else the newest committed tag.
+
+Besides model and optimizer state (DeepSpeed's), a checkpoint holds the training step, the data
+position, and every rank's RNG states (``<tag>/rng_rank<r>.pt``), so that a resumed run
+reproduces the per-step losses of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMMIT_FILE = "commit.json"
+LATEST_FILE = "latest"
+
+
+def tag_for_step(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine, output_dir: str, step: int, client_state: dict) -> str:
+    """Save and commit a checkpoint for ``step`` on every rank; returns its tag."""
+    tag = tag_for_step(step)
+    engine.save_checkpoint(output_dir, tag=tag, client_state={**client_state, "step": step}, save_latest=False)
+    rank = dist.get_rank()
+    torch.save(rng_state(), Path(output_dir, tag, f"rng_rank{rank}.pt"))
+    dist.barrier()  # every rank's files are on disk before the commit
+    if rank == 0:
+        _atomic_write(Path(output_dir, tag, COMMIT_FILE), json.dumps({"step": step, "world_size":
+                                                                       dist.get_world_size()}))
+        _atomic_write(Path(output_dir, LATEST_FILE), tag)
+    dist.barrier()
+    return tag
+
+
+def is_committed(output_dir: str, tag: str) -> bool:
+    return Path(output_dir, tag, COMMIT_FILE).is_file()
+
+
+def find_resume_tag(output_dir: str) -> Optional[str]:
+    """The tag to resume from: ``latest`` if committed, else the newest committed tag, else None."""
+    directory = Path(output_dir)
+    latest = directory / LATEST_FILE
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if is_committed(output_dir, tag):
+            return tag
+    committed = sorted(path.parent.name for path in directory.glob(f"*/{COMMIT_FILE}"))
+    return committed[-1] if committed else None
+
+
+def load(engine, output_dir: str, tag: str) -> dict:
+    """Load model, optimizer and scheduler state and this rank's RNG state; returns client state."""
+    committed = json.loads(Path(output_dir, tag, COMMIT_FILE).read_text())
+    if committed["world_size"] != dist.get_world_size():
+        raise ValueError(f"checkpoint {tag} in {output_dir} was written by {committed['world_size']} ranks but this "
+                         f"run has {dist.get_world_size()}; resume with the same number of ranks (or export it with "
+                         "launch/export_hf.py and continue pretraining from the HF directory)")
+    load_path, client_state = engine.load_checkpoint(output_dir, tag=tag, load_module_strict=True,
+                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {output_dir}")
+    set_rng_state(torch.load(Path(output_dir, tag, f"rng_rank{dist.get_rank()}.pt"), weights_only=False))
+    return client_state

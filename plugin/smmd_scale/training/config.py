@@ -1,0 +1,124 @@
+"""DeepSpeed config for a training run: read it, resolve its ``"auto"`` values from the run's
+flags, and reject combinations that cannot work — before any model is built.
+
+Resolved like the HF Trainer resolves them: batch sizes from the micro batch, gradient
+accumulation and the data-parallel size (world / autotp_size); optimizer and scheduler numbers
+from the learning-rate flags; bf16 on when the accelerator supports it; TensorBoard into the
+run's directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    tp_size: int
+    dp_size: int
+
+
+def load_config(path: str) -> dict:
+    """The JSON at ``path``; errors name the file and the problem."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--deepspeed_config {path}: no such file (see ds_configs/ for ready-made ones)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {error}") from None
+
+
+def _resolve(section: dict, key: str, value) -> None:
+    """Fill ``key`` when it is missing or "auto"."""
+    if section.get(key, AUTO) == AUTO:
+        section[key] = value
+
+
+def _resolve_auto(section: dict, key: str, value) -> None:
+    """Fill ``key`` only where the config says "auto" (other schedulers take other keys)."""
+    if section.get(key) == AUTO:
+        section[key] = value
+
+
+def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
+                   learning_rate: float, weight_decay: float, warmup_steps: int, max_steps: int,
+                   tensorboard_dir: str, job_name: str, bf16_supported: bool, hidden_size: int) -> tuple:
+    """Return (resolved copy of ``config``, :class:`Topology`); raise ValueError on bad combinations.
+
+    ``hidden_size`` sizes the ZeRO-3 buckets left "auto" as the HF integration does (hidden^2 for
+    reduce, 0.9 hidden^2 for prefetch, 10 hidden for the persistence threshold).
+    """
+    config = copy.deepcopy(config)
+    tensor_parallel = config.get("tensor_parallel") or {}
+    tp_size = int(tensor_parallel.get("autotp_size", 1) or 1)
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} must divide the world size {world_size} (the "
+                         f"ranks are split into world/autotp_size data-parallel groups of autotp_size ranks)")
+    if tp_size > 1 and not tensor_parallel.get("vocab_parallel_lm_head", False):
+        raise ValueError("tensor_parallel.autotp_size > 1 needs \"vocab_parallel_lm_head\": true so the LM head "
+                         "stays vocabulary-sharded and the SMMD loss runs on the shards (gathering full logits "
+                         "on every rank defeats the purpose)")
+    dp_size = world_size // tp_size
+
+    _resolve(config, "train_micro_batch_size_per_gpu", micro_batch_size)
+    _resolve(config, "gradient_accumulation_steps", gradient_accumulation_steps)
+    micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    _resolve(config, "train_batch_size", micro * accumulation * dp_size)
+    if config["train_batch_size"] != micro * accumulation * dp_size:
+        raise ValueError(f"train_batch_size={config['train_batch_size']} but train_micro_batch_size_per_gpu={micro} x "
+                         f"gradient_accumulation_steps={accumulation} x data-parallel size {dp_size} (world "
+                         f"{world_size} / autotp_size {tp_size}) = {micro * accumulation * dp_size}; set it to "
+                         f"\"auto\" or make the three multiply out")
+
+    optimizer = config.get("optimizer")
+    if optimizer is not None:
+        params = optimizer.setdefault("params", {})
+        _resolve(params, "lr", learning_rate)
+        _resolve(params, "weight_decay", weight_decay)
+    scheduler = config.get("scheduler")
+    if scheduler is not None:
+        params = scheduler.setdefault("params", {})
+        _resolve_auto(params, "warmup_num_steps", min(warmup_steps, max(max_steps - 1, 0)))
+        _resolve_auto(params, "total_num_steps", max_steps)
+        _resolve_auto(params, "warmup_max_lr", learning_rate)
+    for precision in ("bf16", "fp16"):
+        section = config.get(precision)
+        if section is not None and section.get("enabled") == AUTO:
+            section["enabled"] = precision == "bf16" and bf16_supported
+    if config.get("gradient_clipping") == AUTO:
+        config["gradient_clipping"] = 1.0
+
+    if "tensorboard" in config:
+        config["tensorboard"]["output_path"] = tensorboard_dir
+        config["tensorboard"]["job_name"] = job_name
+
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    _resolve_auto(zero, "reduce_bucket_size", hidden_size * hidden_size)
+    _resolve_auto(zero, "stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size))
+    _resolve_auto(zero, "stage3_param_persistence_threshold", 10 * hidden_size)
+    if zero.get("offload_param") and stage != 3:
+        raise ValueError(f"zero_optimization.offload_param needs stage 3, the config has stage {stage}")
+    for key in ("stage3_gather_16bit_weights_on_model_save", ):
+        if stage == 3:
+            zero.setdefault(key, True)  # needed to export an HF checkpoint from the sharded weights
+    leftover = [path for path, value in _walk(config) if value == AUTO]
+    if leftover:
+        raise ValueError(f"these config values are \"auto\" but train.py has no flag to resolve them: {leftover}; "
+                         "give them numbers")
+    return config, Topology(world_size=world_size, tp_size=tp_size, dp_size=dp_size)
+
+
+def _walk(value, path=""):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _walk(item, f"{path}.{key}" if path else key)
+    else:
+        yield path, value

@@ -1,0 +1,84 @@
+"""Process-group start-up for every launcher users run: the deepspeed launcher (or torchrun),
+mpirun (ranks learn rank, size and the master address through mpi4py), Slurm's srun, or a
+single plain ``python`` process.
+
+DeepSpeed's own MPI discovery takes the master address from ``hostname -I`` (the first network
+card) and overwrites MASTER_ADDR/MASTER_PORT; here the address is whatever the user or launcher
+set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Launch:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    launcher: str  # "deepspeed/torchrun", "mpirun", "slurm" or "single"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def discover_launch(environ=os.environ) -> Launch:
+    """Work out rank/size and set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        launch = Launch(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
+                        int(environ.get("LOCAL_SIZE", environ.get("LOCAL_WORLD_SIZE", 1))), "deepspeed/torchrun")
+    elif any(key in environ for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        launch = Launch(world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), "mpirun")
+        master = environ.get("MASTER_ADDR") or socket.gethostname()
+        port = environ.get("MASTER_PORT") or str(_free_port())
+        master, port = world.bcast((master, port), root=0)  # every rank uses rank 0's choice
+        environ.setdefault("MASTER_ADDR", master)
+        environ.setdefault("MASTER_PORT", port)
+    elif "SLURM_PROCID" in environ:
+        launch = Launch(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_LOCALID", 0)),
+                        int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), "slurm")
+        if "MASTER_ADDR" not in environ:
+            raise RuntimeError("under Slurm set MASTER_ADDR to the first node of the allocation (launch/slurm.sbatch "
+                               "does: scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)")
+    else:
+        launch = Launch(0, 1, 0, 1, "single")
+        environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        environ.setdefault("MASTER_PORT", str(_free_port()))
+    environ.setdefault("MASTER_PORT", "29500")
+    environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank),
+                   LOCAL_SIZE=str(launch.local_size))
+    return launch
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> Launch:
+    """Start the default process group (gloo on CPU, the accelerator's backend otherwise).
+
+    ``timeout_minutes`` bounds how long a collective waits for a rank that died or hangs, so a
+    job with a lost rank exits instead of waiting forever.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    launch = discover_launch()
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_size, 1)))
+    else:
+        accelerator.set_device(launch.local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    return launch

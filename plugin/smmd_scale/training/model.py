@@ -1,0 +1,61 @@
+"""Model creation for training and export: architecture from a preset or a local HF dir,
+built partitioned under ZeRO-3 through HF's DeepSpeed integration."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+from .presets import PRESETS, preset_config
+
+
+def model_config(model: str, tokenizer, tp_size: int, seq_len: int, trust_remote_code: bool = False):
+    """The architecture: a preset sized for the tokenizer, or the model dir's own config."""
+    if model in PRESETS:
+        vocab_size = -(-len(tokenizer) // (64 * tp_size)) * 64 * tp_size  # padded, divisible by TP
+        config = preset_config(model, vocab_size=vocab_size, max_position_embeddings=max(seq_len, 128))
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        return config
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def build_model(config, zero_init_config: dict, pretrained_dir: Optional[str] = None,
+                trust_remote_code: bool = False, gradient_checkpointing: bool = False) -> tuple:
+    """Create the model partitioned as it is built: fresh weights from ``config``, or the weights
+    of the local HF model in ``pretrained_dir``.
+
+    HF's DeepSpeed integration runs ``from_config`` / ``from_pretrained`` under
+    ``deepspeed.zero.Init`` when ``zero_init_config`` is ZeRO-3 (and initialises the weights
+    properly, which a bare ``zero.Init`` around the constructor does not), so no rank ever holds
+    the whole model. Returns (model, the HfDeepSpeedConfig, which must stay alive until
+    ``deepspeed.initialize``).
+    """
+    zero_init = HfDeepSpeedConfig(zero_init_config)
+    if pretrained_dir is None:
+        network = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    else:
+        network = AutoModelForCausalLM.from_pretrained(pretrained_dir, config=config, torch_dtype=torch.float32,
+                                                       trust_remote_code=trust_remote_code)
+    network.config.use_cache = False
+    if gradient_checkpointing:
+        network.gradient_checkpointing_enable()
+    return network, zero_init
+
+
+def config_from_dict(values: dict):
+    """Rebuild a saved ``config.to_dict()`` (run_config.json) as its config class."""
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x parameters (forward + backward) plus the attention products.
+
+    Counted before AutoTP shards the model; ``ds_numel`` is a ZeRO-3-partitioned parameter's size.
+    """
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    config = model.config
+    return 6.0 * parameters + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
