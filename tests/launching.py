@@ -30,6 +30,7 @@ def deepspeed_command(num_gpus: int, script, *args, port=None) -> list:
 
 def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
     """Run to completion; on failure or timeout the assertion carries the output's tail."""
+    command = [str(part) for part in command]
     try:
         completed = subprocess.run(command, env=env or environment(), cwd=cwd or REPO, capture_output=True,
                                    text=True, timeout=timeout)

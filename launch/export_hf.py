@@ -1,0 +1,106 @@
+"""Export a training checkpoint as a Hugging Face model directory.
+
+    python launch/export_hf.py OUTPUT_DIR[/TAG] HF_DIR                      # ZeRO-3, no tensor parallelism
+    deepspeed --num_gpus W launch/export_hf.py OUTPUT_DIR[/TAG] HF_DIR      # AutoTP checkpoints
+
+OUTPUT_DIR is a run's --output_dir (its run_config.json says how the run was built); without a
+tag the latest committed checkpoint is exported. A ZeRO-3 checkpoint without tensor parallelism
+is consolidated offline in one process (DeepSpeed's zero_to_fp32). An AutoTP checkpoint holds
+tensor-parallel shards that DeepSpeed's offline tools cannot merge; it is loaded back into an
+engine of the same world size and consolidated like ``train.py --export_hf`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _locate(checkpoint: str) -> tuple:
+    """(run output dir, tag) from OUTPUT_DIR or OUTPUT_DIR/TAG."""
+    from smmd_scale.training.checkpoint import find_resume_tag, is_committed
+
+    path = Path(checkpoint)
+    if (path / "run_config.json").is_file():
+        tag = find_resume_tag(str(path))
+        if tag is None:
+            raise FileNotFoundError(f"no committed checkpoint in {path}")
+        return path, tag
+    if (path.parent / "run_config.json").is_file() and is_committed(str(path.parent), path.name):
+        return path.parent, path.name
+    raise FileNotFoundError(f"{checkpoint} is neither a run's --output_dir (with run_config.json) nor a committed "
+                            "checkpoint inside one")
+
+
+def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from smmd_scale.training.model import config_from_dict
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag)
+    config = config_from_dict(run["model_config"])
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [name for name in missing if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.save_pretrained(target)
+    arguments = run["args"]
+    AutoTokenizer.from_pretrained(arguments["tokenizer"] or arguments["model"]).save_pretrained(target)
+
+
+def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    from transformers import AutoTokenizer
+
+    from smmd_scale.training.distributed import init_distributed
+    from smmd_scale.training.export import export_hf
+    from smmd_scale.training.model import build_model, config_from_dict
+
+    launch = init_distributed()
+    if launch.world_size != run["world_size"]:
+        raise SystemExit(f"{run_dir} was trained on {run['world_size']} ranks with autotp_size {run['tp_size']}; "
+                         f"run: deepspeed --num_gpus {run['world_size']} launch/export_hf.py {run_dir}/{tag} {target}")
+    # The optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the optimizer's
+    # partitions (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
+    ds_config = {key: value for key, value in run["deepspeed_config"].items() if key != "tensorboard"}
+    groups._init_tp_mesh_device(tensor_model_parallel_size=run["tp_size"])
+    config = config_from_dict(run["model_config"])
+    model, zero_init = build_model(config, {k: v for k, v in ds_config.items() if k != "train_batch_size"})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           mpu=groups)
+    del zero_init
+    load_path, _ = engine.load_checkpoint(str(run_dir), tag=tag)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {run_dir}")
+    arguments = run["args"]
+    export_hf(engine, target, AutoTokenizer.from_pretrained(arguments["tokenizer"] or arguments["model"]))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a run's --output_dir, or OUTPUT_DIR/TAG")
+    parser.add_argument("target", help="where to write the Hugging Face model")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    run_dir, tag = _locate(args.checkpoint)
+    run = json.loads((run_dir / "run_config.json").read_text())
+    if run["tp_size"] == 1 and "RANK" not in os.environ:
+        export_offline(run_dir, tag, run, args.target)
+    else:
+        export_distributed(run_dir, tag, run, args.target)
+    print(f"exported {run_dir}/{tag} -> {args.target}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Pretraining from scratch with CE + SMMD under ZeRO-3 via the deepspeed launcher.
+#   NUM_NODES=4 GPUS_PER_NODE=8 HOSTFILE=launch/hostfile MODEL=7b TOKENIZER=/data/tok \
+#   DATA=/data/corpus.jsonl OUTPUT_DIR=/ckpt/7b bash launch/pretrain.sh [extra train.py flags]
+# Every variable below can be overridden from the environment; extra arguments go to train.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL="${MODEL:-1b}"
+TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory}"
+DATA="${DATA:?set DATA to one or more training files}"
+OUTPUT_DIR="${OUTPUT_DIR:-outputs/pretrain-$MODEL}"
+DS_CONFIG="${DS_CONFIG:-ds_configs/zero3.json}"
+NUM_NODES="${NUM_NODES:-1}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+HOSTFILE="${HOSTFILE:-launch/hostfile}"
+MASTER_ADDR="${MASTER_ADDR:-$(hostname)}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+SEQ_LEN="${SEQ_LEN:-4096}"
+MICRO_BATCH="${MICRO_BATCH:-1}"
+GRAD_ACCUM="${GRAD_ACCUM:-8}"
+MAX_STEPS="${MAX_STEPS:-10000}"
+SMMD_WEIGHT="${SMMD_WEIGHT:-1.0}"
+
+launcher=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR"
+          --master_port "$MASTER_PORT")
+[ "$NUM_NODES" -gt 1 ] && launcher+=(--hostfile "$HOSTFILE")
+
+# shellcheck disable=SC2086  # DATA may list several files
+exec "${launcher[@]}" launch/train.py \
+  --deepspeed_config "$DS_CONFIG" --model "$MODEL" --tokenizer "$TOKENIZER" --data $DATA \
+  --seq_len "$SEQ_LEN" --micro_batch_size "$MICRO_BATCH" --gradient_accumulation_steps "$GRAD_ACCUM" \
+  --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" --save_steps "${SAVE_STEPS:-500}" --resume \
+  --smmd_weight "$SMMD_WEIGHT" "$@"

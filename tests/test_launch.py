@@ -1,0 +1,191 @@
+"""launch/train.py end to end on CPU: the deepspeed launcher (ZeRO-3, ZeRO-3 + AutoTP), continued
+pretraining from a Hugging Face dir, SIGKILL and exact resume, HF export round trips, mpirun and
+a two-node run simulated on loopback. TensorBoard scalars are read back from the event files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import free_port
+from launching import REPO, deepspeed_command, environment, run
+
+TRAIN = REPO / "launch" / "train.py"
+EXPORT = REPO / "launch" / "export_hf.py"
+CONTRACT_SCALARS = {"loss/total", "loss/ce", "loss/smmd", "loss/mmd", "loss/smooth", "numeric/accuracy",
+                    "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_device",
+                    "perf/tflops_per_device", "perf/step_seconds", "memory/peak_gib", "comm/loss_bytes", "train/lr",
+                    "train/grad_norm", "run/world_size", "run/tp_size", "run/dp_size"}
+SEQ_LEN, EVAL_BATCHES = 48, 3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A Llama-3-style tokenizer and small numeric corpora written to disk, as a user would have."""
+    import random
+
+    from style_tokenizers import llama3_style
+
+    root = tmp_path_factory.mktemp("corpus")
+    llama3_style().save_pretrained(root / "tokenizer")
+    generator = random.Random(0)
+    for name, lines in (("train.jsonl", 600), ("eval.jsonl", 80)):
+        with open(root / name, "w") as handle:
+            for _ in range(lines):
+                a, b = generator.randint(0, 499), generator.randint(0, 499)
+                handle.write(json.dumps({"text": f"Q: {a} + {b} = ? A: {a + b}. At {generator.randint(1, 12)}:"
+                                                 f"{generator.randint(10, 59)} we counted {generator.randint(2, 99)} "
+                                                 "boxes."}) + "\n")
+    return root
+
+
+def train_args(corpus, output_dir, *extra, config="cpu_zero3.json", steps=4, model="tiny", lr=3e-3):
+    """train.py flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
+    source = ["--model", model, "--tokenizer", corpus / "tokenizer"] if model == "tiny" else ["--model", model]
+    return [TRAIN, "--deepspeed_config", REPO / "ds_configs" / config, *source, "--data", corpus / "train.jsonl", "--eval_data", corpus / "eval.jsonl", "--eval_batches", EVAL_BATCHES,
+            "--seq_len", SEQ_LEN, "--micro_batch_size", 2, "--max_steps", steps, "--warmup_steps", 1,
+            "--lr", lr, "--output_dir", output_dir, *extra]
+
+
+def metrics(output_dir) -> dict:
+    """step -> merged metrics (the last record of each name wins, as after a resume)."""
+    merged = {}
+    for line in Path(output_dir, "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        merged.setdefault(record.pop("step"), {}).update(record)
+    return merged
+
+
+def eval_ce_of_hf_model(model_dir, corpus) -> float:
+    """Token-mean CE of a saved HF model on the same packed eval blocks train.py evaluates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from smmd_scale.training.data import eval_batches, load_text_dataset, tokenize_and_pack
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    blocks = tokenize_and_pack(load_text_dataset([str(corpus / "eval.jsonl")]), tokenizer, SEQ_LEN)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(blocks, 2, EVAL_BATCHES):
+            ids = batch["input_ids"]
+            logits = model(input_ids=ids).logits[:, :-1].double()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                     reduction="sum").item()
+            count += ids[:, 1:].numel()
+    return total / count
+
+
+def tensorboard_scalars(output_dir) -> set:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    event_files = list(Path(output_dir, "tensorboard").rglob("events.out.tfevents.*"))
+    assert len(event_files) == 1, event_files  # rank 0 writes, once
+    accumulator = EventAccumulator(str(event_files[0]))
+    accumulator.Reload()
+    return set(accumulator.Tags()["scalars"])
+
+
+def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
+    output = tmp_path / "run"
+    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf")), timeout=600)
+    logged = metrics(output)
+    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
+    assert sorted(step for step in logged if step) == [1, 2, 3, 4]
+    first, last = logged[1], logged[4]
+    assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/smmd"], rel=1e-5)
+    assert first["numeric/tokens"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
+    assert last["loss/ce"] < first["loss/ce"]
+    assert CONTRACT_SCALARS <= tensorboard_scalars(output)
+    # The exported model scores the eval data exactly as the trained engine did.
+    assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
+
+
+def test_autotp_tp2_with_export_round_trips(tmp_path, corpus):
+    output = tmp_path / "run"
+    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf", "--save_steps", 4,
+                                         config="cpu_zero3_autotp.json")), timeout=600)
+    logged = metrics(output)
+    assert logged[0]["run/tp_size"] == 2 and logged[0]["run/dp_size"] == 1
+    assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2, 3, 4))  # the vocab-parallel exchange ran
+    assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(logged[4]["eval/ce"], rel=1e-5)
+    # launch/export_hf.py from the checkpoint gives the same weights as --export_hf from the live engine.
+    run(deepspeed_command(2, EXPORT, output, tmp_path / "from_checkpoint"), timeout=600)
+    from safetensors.torch import load_file
+    live, offline = load_file(output / "hf" / "model.safetensors"), \
+        load_file(tmp_path / "from_checkpoint" / "model.safetensors")
+    assert live.keys() == offline.keys() and all(torch.equal(live[k], offline[k]) for k in live)
+
+
+def test_continued_pretraining_from_a_local_hf_checkpoint(tmp_path, corpus):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    torch.manual_seed(0)
+    start = tmp_path / "start"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    output = tmp_path / "run"
+    # lr 0: the weights must arrive intact through the partitioned load, so the engine's eval
+    # equals the saved model's own.
+    run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=0.0)), timeout=600)
+    assert metrics(output)[2]["eval/ce"] == pytest.approx(eval_ce_of_hf_model(start, corpus), rel=1e-5)
+    with pytest.raises(AssertionError, match="pass --tokenizer"):  # a preset needs a tokenizer
+        run([sys.executable, TRAIN, "--model", "tiny", "--deepspeed_config", REPO / "ds_configs" / "cpu_zero3.json",
+             "--data", corpus / "train.jsonl", "--max_steps", 1, "--output_dir", tmp_path / "x"], timeout=300)
+
+
+def test_sigkill_and_resume_continue_exactly(tmp_path, corpus):
+    reference = tmp_path / "reference"
+    run(deepspeed_command(2, *train_args(corpus, reference, "--save_steps", 2, steps=6)), timeout=600)
+    expected = metrics(reference)
+
+    output = tmp_path / "killed"
+    command = deepspeed_command(2, *train_args(corpus, output, "--save_steps", 2, "--resume", steps=6))
+    process = subprocess.Popen([str(part) for part in command], env=environment(), cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not (output / "step00000004" / "commit.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its step-4 commit"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    process.wait()
+    run(deepspeed_command(2, *train_args(corpus, output, "--save_steps", 2, "--resume", steps=6)), timeout=600)
+    resumed = metrics(output)
+    for step in (5, 6):
+        for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/tokens", "train/lr"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+
+def test_mpirun_two_ranks(tmp_path, corpus):
+    output = tmp_path / "run"
+    env = environment(NP="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+                      PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    run(["bash", REPO / "launch" / "mpirun.sh", *train_args(corpus, output, steps=2)[1:]], timeout=600, env=env)
+    assert json.loads((output / "run_config.json").read_text())["launcher"] == "mpirun"
+    assert metrics(output)[0]["run/world_size"] == 2 and metrics(output)[2]["loss/ce"] > 0
+
+
+def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    output, port = tmp_path / "run", free_port()
+    launcher = deepspeed_command(1, *train_args(corpus, output, steps=2), port=port)
+    launcher = [launcher[0], "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port",
+                port] + launcher[launcher.index(str(TRAIN)):]
+    nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
+                              env=environment(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    logged = metrics(output)
+    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2} and logged[2]["loss/ce"] > 0
