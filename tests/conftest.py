@@ -42,7 +42,8 @@ def random_problem(generator, vocab_size=None, numeric_size=None, shape=None, nu
     shape = shape or (draw(1, 4), draw(1, 12))
     token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
     if duplicate_values:
-        values = torch.randint(0, max(numeric_size // 2, 1), (numeric_size, ), generator=generator).double()
+        values = torch.randint(0, max(numeric_size // 2, 2), (numeric_size, ), generator=generator).double()
+        values[:2] = torch.tensor([0.0, 1.0])  # SMMD needs two distinct values
     else:
         values = torch.randperm(3 * numeric_size, generator=generator)[:numeric_size].double()
     logits = (torch.randn(*shape, vocab_size, generator=generator, dtype=torch.float64) * scale).to(dtype)

@@ -9,6 +9,8 @@ rank, which is why messages are built only from the integers carried.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -26,6 +28,7 @@ LOGITS_WIDTH = 5
 SHARD_OUTSIDE_VOCAB = 6
 TARGET_OUT_OF_RANGE = 7
 NUM_ITEMS = 8
+WEIGHT = 9
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -44,7 +47,17 @@ _ERRORS = {
     TARGET_OUT_OF_RANGE: (ValueError, "targets[{0}] = {1} is outside the vocabulary [0, {2}) and is not "
                           "ignore_index={3} (position counted over the flattened targets)"),
     NUM_ITEMS: (ValueError, "num_items_in_batch={0} must be >= 0"),
+    WEIGHT: (ValueError, "weight={0} must be a finite number >= 0 (0 = CE only)"),
 }
+
+
+def float_bits(value: float) -> int:
+    """A float as the int64 of its bits, so it can ride in the integer verdict header exactly."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _name(table, index):
@@ -65,6 +78,8 @@ class Problem(NamedTuple):
         if self.code == TARGETS_DEVICE:
             args[0] = _name(DEVICE_TYPES, args[0])
             args[2] = _name(DEVICE_TYPES, args[2])
+        if self.code == WEIGHT:
+            args[0] = bits_float(args[0])
         return exception_type(prefix + template.format(*args))
 
 
@@ -78,8 +93,9 @@ def _device_code(device: torch.device) -> tuple:
 
 
 def check_inputs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
-                 tensor_parallel: bool, ignore_index: int, num_items_in_batch=None) -> Optional[Problem]:
-    """Validate one call's tensors; return the first problem or ``None``.
+                 tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
+                 weight: Optional[float] = None) -> Optional[Problem]:
+    """Validate one call's tensors and per-call arguments; return the first problem or ``None``.
 
     logits: ``[..., V_local]``, targets: ``[...]``. Only cheap checks; the one data-dependent
     check (targets in range) costs a single reduction and a host read.
@@ -100,6 +116,8 @@ def check_inputs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int
         return Problem(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         return Problem(NUM_ITEMS, (int(num_items_in_batch), ))
+    if weight is not None and not (math.isfinite(weight) and weight >= 0):
+        return Problem(WEIGHT, (float_bits(weight), ))
     flat = targets.reshape(-1)
     out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
     if out_of_range.any():

@@ -14,7 +14,6 @@ positions (never a ``[P, V]`` block).
 from __future__ import annotations
 
 import bisect
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -100,11 +99,22 @@ def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
 def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype) -> tuple:
     """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its log-sum-exp ``[T]``).
 
-    The softmax is the working buffer. The log-sum-exp comes from it at the arg-max, where the
-    probability is at least 1/V_local, so ``max - log p_max`` loses nothing to underflow.
+    The softmax is the working buffer, written in ``compute_dtype`` straight from the logits'
+    own dtype. For float32/float64 logits, and for bf16/fp16 on CUDA (where torch's softmax
+    converts half to float inside the kernel), that is one fused softmax. On other devices
+    torch.softmax would first copy half-precision logits to float32, a second full-size buffer,
+    so the steps are spelled out instead: ``logits - max`` computed in float32 straight into the
+    buffer, then exp, sum and normalise in place. The log-sum-exp comes from the softmax at the
+    arg-max, where the probability is at least 1/V_local, so ``max - log p_max`` loses nothing
+    to underflow.
     """
-    softmax = torch.softmax(logits, dim=-1, dtype=compute_dtype)
     max_logits, argmax = logits.max(dim=-1)
+    if logits.dtype == compute_dtype or logits.is_cuda:
+        softmax = torch.softmax(logits, dim=-1, dtype=compute_dtype)
+    else:
+        softmax = torch.sub(logits, max_logits.to(compute_dtype)[:, None])  # promotes to compute_dtype
+        softmax.exp_()
+        softmax.div_(softmax.sum(dim=-1, keepdim=True))
     logsumexp = max_logits.to(compute_dtype) - softmax.gather(1, argmax[:, None]).squeeze(1).log()
     return softmax, logsumexp
 
@@ -289,6 +299,11 @@ class SMMDLoss:
             raise TypeError(f"ignore_index={ignore_index!r} must be an int")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r} must be an int")
+        distinct_values = int(torch.unique(vocab.values).numel())
+        if distinct_values < 2:
+            raise ValueError(f"the numeric vocabulary has {len(vocab)} token(s) but {distinct_values} distinct "
+                             "value(s); SMMD compares values, so it needs at least two distinct ones (its MMD "
+                             "term would be identically 0); check how the vocabulary was built")
         matrices = build_kernel(vocab.values, mode=mode, kernel=kernel, sigmas=sigmas, squash_factor=squash_factor,
                                 alpha=alpha, seed=seed)
         self.vocab = vocab
@@ -334,7 +349,8 @@ class SMMDLoss:
                            logits_dtype=logits.dtype if logits.is_floating_point() else torch.float32,
                            device=logits.device, with_ce=with_ce)
 
-    def _prepare(self, logits, targets, tp_group, vocab_start_index, with_ce: bool, num_items_in_batch=None) -> tuple:
+    def _prepare(self, logits, targets, tp_group, vocab_start_index, with_ce: bool, num_items_in_batch=None,
+                 weight: Optional[float] = None) -> tuple:
         """Validate (all ranks reach the same verdict) and build the call plan; no collective
         runs unless the input is bad under tensor parallelism, where the verdict is shared."""
         if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
@@ -351,7 +367,8 @@ class SMMDLoss:
             raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
         problem = checks.check_inputs(logits, targets, vocab_size=self.vocab.vocab_size,
                                       vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
-                                      ignore_index=self.ignore_index, num_items_in_batch=num_items_in_batch)
+                                      ignore_index=self.ignore_index, num_items_in_batch=num_items_in_batch,
+                                      weight=weight)
         if problem is not None:
             if not tensor_parallel:
                 raise problem.error()
@@ -393,14 +410,9 @@ class SMMDLoss:
         return values.sum() / max(values.numel(), 1)
 
 
-def _check_weight(weight) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"weight={weight!r} must be a finite number >= 0 (0 = CE only)")
-    return float(weight)
-
-
 def fused_per_token(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLoss, tp_group=None,
-                    vocab_start_index: Optional[int] = 0, num_items_in_batch=None) -> tuple:
+                    vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
+                    weight: Optional[float] = None) -> tuple:
     """CE and SMMD per position, unreduced: ``([T], [T], call)``, T = targets.numel().
 
     CE is 0 at ignored positions; SMMD is 0 where the target is not numeric. The building block
@@ -409,7 +421,7 @@ def fused_per_token(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLoss,
     if not isinstance(smmd, SMMDLoss):
         raise TypeError(f"smmd must be a smmd_scale.SMMDLoss, got {type(smmd).__name__}")
     logits_2d, call = smmd._prepare(logits, targets, tp_group, vocab_start_index, with_ce=True,
-                                    num_items_in_batch=num_items_in_batch)
+                                    num_items_in_batch=num_items_in_batch, weight=weight)
     ce, smmd_values = _FusedCrossEntropySMMD.apply(logits_2d, call)
     return ce, smmd_values, call
 
@@ -426,9 +438,11 @@ def smmd_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLo
     Trainer does with that argument — keeps SMMD at its mean scale instead of multiplying it by
     the number of micro-batches.
     """
-    weight = _check_weight(weight)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"weight={weight!r} must be a number (0 = CE only)")
+    # The value itself is checked with the tensors, so a bad weight on one rank raises on all of them.
     ce_per_token, smmd_per_token, call = fused_per_token(logits, targets, smmd, tp_group, vocab_start_index,
-                                                         num_items_in_batch)
+                                                         num_items_in_batch, float(weight))
     valid_tokens = call.valid.sum()
     numeric_tokens = max(int(call.positions.numel()), 1)
     smmd_mean = smmd_per_token.sum() / numeric_tokens
