@@ -63,7 +63,7 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
 
     from smmd_scale.training.distributed import init_distributed
     from smmd_scale.training.export import export_hf
-    from smmd_scale.training.model import build_model, config_from_dict
+    from smmd_scale.training.model import build_model, config_from_dict, zero_init_config
 
     launch = init_distributed()
     if launch.world_size != run["world_size"]:
@@ -74,7 +74,7 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     ds_config = {key: value for key, value in run["deepspeed_config"].items() if key != "tensorboard"}
     groups._init_tp_mesh_device(tensor_model_parallel_size=run["tp_size"])
     config = config_from_dict(run["model_config"])
-    model, zero_init = build_model(config, {k: v for k, v in ds_config.items() if k != "train_batch_size"})
+    model, zero_init = build_model(config, zero_init_config(ds_config))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            mpu=groups)
     del zero_init

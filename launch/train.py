@@ -14,7 +14,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -35,9 +34,10 @@ from smmd_scale.training import checkpoint
 from smmd_scale.training.config import load_config, resolve_config
 from smmd_scale.training.data import (PackedBatches, check_tokenizer_fits_model, eval_batches, load_text_dataset,
                                       tokenize_and_pack)
-from smmd_scale.training.distributed import init_distributed
+from smmd_scale.training.distributed import init_distributed, rank_zero_first
 from smmd_scale.training.export import export_hf
-from smmd_scale.training.model import build_model, flops_per_token, model_config
+from smmd_scale.training.guard import NonFiniteGuard, NonFiniteLossError
+from smmd_scale.training.model import build_model, flops_per_token, model_config, zero_init_config
 from smmd_scale.training.presets import PRESETS
 
 
@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
     train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,
                        help="how long a collective waits for a lost rank before the job fails")
+    train.add_argument("--max_skipped_steps", type=int, default=10,
+                       help="stop after this many consecutive steps with a NaN/inf loss (each is skipped on every "
+                       "rank)")
 
     smmd = parser.add_argument_group("SMMD loss")
     smmd.add_argument("--smmd_weight", type=float, default=1.0, help="0 = CE only (numeric metrics still logged)")
@@ -152,27 +155,23 @@ def main(argv=None) -> None:
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
         tensorboard_dir=args.tensorboard_dir, job_name=Path(args.output_dir).name,
         bf16_supported=accelerator.device_name() != "cpu" and accelerator.is_bf16_supported(),
-        hidden_size=config.hidden_size)
+        hidden_size=config.hidden_size, accelerator=accelerator.device_name())
     if topology.tp_size > 1:
         # The data-parallel groups must exist before the model is partitioned over them.
         groups._init_tp_mesh_device(tensor_model_parallel_size=topology.tp_size)
     log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel "
         f"({launch.launcher})")
-    # zero.Init only needs the ZeRO section; the batch arithmetic is checked by initialize below.
-    zero_init_config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
-    model, zero_init = build_model(config, zero_init_config, None if args.model in PRESETS else args.model,
-                                   args.trust_remote_code, args.gradient_checkpointing)
+    pretrained_dir = None if args.model in PRESETS else args.model
+    model, zero_init = build_model(config, zero_init_config(ds_config), pretrained_dir, args.trust_remote_code,
+                                   args.gradient_checkpointing)
     model_flops_per_token = flops_per_token(model, args.seq_len)
 
-    # 3. Data: rank 0 tokenizes and packs into the cache first, the others then read the cache.
+    # 3. Data: rank 0 tokenizes and packs into the cache first, the others then read the cache; a
+    # data error on rank 0 is raised on every rank.
     def packed(paths):
-        if dist.get_rank() != 0:
-            dist.barrier()
-        dataset = tokenize_and_pack(load_text_dataset(paths, args.text_field), tokenizer, args.seq_len,
-                                    text_field=args.text_field, num_proc=args.num_proc, cache_dir=args.cache_dir)
-        if dist.get_rank() == 0:
-            dist.barrier()
-        return dataset
+        return rank_zero_first(lambda: tokenize_and_pack(load_text_dataset(paths, args.text_field), tokenizer,
+                                                         args.seq_len, text_field=args.text_field,
+                                                         num_proc=args.num_proc, cache_dir=args.cache_dir))
 
     train_blocks = packed(args.data)
     eval_blocks = packed(args.eval_data) if args.eval_data else None
@@ -198,11 +197,11 @@ def main(argv=None) -> None:
     log(f"loss: {installed.hook!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})")
 
     # 6. Resume: model/optimizer/scheduler from DeepSpeed, then step, data position and RNG.
-    start_step = 0
+    start_step, skipped_steps = 0, 0
     resume_tag = checkpoint.find_resume_tag(args.output_dir) if args.resume else None
     if resume_tag is not None:
         client_state = checkpoint.load(engine, args.output_dir, resume_tag)
-        start_step = client_state["step"]
+        start_step, skipped_steps = client_state["step"], client_state.get("skipped_steps", 0)
         batches.load_state_dict(client_state["data"])
         log(f"resumed from {resume_tag} at step {start_step}")
     elif args.resume:
@@ -219,7 +218,9 @@ def main(argv=None) -> None:
     if start_step == 0:
         monitor.log_run_shape()
 
-    # 7. Train.
+    # 7. Train. A step whose loss is NaN/inf on any rank is skipped on every rank (NonFiniteGuard).
+    guard = NonFiniteGuard(args.max_skipped_steps, total_skips=skipped_steps)
+    last_checkpoint = resume_tag
     tokens_per_step = micro_batch_size * accumulation * topology.dp_size * args.seq_len
     progress = tqdm(total=args.max_steps, initial=start_step, disable=dist.get_rank() != 0, desc="train",
                     dynamic_ncols=True)
@@ -228,10 +229,13 @@ def main(argv=None) -> None:
         for _ in range(accumulation):
             input_ids = next(batches)["input_ids"].to(engine.device)
             loss = engine(input_ids=input_ids, labels=input_ids).loss
-            engine.backward(loss)
+            engine.backward(guard.checked(loss))
             engine.step()
             monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
-        metrics = monitor.end_step(step, time.perf_counter() - began, tokens_per_step, learning_rate)
+        guard.end_step(engine.was_step_applied())
+        metrics = monitor.end_step(step, time.perf_counter() - began, tokens_per_step, learning_rate,
+                                   skipped_steps=guard.total_skips)
+        guard.raise_if_exhausted(last_checkpoint)
         progress.update(1)
         progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", smmd=f"{metrics['loss/smmd']:.4f}",
                              tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
@@ -239,7 +243,8 @@ def main(argv=None) -> None:
             monitor.write_eval(step, evaluate(engine, installed, eval_blocks, micro_batch_size, args.eval_batches,
                                               dp_rank, topology.dp_size, dp_group))
         if args.save_steps and (step % args.save_steps == 0 or step == args.max_steps):
-            checkpoint.save(engine, args.output_dir, step, {"data": batches.state_dict()})
+            last_checkpoint = checkpoint.save(engine, args.output_dir, step, {"data": batches.state_dict(),
+                                                                              "skipped_steps": guard.total_skips})
     progress.close()
 
     # 8. Final evaluation and export.
@@ -256,4 +261,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except NonFiniteLossError as error:
+        print(f"[train] stopped: {error}", file=sys.stderr, flush=True)
+        sys.exit(3)

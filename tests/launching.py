@@ -1,5 +1,6 @@
 """Start real launchers (deepspeed, mpirun, plain python) from tests, on loopback, with timeouts."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -41,3 +42,13 @@ def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.Complet
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}:\n"
                              f"{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}")
     return completed
+
+
+def metrics(output_dir) -> dict:
+    """train.py's metrics.jsonl as step -> merged metrics (the last record of each name wins, as after
+    a resume re-logs steps)."""
+    merged = {}
+    for line in Path(output_dir, "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        merged.setdefault(record.pop("step"), {}).update(record)
+    return merged

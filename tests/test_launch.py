@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import free_port
-from launching import REPO, deepspeed_command, environment, run
+from launching import REPO, deepspeed_command, environment, metrics, run
 
 TRAIN = REPO / "launch" / "train.py"
 EXPORT = REPO / "launch" / "export_hf.py"
@@ -49,18 +49,10 @@ def corpus(tmp_path_factory):
 def train_args(corpus, output_dir, *extra, config="cpu_zero3.json", steps=4, model="tiny", lr=3e-3):
     """train.py flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
     source = ["--model", model, "--tokenizer", corpus / "tokenizer"] if model == "tiny" else ["--model", model]
-    return [TRAIN, "--deepspeed_config", REPO / "ds_configs" / config, *source, "--data", corpus / "train.jsonl", "--eval_data", corpus / "eval.jsonl", "--eval_batches", EVAL_BATCHES,
-            "--seq_len", SEQ_LEN, "--micro_batch_size", 2, "--max_steps", steps, "--warmup_steps", 1,
-            "--lr", lr, "--output_dir", output_dir, *extra]
-
-
-def metrics(output_dir) -> dict:
-    """step -> merged metrics (the last record of each name wins, as after a resume)."""
-    merged = {}
-    for line in Path(output_dir, "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        merged.setdefault(record.pop("step"), {}).update(record)
-    return merged
+    return [TRAIN, "--deepspeed_config", REPO / "ds_configs" / config, *source, "--data", corpus / "train.jsonl",
+            "--eval_data", corpus / "eval.jsonl", "--eval_batches", EVAL_BATCHES, "--seq_len", SEQ_LEN,
+            "--micro_batch_size", 2, "--max_steps", steps, "--warmup_steps", 1, "--lr", lr, "--output_dir", output_dir,
+            *extra]
 
 
 def eval_ce_of_hf_model(model_dir, corpus) -> float:

@@ -49,7 +49,6 @@ class TrainingMonitor:
         self.world_size, self.tp_size, self.dp_size, self.dp_group = world_size, tp_size, dp_size, dp_group
         self.flops_per_token = flops_per_token
         self.metrics_path = Path(metrics_path) if metrics_path and dist.get_rank() == 0 else None
-        self.skipped_steps = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -73,10 +72,11 @@ class TrainingMonitor:
                      ("run/dp_size", self.dp_size)], step=0)
 
     def end_step(self, step: int, step_seconds: float, tokens_in_step: int, learning_rate: float,
-                 skipped: bool = False) -> dict:
+                 skipped_steps: int = 0) -> dict:
         """Reduce, write and return the step's metrics (the same dict on every rank).
 
-        ``learning_rate``: the rate this step's update used (read before the optimizer step).
+        ``learning_rate``: the rate this step's update used (read before the optimizer step);
+        ``skipped_steps``: steps skipped so far for a non-finite loss (the run's total).
         """
         device = self.engine.device
         sums = torch.tensor([self._sums[key] for key in _SUMS], dtype=torch.float64, device=device)
@@ -88,7 +88,6 @@ class TrainingMonitor:
         totals = dict(zip(_SUMS, sums.tolist()))
         micro_batches = max(totals["micro_batches"], 1)
         numeric = max(totals["numeric_tokens"], 1)
-        self.skipped_steps += int(skipped)
         grad_norm = self.engine.get_global_grad_norm()
         tokens_per_second = tokens_in_step / step_seconds if step_seconds > 0 else 0.0
         metrics = {
@@ -108,7 +107,7 @@ class TrainingMonitor:
             "comm/loss_bytes": float(self._loss_bytes),
             "train/lr": float(learning_rate),
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "train/skipped_steps": float(self.skipped_steps),
+            "train/skipped_steps": float(skipped_steps),
         }
         self._write(list(metrics.items()), step)
         self._reset()

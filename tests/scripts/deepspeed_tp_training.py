@@ -7,7 +7,6 @@ batches. Rank 0 writes the per-step losses and the installed loss's statistics a
 
 import argparse
 import json
-import os
 
 import deepspeed
 import torch

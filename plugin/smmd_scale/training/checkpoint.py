@@ -41,15 +41,23 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors and plain values, so that loading them back needs no
+    pickle (``torch.load(..., weights_only=True)``)."""
+    version, python_state, gauss = random.getstate()
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": [version, torch.tensor(python_state, dtype=torch.int64), gauss],
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, python_state, gauss = state["python"]
+    random.setstate((version, tuple(python_state.tolist()), gauss))
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -97,5 +105,5 @@ def load(engine, output_dir: str, tag: str) -> dict:
                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {output_dir}")
-    set_rng_state(torch.load(Path(output_dir, tag, f"rng_rank{dist.get_rank()}.pt"), weights_only=False))
+    set_rng_state(torch.load(Path(output_dir, tag, f"rng_rank{dist.get_rank()}.pt"), weights_only=True))
     return client_state

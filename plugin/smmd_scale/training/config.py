@@ -49,7 +49,8 @@ def _resolve_auto(section: dict, key: str, value) -> None:
 
 def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
                    learning_rate: float, weight_decay: float, warmup_steps: int, max_steps: int,
-                   tensorboard_dir: str, job_name: str, bf16_supported: bool, hidden_size: int) -> tuple:
+                   tensorboard_dir: str, job_name: str, bf16_supported: bool, hidden_size: int,
+                   accelerator: str = "cuda") -> tuple:
     """Return (resolved copy of ``config``, :class:`Topology`); raise ValueError on bad combinations.
 
     ``hidden_size`` sizes the ZeRO-3 buckets left "auto" as the HF integration does (hidden^2 for
@@ -101,14 +102,22 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
 
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
+    if stage != 3:
+        raise ValueError(f"zero_optimization.stage={stage}: train.py runs ZeRO stage 3 (models are partitioned as "
+                         "they are built, and steps with a non-finite loss are discarded by ZeRO-3's gradient-norm "
+                         "check); use one of ds_configs/*zero3*.json")
+    offloaded = [key for key in ("offload_param", "offload_optimizer")
+                 if (zero.get(key) or {}).get("device", "none") != "none"]
+    if offloaded and accelerator == "cpu":
+        raise ValueError(f"zero_optimization.{offloaded[0]} offloads to the CPU, but this run already trains on the "
+                         "CPU accelerator (DS_ACCELERATOR=cpu); use ds_configs/cpu_zero3.json")
+    for key in offloaded:
+        if zero[key].get("device") == "nvme" and not zero[key].get("nvme_path"):
+            raise ValueError(f"zero_optimization.{key}.device is nvme but nvme_path is not set")
     _resolve_auto(zero, "reduce_bucket_size", hidden_size * hidden_size)
     _resolve_auto(zero, "stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size))
     _resolve_auto(zero, "stage3_param_persistence_threshold", 10 * hidden_size)
-    if zero.get("offload_param") and stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs stage 3, the config has stage {stage}")
-    for key in ("stage3_gather_16bit_weights_on_model_save", ):
-        if stage == 3:
-            zero.setdefault(key, True)  # needed to export an HF checkpoint from the sharded weights
+    zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)  # export needs the gathered weights
     leftover = [path for path, value in _walk(config) if value == AUTO]
     if leftover:
         raise ValueError(f"these config values are \"auto\" but train.py has no flag to resolve them: {leftover}; "

@@ -9,10 +9,12 @@ set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
@@ -49,7 +51,8 @@ def discover_launch(environ=os.environ) -> Launch:
         environ.setdefault("MASTER_ADDR", master)
         environ.setdefault("MASTER_PORT", port)
     elif "SLURM_PROCID" in environ:
-        launch = Launch(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_LOCALID", 0)),
+        launch = Launch(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
+                        int(environ.get("SLURM_LOCALID", 0)),
                         int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), "slurm")
         if "MASTER_ADDR" not in environ:
             raise RuntimeError("under Slurm set MASTER_ADDR to the first node of the allocation (launch/slurm.sbatch "
@@ -82,3 +85,35 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
     return launch
+
+
+Result = TypeVar("Result")
+# Exceptions that are re-raised with their own type on the ranks that did not see them.
+_SHARED_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
+
+
+def rank_zero_first(build: Callable[[], Result]) -> Result:
+    """Run ``build`` on rank 0, then on the other ranks (which then reuse what rank 0 cached).
+
+    If rank 0 fails, every rank raises the same error instead of the others waiting for it: the
+    outcome is broadcast before any other rank starts.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return build()
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = build()
+        except _SHARED_ERRORS as error:
+            outcome = [(type(error).__name__, str(error))]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+        dist.broadcast_object_list(outcome, src=0)
+        return result
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        name, message = outcome[0]
+        raise getattr(builtins, name)(f"on rank 0: {message}")
+    return build()

@@ -22,18 +22,31 @@ def model_config(model: str, tokenizer, tp_size: int, seq_len: int, trust_remote
     return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
 
 
-def build_model(config, zero_init_config: dict, pretrained_dir: Optional[str] = None,
+def zero_init_config(ds_config: dict) -> dict:
+    """The part of the run's DeepSpeed config that partitions the model while it is built/loaded.
+
+    Without ``train_batch_size`` (zero.Init would check it against the whole world, but with
+    AutoTP the data-parallel size is world / TP; ``deepspeed.initialize`` checks the arithmetic)
+    and without ``tensor_parallel`` (AutoTP shards inside ``deepspeed.initialize``, after the
+    weights are loaded; transformers refuses to convert checkpoint weights while a config names
+    tensor parallelism).
+    """
+    return {key: value for key, value in ds_config.items() if key not in ("train_batch_size", "tensor_parallel")}
+
+
+def build_model(config, partition_config: dict, pretrained_dir: Optional[str] = None,
                 trust_remote_code: bool = False, gradient_checkpointing: bool = False) -> tuple:
     """Create the model partitioned as it is built: fresh weights from ``config``, or the weights
     of the local HF model in ``pretrained_dir``.
 
     HF's DeepSpeed integration runs ``from_config`` / ``from_pretrained`` under
-    ``deepspeed.zero.Init`` when ``zero_init_config`` is ZeRO-3 (and initialises the weights
+    ``deepspeed.zero.Init`` when ``partition_config`` (see :func:`zero_init_config`) is ZeRO-3 (and
+    initialises the weights
     properly, which a bare ``zero.Init`` around the constructor does not), so no rank ever holds
     the whole model. Returns (model, the HfDeepSpeedConfig, which must stay alive until
     ``deepspeed.initialize``).
     """
-    zero_init = HfDeepSpeedConfig(zero_init_config)
+    zero_init = HfDeepSpeedConfig(partition_config)
     if pretrained_dir is None:
         network = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     else:
