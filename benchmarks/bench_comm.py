@@ -127,9 +127,15 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
                          "numeric_share": share, "contender": name, "collectives": counts[name][0],
                          "bytes": counts[name][1], "logits_bytes": tokens * vocab_size * 4, "seconds": seconds,
                          "spread": spread})
+        if rank == 0:
+            print(f"TP={world_size} tokens={tokens} V={vocab_size} N={numeric_size} share={share}: done", flush=True)
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without interpreter teardown: after long runs DeepSpeed's CPU shared-memory comm op has
+    # aborted the process at exit ("terminate called without an active exception"), after the
+    # results were written, which made mp.spawn discard them.
+    os._exit(0)
 
 
 def main():

@@ -1,0 +1,58 @@
+"""Smoke test of benchmarks/bench_loss.py: its --quick run finishes and writes a well-formed JSON.
+
+The scripts are copied into a temporary folder and run there, so the results land beside the
+copy instead of in the repository's benchmarks/results.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours"]
+RESULTS = {"pass", "fail", "not measured"}
+
+
+@pytest.mark.slow
+def test_bench_loss_quick_writes_rows_and_targets(tmp_path):
+    for name in ("bench_loss.py", "paper_way.py", "common.py"):
+        shutil.copy(BENCHMARKS / name, tmp_path / name)
+    run = subprocess.run([sys.executable, str(tmp_path / "bench_loss.py"), "--quick", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=240, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| loss |" in run.stdout and "targets:" in run.stdout
+
+    results = json.loads((tmp_path / "results" / "bench_loss_quick.json").read_text())
+    assert results["device"] == "cpu" and results["grid"] == "quick" and results["repeats"] == 3
+    rows = {row["contender"]: row for row in results["rows"]}
+    assert [row["contender"] for row in results["rows"]] == CONTENDERS
+
+    for name in CONTENDERS:  # ntloss comes with the test extras, so every contender is measured
+        row = rows[name]
+        assert row["seconds"] > 0 and row["spread"] >= 0 and len(row["samples_seconds"]) == 3, name
+        # Every contender materialises the [tokens, V] gradient, so its peak is at least that.
+        gradient_bytes = row["tokens"] * row["vocab_size"] * 4
+        assert row["peak_bytes"] >= gradient_bytes, (name, row["peak_bytes"], gradient_bytes)
+        assert row["time_vs_torch_ce"] > 0 and row["peak_vs_torch_ce"] > 0, name
+    assert rows["torch_ce"]["time_vs_torch_ce"] == 1.0
+
+    # Same quantities: the two CEs agree, and so do the two CE + SMMD implementations.
+    assert rows["deepspeed_ce"]["loss"] == pytest.approx(rows["torch_ce"]["loss"], rel=1e-5)
+    assert rows["ours"]["loss"] == pytest.approx(rows["paper_way"]["loss"], rel=1e-4)
+    assert rows["ours"]["loss_rel_diff_vs_paper_way"] < 1e-4
+    for other in ("deepspeed_ce", "paper_way"):
+        assert rows["ours"][f"time_vs_{other}"] > 0 and rows["ours"][f"peak_vs_{other}"] > 0
+
+    targets = results["targets"]
+    assert len(targets) == 6
+    for target in targets:
+        assert target["result"] in RESULTS, target
+        assert (target["measured"] is None) == (target["result"] == "not measured"), target
+    # The quick shape is neither headline shape; the worst-shape targets are computed.
+    assert [target["result"] for target in targets[:2]] == ["not measured", "not measured"]
+    assert all(target["result"] in {"pass", "fail"} for target in targets[2:])
