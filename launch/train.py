@@ -29,6 +29,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import smmd_scale
+from smmd_scale.integrations.ntl import install_ntl
 from smmd_scale.monitor import TrainingMonitor
 from smmd_scale.training import checkpoint
 from smmd_scale.training.config import load_config, resolve_config
@@ -87,12 +88,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
     smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
     smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
+    smmd.add_argument("--ntl_weight", type=float, default=0.0,
+                      help="for comparisons: CE + this x NTL-WAS (ntloss package) instead of SMMD; full logits only")
 
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required (see ds_configs/)")
+    if args.ntl_weight and args.smmd_weight:
+        parser.error("--ntl_weight replaces SMMD: pass --smmd_weight 0 with it")
     args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
@@ -194,6 +199,8 @@ def main(argv=None) -> None:
                                                    vocab_size=model.config.vocab_size)
     installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, mode=args.smmd_mode,
                                    kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
+    if args.ntl_weight:
+        install_ntl(installed, tokenizer, args.ntl_weight)
     log(f"loss: {installed.hook!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})")
 
     # 6. Resume: model/optimizer/scheduler from DeepSpeed, then step, data position and RNG.

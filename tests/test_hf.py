@@ -132,3 +132,31 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
     first, last = sum(loss for loss, _ in calls[:4]), sum(loss for loss, _ in calls[-4:])
     assert last < first
     assert installed.last_stats["numeric_tokens"] > 0 and 0 <= installed.last_stats["numeric_accuracy"] <= 1
+
+
+def test_ntl_hook_is_ce_plus_ntloss(generator):
+    """The comparison hook used by the evidence study: our CE plus the ntloss package's NTL-WAS."""
+    from ntloss import NTLoss
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
+    for index, token_id in enumerate(NUMERIC_IDS):
+        vocab[str(index)] = token_id
+        del vocab[f"w{token_id}"]
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+
+    from smmd_scale.integrations.ntl import install_ntl
+    ids, labels = batch(generator)
+    model = tiny_llama().double()
+    installed = smmd_scale.install(model, NumericVocab.from_tokenizer(tokenizer, vocab_size=VOCAB_SIZE), weight=0.0)
+    install_ntl(installed, tokenizer, weight=0.4)
+    output = model(input_ids=ids, labels=labels)
+    shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
+    ce = torch.nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB_SIZE), shifted.reshape(-1))
+    ntl = NTLoss(tokenizer, vocab_size=VOCAB_SIZE, digit_level=False, squash_factor=9.0)(output.logits, shifted)
+    assert output.loss.item() == pytest.approx((ce + 0.4 * ntl).item(), rel=1e-9)
+    assert installed.hook.last_losses[2].item() == pytest.approx(ntl.item(), rel=1e-9) and ntl.item() > 0
+    assert installed.last_stats["numeric_tokens"] > 0

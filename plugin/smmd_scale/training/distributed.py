@@ -79,7 +79,9 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     launch = discover_launch()
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_size, 1)))
+        # OMP_NUM_THREADS wins when set (e.g. several runs sharing a box); else split the cores.
+        threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // max(launch.local_size, 1)
+        torch.set_num_threads(max(1, threads))
     else:
         accelerator.set_device(launch.local_rank)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
