@@ -1,0 +1,127 @@
+"""Training throughput with CE only vs CE + SMMD, side by side, and how it scales.
+
+For each world size (1, 2, 4 processes) and parallelism (ZeRO-3; ZeRO-3 + AutoTP TP=2 with a
+vocabulary-parallel head where the world allows), train the same model on the same data with the
+same config twice — ``--smmd_weight 0`` and ``--smmd_weight 1`` — through launch/train.py and the
+deepspeed launcher. Throughput is the median ``perf/tokens_per_second`` over the steps after the
+first few (warm-up). Every run logs to one TensorBoard logdir, so the curves of all scales sit
+together (the run's world/TP/DP sizes are logged as run/* scalars).
+
+    python benchmarks/bench_train.py                         # CPU: tiny Llama, worlds 1 2 4
+    python benchmarks/bench_train.py --model 125m --device cuda --worlds 1 2 4 8 --steps 60
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 3
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--micro_batch_size", type=int, default=8)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_train"))
+    parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps: a smoke run")
+    return parser.parse_args()
+
+
+def prepare_data(work: Path) -> tuple:
+    from smmd_scale import numeracy
+
+    corpus = numeracy.build_corpus(work / "data", train_per_task=3000, test_per_task=10, seed=0)
+    with open(corpus["train"]) as handle:
+        tokenizer = numeracy.train_numeric_tokenizer([json.loads(line)["text"] for line in handle])
+    tokenizer.save_pretrained(work / "tokenizer")
+    return corpus["train"], work / "tokenizer"
+
+
+def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str) -> dict:
+    name = f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_{loss}"
+    output = work / name
+    shutil.rmtree(output, ignore_errors=True)
+    prefix = "cpu_" if args.device == "cpu" else ""
+    config = REPO / "ds_configs" / f"{prefix}zero3{'_autotp' if tp_size > 1 else ''}.json"
+    command = [shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed",
+               "--num_gpus", str(world), "--master_addr", "127.0.0.1", "--master_port", str(29400 + world),
+               str(REPO / "launch" / "train.py"), "--deepspeed_config", str(config), "--model", args.model,
+               "--tokenizer", str(tokenizer_dir), "--data", str(data), "--seq_len", str(args.seq_len),
+               "--micro_batch_size", str(args.micro_batch_size), "--max_steps", str(args.steps),
+               "--warmup_steps", "5", "--output_dir", str(output), "--cache_dir", str(work / "cache"),
+               "--tensorboard_dir", str(work / "tensorboard" / name),
+               "--smmd_weight", "1.0" if loss == "ce+smmd" else "0.0"]
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR",
+                                                                      str(REPO / ".cache" / "torch_extensions")))
+    began = time.monotonic()
+    completed = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}")
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/tokens_per_second" in r and r["step"] > WARMUP_STEPS]
+    rates = [r["perf/tokens_per_second"] for r in steps]
+    return {"run": name, "world": world, "tp": tp_size, "dp": world // tp_size, "loss": loss,
+            "tokens_per_second": statistics.median(rates),
+            "tokens_per_second_per_device": statistics.median(rates) / world,
+            "spread": (max(rates) - min(rates)) / statistics.median(rates),
+            "loss_bytes_per_step": steps[-1]["comm/loss_bytes"], "wall_seconds": time.monotonic() - began}
+
+
+def main():
+    args = parse_args()
+    if args.quick:
+        args.worlds, args.steps = [1, 2], 10
+    work = Path(args.work_dir)
+    shutil.rmtree(work / "tensorboard", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    data, tokenizer_dir = prepare_data(work)
+    rows = []
+    for world in args.worlds:
+        for tp_size in (1, 2):
+            if tp_size > 1 and (world < tp_size or world % tp_size):
+                continue
+            for loss in ("ce", "ce+smmd"):  # side by side: same world, parallelism and data
+                rows.append(run(args, work, data, tokenizer_dir, world, tp_size, loss))
+                print(f"{rows[-1]['run']}: {rows[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
+    by_key = {(r["world"], r["tp"], r["loss"]): r for r in rows}
+    for row in rows:
+        ce = by_key[(row["world"], row["tp"], "ce")]["tokens_per_second"]
+        row["throughput_vs_ce"] = row["tokens_per_second"] / ce
+        single = by_key.get((1, 1, row["loss"]))
+        if single:  # tokens/s per device relative to one process of the same loss
+            row["scaling_efficiency"] = row["tokens_per_second"] / (row["world"] * single["tokens_per_second"])
+    columns = [("run", "run", "s"), ("world", "world", "d"), ("tp", "TP", "d"), ("dp", "DP", "d"),
+               ("loss", "loss", "s"), ("tokens_per_second", "tokens/s", ".0f"),
+               ("tokens_per_second_per_device", "tokens/s/device", ".0f"), ("throughput_vs_ce", "vs CE", ".3f"),
+               ("scaling_efficiency", "scaling eff.", ".2f"), ("loss_bytes_per_step", "loss bytes/step", ",.0f"),
+               ("spread", "spread", ".0%")]
+    print(markdown_table(rows, columns))
+    smmd_rows = [r for r in rows if r["loss"] == "ce+smmd"]
+    worst = min(r["throughput_vs_ce"] for r in smmd_rows)
+    print(f"target: throughput with SMMD >= 0.97x CE only; worst measured {worst:.3f} "
+          f"({'pass' if worst >= 0.97 else 'fail'})")
+    print(f"TensorBoard (all scales together): tensorboard --logdir {work / 'tensorboard'}")
+    print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, model=args.model,
+                                 steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                                 device=args.device, target={"smmd_throughput_vs_ce_min": worst,
+                                                             "pass": worst >= 0.97}))
+
+
+if __name__ == "__main__":
+    main()
