@@ -1,0 +1,335 @@
+"""Multi-seed numeracy study: a tiny Llama trained from scratch with CE, CE + SMMD, its ablations
+and CE + NTL on a generated numeric task suite, evaluated on held-out operands, with statistics.
+
+    python benchmarks/numeracy/run_study.py --quick   # 7 methods x 3 seeds on CPU (~36 min on 2 cores) -> results/
+    python benchmarks/numeracy/run_study.py --full    # 125m, 5 seeds, bf16, one GPU (untested; see README)
+    python benchmarks/numeracy/run_study.py --full --launcher "deepspeed --num_gpus 8"   # each run on 8 GPUs
+    python benchmarks/numeracy/run_study.py --smoke   # the same pipeline in miniature (~2 min), never -> results/
+
+1. Data (once per work dir): ``smmd_scale.numeracy.build_corpus`` with the tasks ``arithmetic``,
+   ``clock`` and ``word_problems`` (held-out operand tuples never trained), a Llama-3-style
+   tokenizer trained on it (0..999 single tokens), the corpus tokenized once into a shared cache.
+2. Runs: for every seed, every method: ``launch/train.py`` under ZeRO-3 (a plain ``python`` process
+   is a 1-rank run; ``--launcher`` runs it under ``deepspeed``/``torchrun``/... instead), same seed
+   = same initialisation and data order for every method, so runs are paired by seed; then
+   ``launch/evaluate.py`` on the held-out problems (greedy generation). On CPU two runs share the
+   cores (``--parallel``, one thread each on 2 cores).
+3. ``analyze.py``: mean ± std and 95% t-intervals of exact match and MAE per task and method, paired
+   t-tests against ``ce`` with Holm's correction, ``results.json``, ``summary.md`` and ``study.png``.
+
+Resumable: a run whose ``run.json`` records a finished evaluation is skipped, one that was trained
+but not evaluated is only evaluated, anything else is trained again from scratch. ``study.json``
+pins the settings of a work dir; a later invocation may add methods or seeds but not change them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+
+import analyze  # noqa: E402
+from common import machine  # noqa: E402
+
+TASKS = ("arithmetic", "clock", "word_problems")
+# Name shown in the tables -> train.py flags. "smmd" is the paper's defaults (gaussian kernel,
+# sigma 2, distances squashed to [1, 9], alpha auto); the ablation kernels are seeded (seed 42)
+# inside the loss, so they are the same matrix for every training seed.
+METHODS = {
+    "ce": ["--smmd_weight", "0"],
+    "smmd": ["--smmd_weight", "1"],
+    "mmd_only": ["--smmd_weight", "1", "--smmd_mode", "mmd"],
+    "smooth_only": ["--smmd_weight", "1", "--smmd_mode", "smooth"],
+    "random_kernel": ["--smmd_weight", "1", "--smmd_kernel", "random"],
+    "shuffled_kernel": ["--smmd_weight", "1", "--smmd_kernel", "shuffled"],
+    "ntl": ["--smmd_weight", "0", "--ntl_weight", "1.0"],
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Settings of one study size. ``steps`` are optimizer steps; warmup is a tenth of them."""
+
+    model: str
+    steps: int
+    seq_len: int
+    micro_batch_size: int
+    lr: float
+    train_per_task: int
+    test_per_task: int
+    eval_batches: int  # micro-batches of held-out documents for train.py's eval CE
+    methods: tuple
+    seeds: tuple
+    deepspeed_config: str
+    vocab_size: int = 2048
+    plain_text_share: float = 0.2
+    data_seed: int = 0
+
+
+# quick: budgeted for 2 CPU cores (README "Budget"); smoke: the same shape in miniature (3 methods that
+# cover the three loss paths CE, SMMD and NTL, 2 seeds, a few steps); full: a GPU box.
+PRESETS = {
+    "smoke": Preset(model="tiny", steps=12, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=600,
+                    test_per_task=40, eval_batches=2, methods=("ce", "smmd", "ntl"), seeds=(0, 1),
+                    deepspeed_config="ds_configs/cpu_zero3.json"),
+    "quick": Preset(model="tiny", steps=400, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=10_000,
+                    test_per_task=200, eval_batches=8, methods=tuple(METHODS), seeds=(0, 1, 2),
+                    deepspeed_config="ds_configs/cpu_zero3.json"),
+    "full": Preset(model="125m", steps=2000, seq_len=256, micro_batch_size=32, lr=6e-4, train_per_task=30_000,
+                   test_per_task=1000, eval_batches=50, methods=tuple(METHODS), seeds=(0, 1, 2, 3, 4),
+                   deepspeed_config="ds_configs/zero3.json"),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group(required=True)
+    for name in PRESETS:
+        size.add_argument(f"--{name}", dest="preset", action="store_const", const=name,
+                          help=f"{PRESETS[name].model} model, {len(PRESETS[name].methods)} methods x "
+                          f"{len(PRESETS[name].seeds)} seeds, {PRESETS[name].steps} steps per run")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="override the preset's methods")
+    parser.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds (the same for every method)")
+    parser.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
+    parser.add_argument("--work_dir", help="data, tokenizer, cache and one folder per run (default "
+                        "benchmarks/numeracy/runs/<preset>)")
+    parser.add_argument("--results_dir", help="where results.json, summary.md and study.png are written (default "
+                        "benchmarks/numeracy/results, the committed report; <work_dir>/results for --smoke)")
+    parser.add_argument("--launcher", help='command that starts train.py, e.g. "deepspeed --num_gpus 8" '
+                        "(default: this python, a 1-process ZeRO-3 run)")
+    parser.add_argument("--deepspeed_config", help="override the preset's DeepSpeed config (relative to the repo "
+                        "root, or absolute)")
+    parser.add_argument("--parallel", type=int, help="runs at a time (default: 2 on CPU, 1 with a GPU)")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1; got {args.steps}")
+    if args.parallel is not None and args.parallel < 1:
+        parser.error(f"--parallel must be >= 1; got {args.parallel}")
+    if args.launcher and (args.parallel or 1) > 1:
+        parser.error("--launcher with --parallel > 1: concurrent launches would share the launcher's default "
+                     "rendezvous port; run them one at a time (--parallel 1)")
+    args.work_dir = Path(args.work_dir or HERE / "runs" / args.preset).resolve()
+    # A smoke run is a test of the machinery: it never overwrites the committed report.
+    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.preset == "smoke"
+                                                 else HERE / "results"))
+    return args
+
+
+def study_settings(args: argparse.Namespace) -> tuple:
+    """(the settings that define the runs and must not change within a work dir, methods, seeds)."""
+    preset = PRESETS[args.preset]
+    if args.steps is not None:
+        preset = replace(preset, steps=args.steps)
+    if args.deepspeed_config:
+        preset = replace(preset, deepspeed_config=args.deepspeed_config)
+    settings = {key: value for key, value in asdict(preset).items() if key not in ("methods", "seeds")}
+    settings.update(preset=args.preset, warmup_steps=max(1, preset.steps // 10), tasks=list(TASKS),
+                    launcher=args.launcher or "python")
+    return settings, list(args.methods or preset.methods), list(args.seeds or preset.seeds)
+
+
+def open_study(work_dir: Path, settings: dict, methods: list, seeds: list, parallel: int) -> dict:
+    """``study.json`` of ``work_dir``, created or extended with ``methods`` and ``seeds``; refuses
+    settings that differ from the ones its runs were made with."""
+    path = work_dir / "study.json"
+    if path.is_file():
+        study = json.loads(path.read_text())
+        changed = {key: (study["settings"].get(key), value) for key, value in settings.items()
+                   if study["settings"].get(key) != value}
+        if changed:
+            differences = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items())
+            raise SystemExit(f"{work_dir} holds runs made with other settings ({differences}); pass another "
+                             f"--work_dir, or delete this one to start over")
+    else:
+        study = {"settings": settings, "methods": [], "seeds": [], "method_flags": {}, "invocations": []}
+    study["methods"] = list(dict.fromkeys(study["methods"] + methods))
+    study["seeds"] = list(dict.fromkeys(study["seeds"] + seeds))
+    study["method_flags"].update({method: METHODS[method] for method in methods})
+    study["parallel"] = parallel
+    return study
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Written under a temporary name and renamed, so an interrupted write never leaves half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def prepare_data(work_dir: Path, settings: dict) -> dict:
+    """Corpus, tokenizer and tokenized cache of the study (each made once). Returns the paths and the
+    model's parameter count."""
+    from transformers import AutoTokenizer
+
+    from smmd_scale import numeracy
+    from smmd_scale.training.data import load_text_dataset, tokenize_and_pack
+    from smmd_scale.training.model import model_config
+    from smmd_scale.training.presets import parameter_count
+
+    data_dir, tokenizer_dir, cache_dir = work_dir / "data", work_dir / "tokenizer", work_dir / "cache"
+    corpus_record = data_dir / "corpus.json"
+    if not corpus_record.is_file():
+        corpus = numeracy.build_corpus(data_dir, train_per_task=settings["train_per_task"],
+                                       test_per_task=settings["test_per_task"],
+                                       plain_text_share=settings["plain_text_share"], seed=settings["data_seed"],
+                                       tasks=settings["tasks"])
+        write_json(corpus_record, {key: str(value) for key, value in corpus.items()})
+    corpus = json.loads(corpus_record.read_text())
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        with open(corpus["train"]) as lines:
+            texts = [json.loads(line)["text"] for line in lines]
+        numeracy.train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(tokenizer_dir)
+    # Loaded as train.py loads it, so the cache fingerprints match and no run tokenizes again.
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for split in ("train", "eval"):
+        tokenize_and_pack(load_text_dataset([corpus[split]]), tokenizer, settings["seq_len"], cache_dir=cache_dir)
+    parameters = parameter_count(model_config(settings["model"], tokenizer, 1, settings["seq_len"]))
+    return {**corpus, "tokenizer": str(tokenizer_dir), "cache": str(cache_dir), "parameters": parameters}
+
+
+def child_environment(threads_per_run: int, on_gpu: bool) -> dict:
+    """Environment of train.py and evaluate.py: no inherited rendezvous (a plain process then picks a
+    free port, so concurrent runs do not collide), one BLAS pool size per run, DeepSpeed on CPU when
+    there is no GPU, the shared compiled-extension cache."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads_per_run), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if not on_gpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    return env
+
+
+def train_command(settings: dict, data: dict, method: str, seed: int, output_dir: Path) -> list:
+    launcher = [sys.executable] if settings["launcher"] == "python" else shlex.split(settings["launcher"])
+    return [*launcher, str(REPO / "launch" / "train.py"),
+            "--deepspeed_config", str(REPO / settings["deepspeed_config"]), "--model", settings["model"],
+            "--tokenizer", data["tokenizer"], "--data", data["train"], "--eval_data", data["eval"],
+            "--eval_batches", str(settings["eval_batches"]), "--cache_dir", data["cache"],
+            "--seq_len", str(settings["seq_len"]), "--micro_batch_size", str(settings["micro_batch_size"]),
+            "--max_steps", str(settings["steps"]), "--lr", str(settings["lr"]),
+            "--warmup_steps", str(settings["warmup_steps"]), "--seed", str(seed),
+            "--output_dir", str(output_dir), "--export_hf", str(output_dir / "hf"), *METHODS[method]]
+
+
+def eval_command(data: dict, output_dir: Path) -> list:
+    return [sys.executable, str(REPO / "launch" / "evaluate.py"), str(output_dir / "hf"), "--data", data["qa_test"],
+            "--output", str(output_dir / "numeric_eval.json"), "--batch_size", "64"]
+
+
+class RunFailed(Exception):
+    pass
+
+
+def _run_logged(command: list, log: Path, env: dict) -> float:
+    """Run ``command`` with its output in ``log``; its wall seconds, or ``RunFailed`` with the log's tail."""
+    began = time.monotonic()
+    with open(log, "w") as handle:
+        returncode = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    if returncode != 0:
+        tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
+        raise RunFailed(f"{' '.join(command[:3])} ... exited {returncode}; {log}:\n{tail}")
+    return time.monotonic() - began
+
+
+def execute(settings: dict, data: dict, method: str, seed: int, output_dir: Path, env: dict) -> dict:
+    """Train (unless a finished training is recorded) and evaluate one (method, seed); returns its run.json."""
+    record_path = output_dir / "run.json"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if "train_seconds" not in record or not (output_dir / "hf" / "config.json").is_file():
+        shutil.rmtree(output_dir, ignore_errors=True)
+        output_dir.mkdir(parents=True)
+        command = train_command(settings, data, method, seed, output_dir)
+        record = {"method": method, "seed": seed, "flags": METHODS[method], "train_command": command}
+        record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
+        write_json(record_path, record)
+    record["eval_seconds"] = _run_logged(eval_command(data, output_dir), output_dir / "eval.log", env)
+    write_json(record_path, record)
+    return record
+
+
+def is_finished(output_dir: Path) -> bool:
+    record_path = output_dir / "run.json"
+    return (record_path.is_file() and "eval_seconds" in json.loads(record_path.read_text())
+            and (output_dir / "numeric_eval.json").is_file())
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    parallel = args.parallel or (1 if on_gpu else 2)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = child_environment(max(1, cores // parallel), on_gpu)
+    # This process imports smmd_scale (and so DeepSpeed) to prepare the data: same accelerator as the runs.
+    os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_PARALLELISM")
+                       if key in env})
+    settings, methods, seeds = study_settings(args)
+    work_dir = args.work_dir
+    work_dir.mkdir(parents=True, exist_ok=True)
+    study = open_study(work_dir, settings, methods, seeds, parallel)
+    began = time.monotonic()
+
+    print(f"[study] {args.preset}: {len(methods)} methods x {len(seeds)} seeds, {settings['model']} model, "
+          f"{settings['steps']} steps, {parallel} run(s) at a time, work dir {work_dir}", flush=True)
+    data = prepare_data(work_dir, settings)
+    study["parameters"] = data["parameters"]
+    invocation = {"machine": machine(), "wall_seconds": 0.0, "runs_completed": 0}
+    study["invocations"].append(invocation)
+    write_json(work_dir / "study.json", study)
+    print(f"[study] data ready ({time.monotonic() - began:.0f} s): {data['train_problems']} training problems, "
+          f"{data['test_problems']} held-out", flush=True)
+
+    pending = [(method, seed) for seed in seeds for method in methods
+               if not is_finished(work_dir / f"{method}-seed{seed}")]
+    skipped = len(methods) * len(seeds) - len(pending)
+    if skipped:
+        print(f"[study] {skipped} run(s) already finished in {work_dir}; {len(pending)} to go", flush=True)
+    failures = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {pool.submit(execute, settings, data, method, seed, work_dir / f"{method}-seed{seed}", env):
+                   (method, seed) for method, seed in pending}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), start=1):
+            method, seed = futures[future]
+            try:
+                record = future.result()
+            except RunFailed as error:
+                failures.append(f"{method} seed {seed}: {error}")
+                print(f"[study] [{done}/{len(pending)}] {method} seed {seed} FAILED", flush=True)
+                continue
+            report = json.loads((work_dir / f"{method}-seed{seed}" / "numeric_eval.json").read_text())
+            invocation["runs_completed"] += 1
+            invocation["wall_seconds"] = time.monotonic() - began
+            write_json(work_dir / "study.json", study)
+            print(f"[study] [{done}/{len(pending)}] {method} seed {seed}: trained {record['train_seconds']:.0f} s, "
+                  f"evaluated {record['eval_seconds']:.0f} s, exact match {report['exact_match']:.1%} "
+                  f"({time.monotonic() - began:.0f} s so far)", flush=True)
+    invocation["wall_seconds"] = time.monotonic() - began
+    write_json(work_dir / "study.json", study)
+    if failures:
+        raise SystemExit("[study] some runs failed (finished runs are kept; rerun the same command to retry the "
+                         "rest):\n\n" + "\n\n".join(failures))
+
+    analysis = analyze.write_report(work_dir, args.results_dir)
+    for metric, (header, _, scale, unit) in analyze.METRICS.items():
+        print(f"\n{header}{f' ({unit})' if unit else ''}, mean ± std over seeds (95% t-interval):")
+        print(analyze.cells_table(analysis, metric, scale))
+    print(f"\n[study] {time.monotonic() - began:.0f} s; report in {args.results_dir}: summary.md, results.json, "
+          f"study.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()
