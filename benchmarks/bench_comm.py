@@ -78,7 +78,9 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
     import smmd_scale
+    from smmd_scale.training.distributed import release_cpu_allreduce_segment
     deepspeed.comm.init_distributed("gloo", verbose=False)
+    release_cpu_allreduce_segment()
     group = dist.group.WORLD if world_size > 1 else None
     rows = []
     for tokens, vocab_size, numeric_size, share in configs:

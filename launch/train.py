@@ -146,7 +146,8 @@ def main(argv=None) -> None:
     if args.model in PRESETS and not args.tokenizer:
         raise ValueError(f"--model {args.model} is a preset (training from scratch): pass --tokenizer DIR")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    tp_size = int((load_config(args.deepspeed_config).get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    raw_config = load_config(args.deepspeed_config)
+    tp_size = int((raw_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
     config = model_config(args.model, tokenizer, tp_size, args.seq_len, args.trust_remote_code)
     warning = check_tokenizer_fits_model(tokenizer, config.vocab_size)
     if warning:
@@ -155,7 +156,7 @@ def main(argv=None) -> None:
     # 2. DeepSpeed config: "auto" values from the flags; bad combinations fail here, on every rank.
     accelerator = get_accelerator()
     ds_config, topology = resolve_config(
-        load_config(args.deepspeed_config), world_size=launch.world_size, micro_batch_size=args.micro_batch_size,
+        raw_config, world_size=launch.world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
         tensorboard_dir=args.tensorboard_dir, job_name=Path(args.output_dir).name,
@@ -257,7 +258,7 @@ def main(argv=None) -> None:
     # 8. Final evaluation and export.
     if eval_blocks is not None:
         final = evaluate(engine, installed, eval_blocks, micro_batch_size, args.eval_batches, dp_rank,
-                                    topology.dp_size, dp_group)
+                         topology.dp_size, dp_group)
         monitor.write_eval(args.max_steps, final)
         log("eval " + " ".join(f"{key}={value:.4g}" for key, value in final.items()))
     if args.export_hf:

@@ -86,8 +86,10 @@ def tensorboard_scalars(output_dir) -> set:
 
 
 def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
-    output = tmp_path / "run"
-    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf")), timeout=600)
+    output, port = tmp_path / "run", free_port()
+    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf"), port=port), timeout=600)
+    # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
     assert sorted(step for step in logged if step) == [1, 2, 3, 4]

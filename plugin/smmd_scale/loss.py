@@ -25,6 +25,7 @@ from .kernels import build_kernel
 from .parallel import ExchangeState, LocalPieces, exchange, group_size_and_rank, options_fingerprint
 from .vocab import NumericVocab
 
+
 @dataclass
 class SMMDOutput:
     """Result of :func:`smmd_cross_entropy`.

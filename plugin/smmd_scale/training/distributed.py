@@ -86,7 +86,31 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
         accelerator.set_device(launch.local_rank)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    release_cpu_allreduce_segment()
     return launch
+
+
+def release_cpu_allreduce_segment() -> None:
+    """Unlink this rank's DeepSpeed CPU shared-memory all-reduce segment once every rank has it mapped.
+
+    On CPU, DeepSpeed's shared-memory all-reduce creates a 64 MiB ``/dev/shm`` segment per rank,
+    named after MASTER_ADDR/MASTER_PORT, during ``init_distributed`` (each rank maps every peer's)
+    and never removes it: every CPU job would leave them behind until the machine runs out of
+    memory. After a barrier all ranks have mapped all segments, so the names can go now; the
+    memory lives on until the processes exit, even if they are killed.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # not a CPU run, or ranks on several hosts (DeepSpeed makes none)
+        pass
 
 
 Result = TypeVar("Result")
