@@ -2,9 +2,13 @@
 
 For each world size (1, 2, 4 processes) and parallelism (ZeRO-3; ZeRO-3 + AutoTP TP=2 with a
 vocabulary-parallel head where the world allows), train the same model on the same data with the
-same config twice — ``--smmd_weight 0`` and ``--smmd_weight 1`` — through launch/train.py and the
-deepspeed launcher. Throughput is the median ``perf/tokens_per_second`` over the steps after the
-first few (warm-up). Every run logs to one TensorBoard logdir, so the curves of all scales sit
+same config through launch/train.py and the deepspeed launcher, with
+  ce       the model's own loss, what users run today (``--framework_loss``: HF's
+           ForCausalLMLoss, or DeepSpeed's VocabParallelCausalLMLoss under AutoTP);
+  ce+smmd  smmd_scale's fused CE + SMMD (``--smmd_weight 1``).
+Each pair runs ``--repeats`` times in alternating order; a run's throughput is the median
+``perf/tokens_per_second`` over its steps after the first few (warm-up) and a row reports the
+median over its repeats. Every run logs to one TensorBoard logdir, so the curves of all scales sit
 together (the run's world/TP/DP sizes are logged as run/* scalars).
 
     python benchmarks/bench_train.py                         # CPU: tiny Llama, worlds 1 2 4
@@ -37,7 +41,8 @@ def parse_args():
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_train"))
-    parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps: a smoke run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per (setting, loss), alternating")
+    parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps, one repeat: a smoke run")
     return parser.parse_args()
 
 
@@ -51,8 +56,8 @@ def prepare_data(work: Path) -> tuple:
     return corpus["train"], work / "tokenizer"
 
 
-def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str) -> dict:
-    name = f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_{loss}"
+def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str, repeat: int) -> dict:
+    name = f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_{loss}_run{repeat}"
     output = work / name
     shutil.rmtree(output, ignore_errors=True)
     prefix = "cpu_" if args.device == "cpu" else ""
@@ -63,8 +68,8 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
                "--tokenizer", str(tokenizer_dir), "--data", str(data), "--seq_len", str(args.seq_len),
                "--micro_batch_size", str(args.micro_batch_size), "--max_steps", str(args.steps),
                "--warmup_steps", "5", "--output_dir", str(output), "--cache_dir", str(work / "cache"),
-               "--tensorboard_dir", str(work / "tensorboard" / name),
-               "--smmd_weight", "1.0" if loss == "ce+smmd" else "0.0"]
+               "--tensorboard_dir", str(work / "tensorboard" / name)]
+    command += ["--smmd_weight", "1.0"] if loss == "ce+smmd" else ["--framework_loss"]
     env = dict(os.environ)
     if args.device == "cpu":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR",
@@ -76,17 +81,14 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_second" in r and r["step"] > WARMUP_STEPS]
     rates = [r["perf/tokens_per_second"] for r in steps]
-    return {"run": name, "world": world, "tp": tp_size, "dp": world // tp_size, "loss": loss,
-            "tokens_per_second": statistics.median(rates),
-            "tokens_per_second_per_device": statistics.median(rates) / world,
-            "spread": (max(rates) - min(rates)) / statistics.median(rates),
-            "loss_bytes_per_step": steps[-1]["comm/loss_bytes"], "wall_seconds": time.monotonic() - began}
+    return {"tokens_per_second": statistics.median(rates), "loss_bytes_per_step": steps[-1]["comm/loss_bytes"],
+            "wall_seconds": time.monotonic() - began}
 
 
 def main():
     args = parse_args()
     if args.quick:
-        args.worlds, args.steps = [1, 2], 10
+        args.worlds, args.steps, args.repeats = [1, 2], 10, 1
     work = Path(args.work_dir)
     shutil.rmtree(work / "tensorboard", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -96,9 +98,21 @@ def main():
         for tp_size in (1, 2):
             if tp_size > 1 and (world < tp_size or world % tp_size):
                 continue
-            for loss in ("ce", "ce+smmd"):  # side by side: same world, parallelism and data
-                rows.append(run(args, work, data, tokenizer_dir, world, tp_size, loss))
-                print(f"{rows[-1]['run']}: {rows[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
+            runs = {"ce": [], "ce+smmd": []}
+            for repeat in range(args.repeats):  # alternate the order so drift hits both alike
+                order = ("ce", "ce+smmd") if repeat % 2 == 0 else ("ce+smmd", "ce")
+                for loss in order:
+                    runs[loss].append(run(args, work, data, tokenizer_dir, world, tp_size, loss, repeat))
+            for loss, measured in runs.items():
+                rates = [m["tokens_per_second"] for m in measured]
+                rows.append({"run": f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}", "world": world,
+                             "tp": tp_size, "dp": world // tp_size, "loss": loss,
+                             "tokens_per_second": statistics.median(rates),
+                             "tokens_per_second_per_device": statistics.median(rates) / world,
+                             "repeats_tokens_per_second": rates,
+                             "spread": (max(rates) - min(rates)) / statistics.median(rates),
+                             "loss_bytes_per_step": measured[-1]["loss_bytes_per_step"]})
+                print(f"{rows[-1]['run']} {loss}: {rows[-1]['tokens_per_second']:.0f} tokens/s {rates}", flush=True)
     by_key = {(r["world"], r["tp"], r["loss"]): r for r in rows}
     for row in rows:
         ce = by_key[(row["world"], row["tp"], "ce")]["tokens_per_second"]
@@ -110,7 +124,7 @@ def main():
                ("loss", "loss", "s"), ("tokens_per_second", "tokens/s", ".0f"),
                ("tokens_per_second_per_device", "tokens/s/device", ".0f"), ("throughput_vs_ce", "vs CE", ".3f"),
                ("scaling_efficiency", "scaling eff.", ".2f"), ("loss_bytes_per_step", "loss bytes/step", ",.0f"),
-               ("spread", "spread", ".0%")]
+               ("spread", "spread over repeats", ".0%")]
     print(markdown_table(rows, columns))
     smmd_rows = [r for r in rows if r["loss"] == "ce+smmd"]
     worst = min(r["throughput_vs_ce"] for r in smmd_rows)
@@ -119,6 +133,7 @@ def main():
     print(f"TensorBoard (all scales together): tensorboard --logdir {work / 'tensorboard'}")
     print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, model=args.model,
                                  steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                                 repeats=args.repeats,
                                  device=args.device, target={"smmd_throughput_vs_ce_min": worst,
                                                              "pass": worst >= 0.97}))
 

@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
     smmd.add_argument("--ntl_weight", type=float, default=0.0,
                       help="for comparisons: CE + this x NTL-WAS (ntloss package) instead of SMMD; full logits only")
+    smmd.add_argument("--framework_loss", action="store_true",
+                      help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
+                      "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
 
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
@@ -98,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--deepspeed_config is required (see ds_configs/)")
     if args.ntl_weight and args.smmd_weight:
         parser.error("--ntl_weight replaces SMMD: pass --smmd_weight 0 with it")
+    if args.framework_loss and args.ntl_weight:
+        parser.error("--framework_loss trains with the model's own loss: it cannot add --ntl_weight")
     args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
@@ -198,11 +203,14 @@ def main(argv=None) -> None:
     vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.smmd_policy,
                                                    max_value=args.smmd_max_value,
                                                    vocab_size=model.config.vocab_size)
-    installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, mode=args.smmd_mode,
-                                   kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
-    if args.ntl_weight:
-        install_ntl(installed, tokenizer, args.ntl_weight)
-    log(f"loss: {installed.hook!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})")
+    installed = None
+    if not args.framework_loss:
+        installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, mode=args.smmd_mode,
+                                       kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
+        if args.ntl_weight:
+            install_ntl(installed, tokenizer, args.ntl_weight)
+    log(f"loss: {installed.hook!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})"
+        if installed else f"loss: the model's own ({type(engine.module.loss_function).__name__}), no SMMD")
 
     # 6. Resume: model/optimizer/scheduler from DeepSpeed, then step, data position and RNG.
     start_step, skipped_steps = 0, 0
@@ -239,7 +247,10 @@ def main(argv=None) -> None:
             loss = engine(input_ids=input_ids, labels=input_ids).loss
             engine.backward(guard.checked(loss))
             engine.step()
-            monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
+            if installed is None:
+                monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
+            else:
+                monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
         guard.end_step(engine.was_step_applied())
         metrics = monitor.end_step(step, time.perf_counter() - began, tokens_per_step, learning_rate,
                                    skipped_steps=guard.total_skips)
@@ -247,7 +258,7 @@ def main(argv=None) -> None:
         progress.update(1)
         progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", smmd=f"{metrics['loss/smmd']:.4f}",
                              tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
-        if eval_blocks is not None and args.eval_steps and step % args.eval_steps == 0:
+        if eval_blocks is not None and installed is not None and args.eval_steps and step % args.eval_steps == 0:
             monitor.write_eval(step, evaluate(engine, installed, eval_blocks, micro_batch_size, args.eval_batches,
                                               dp_rank, topology.dp_size, dp_group))
         if args.save_steps and (step % args.save_steps == 0 or step == args.max_steps):
@@ -256,7 +267,7 @@ def main(argv=None) -> None:
     progress.close()
 
     # 8. Final evaluation and export.
-    if eval_blocks is not None:
+    if eval_blocks is not None and installed is not None:
         final = evaluate(engine, installed, eval_blocks, micro_batch_size, args.eval_batches, dp_rank,
                          topology.dp_size, dp_group)
         monitor.write_eval(args.max_steps, final)

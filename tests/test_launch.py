@@ -173,7 +173,8 @@ def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     output, port = tmp_path / "run", free_port()
-    launcher = deepspeed_command(1, *train_args(corpus, output, steps=2), port=port)
+    # Also the one run with activation checkpointing under ZeRO-3.
+    launcher = deepspeed_command(1, *train_args(corpus, output, "--gradient_checkpointing", steps=2), port=port)
     launcher = [launcher[0], "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port",
                 port] + launcher[launcher.index(str(TRAIN)):]
     nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
@@ -183,3 +184,15 @@ def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2} and logged[2]["loss/ce"] > 0
+
+
+def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
+    """--framework_loss (the throughput baseline) trains on HF's own CE: no numeric statistics."""
+    import math
+
+    output = tmp_path / "run"
+    completed = run([sys.executable, *train_args(corpus, output, "--framework_loss", steps=2)], timeout=300)
+    assert "loss: the model's own" in completed.stdout
+    logged = metrics(output)
+    assert logged[2]["loss/total"] == logged[2]["loss/ce"] > 0
+    assert math.isnan(logged[2]["numeric/accuracy"]) and logged[2]["numeric/tokens"] == 0

@@ -55,9 +55,15 @@ class TrainingMonitor:
         self._sums = dict.fromkeys(_SUMS, 0.0)
         self._loss_bytes = 0
 
-    def record_micro_batch(self, losses: tuple, stats: dict) -> None:
-        """``losses``: detached (total, ce, smmd) of one micro-batch; ``stats``: its SMMDOutput.stats."""
+    def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
+        """``losses``: detached (total, ce, smmd) of one micro-batch; ``stats``: its SMMDOutput.stats
+        (None when the run trains with the model's own loss: no numeric statistics)."""
         total, ce, smmd = (float(value) for value in losses)
+        if stats is None:
+            self._sums["total"] += total
+            self._sums["ce"] += ce
+            self._sums["micro_batches"] += 1
+            return
         numeric = stats["numeric_tokens"]
         for key, value in (("total", total), ("ce", ce), ("smmd", smmd), ("mmd", stats["mmd"] * numeric),
                            ("smooth", stats["smooth"] * numeric), ("numeric_tokens", numeric),
@@ -87,7 +93,8 @@ class TrainingMonitor:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         totals = dict(zip(_SUMS, sums.tolist()))
         micro_batches = max(totals["micro_batches"], 1)
-        numeric = max(totals["numeric_tokens"], 1)
+        # Averages over no numeric position (e.g. a run on the model's own loss) are undefined.
+        numeric = totals["numeric_tokens"] or float("nan")
         grad_norm = self.engine.get_global_grad_norm()
         tokens_per_second = tokens_in_step / step_seconds if step_seconds > 0 else 0.0
         metrics = {
