@@ -10,15 +10,9 @@ MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to a local Hugging Face model directory}"
 DATA="${DATA:?set DATA to one or more training files}"
 OUTPUT_DIR="${OUTPUT_DIR:-outputs/continue-$(basename "$MODEL_DIR")}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/zero3.json}"
-NUM_NODES="${NUM_NODES:-1}"
-GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-HOSTFILE="${HOSTFILE:-launch/hostfile}"
-MASTER_ADDR="${MASTER_ADDR:-$(hostname)}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 
-launcher=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR"
-          --master_port "$MASTER_PORT")
-[ "$NUM_NODES" -gt 1 ] && launcher+=(--hostfile "$HOSTFILE")
+# shellcheck source=launch/deepspeed_launcher.sh
+. launch/deepspeed_launcher.sh
 
 # shellcheck disable=SC2086
 exec "${launcher[@]}" launch/train.py \

@@ -11,20 +11,14 @@ TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory}"
 DATA="${DATA:?set DATA to one or more training files}"
 OUTPUT_DIR="${OUTPUT_DIR:-outputs/pretrain-$MODEL}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/zero3.json}"
-NUM_NODES="${NUM_NODES:-1}"
-GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-HOSTFILE="${HOSTFILE:-launch/hostfile}"
-MASTER_ADDR="${MASTER_ADDR:-$(hostname)}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 SEQ_LEN="${SEQ_LEN:-4096}"
 MICRO_BATCH="${MICRO_BATCH:-1}"
 GRAD_ACCUM="${GRAD_ACCUM:-8}"
 MAX_STEPS="${MAX_STEPS:-10000}"
 SMMD_WEIGHT="${SMMD_WEIGHT:-1.0}"
 
-launcher=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR"
-          --master_port "$MASTER_PORT")
-[ "$NUM_NODES" -gt 1 ] && launcher+=(--hostfile "$HOSTFILE")
+# shellcheck source=launch/deepspeed_launcher.sh
+. launch/deepspeed_launcher.sh
 
 # shellcheck disable=SC2086  # DATA may list several files
 exec "${launcher[@]}" launch/train.py \
