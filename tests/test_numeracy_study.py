@@ -49,17 +49,18 @@ def test_a_method_better_on_every_seed_by_a_constant(rng):
     assert result["p_value"] < 1e-6 and result["t"] > 0
 
 
-def test_a_constant_difference_without_spread_is_p_zero(rng):
-    baseline = rng.uniform(0.1, 0.5, size=3)
-    result = analyze.paired_test(list(baseline - 2.0), list(baseline))
-    assert result["mean_difference"] == pytest.approx(-2.0)
-    assert result["p_value"] == 0.0 and result["t"] == -math.inf
+def test_a_constant_difference_without_spread_is_untestable_not_p_zero():
+    # both sides constant across seeds (a collapsed model): no spread, so no evidence either way
+    result = analyze.paired_test([3.5, 3.5, 3.5], [0.5, 0.5, 0.5])
+    assert result["mean_difference"] == pytest.approx(3.0)
+    assert result["constant"] and result["t"] == math.inf and math.isnan(result["p_value"])
+    assert math.isnan(analyze.holm([result["p_value"], 0.01])[0])
 
 
 def test_identical_methods_give_p_one(rng):
     values = list(rng.uniform(size=3))
     result = analyze.paired_test(values, values)
-    assert result == {"n": 3, "mean_difference": 0.0, "t": 0.0, "p_value": 1.0}
+    assert result == {"n": 3, "mean_difference": 0.0, "t": 0.0, "p_value": 1.0, "constant": False}
 
 
 def test_pairs_with_a_missing_side_are_dropped():

@@ -76,9 +76,12 @@ def paired_test(values, baseline_values) -> dict:
     """Paired t-test of ``values`` against ``baseline_values`` (same seeds, same order).
 
     Pairs where either side is missing (None/NaN) are dropped. Returns ``n`` (pairs),
-    ``mean_difference`` (values - baseline), ``t`` and the two-sided ``p_value``. Fewer than 2 pairs:
-    t and p are NaN. Differences without spread have no t statistic: identical methods (every
-    difference 0) get p = 1, a constant non-zero difference gets p = 0 and t = +-inf.
+    ``mean_difference`` (values - baseline), ``t``, the two-sided ``p_value`` and ``constant``. Fewer
+    than 2 pairs: t and p are NaN. Differences without spread have no t statistic: identical methods
+    (every difference 0) get p = 1; the same non-zero difference on every seed gets t = +-inf, p NaN
+    and ``constant`` True. Such a test is left out of Holm and reported as untestable rather than as
+    p = 0: it arises when both sides are constant across seeds (e.g. a model that collapsed to one
+    answer), where a t-test says nothing about a difference.
     """
     if len(values) != len(baseline_values):
         raise ValueError(f"paired values need one baseline value per seed; got {len(values)} and "
@@ -89,15 +92,15 @@ def paired_test(values, baseline_values) -> dict:
     differences = np.array([a - b for a, b in pairs])
     mean_difference = float(differences.mean()) if n else math.nan
     if n < 2:
-        return {"n": n, "mean_difference": mean_difference, "t": math.nan, "p_value": math.nan}
+        return {"n": n, "mean_difference": mean_difference, "t": math.nan, "p_value": math.nan, "constant": False}
     if np.all(differences == differences[0]):
         if differences[0] == 0:
-            return {"n": n, "mean_difference": 0.0, "t": 0.0, "p_value": 1.0}
+            return {"n": n, "mean_difference": 0.0, "t": 0.0, "p_value": 1.0, "constant": False}
         return {"n": n, "mean_difference": mean_difference, "t": math.copysign(math.inf, differences[0]),
-                "p_value": 0.0}
+                "p_value": math.nan, "constant": True}
     result = stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs])
     return {"n": n, "mean_difference": mean_difference, "t": float(result.statistic),
-            "p_value": float(result.pvalue)}
+            "p_value": float(result.pvalue), "constant": False}
 
 
 def holm(p_values) -> list:
@@ -275,7 +278,8 @@ def tests_table(analysis: dict, metric: str) -> str:
                      "difference": f"{difference * scale:+.2f}{difference_unit(unit)}" if math.isfinite(difference)
                      else "n/a",
                      "direction": direction(difference, higher_is_better),
-                     "p": _p(row["p_value"]), "p_holm": _p(row["p_holm"]),
+                     "p": "n/a: same diff. every seed" if row["constant"] else _p(row["p_value"]),
+                     "p_holm": _p(row["p_holm"]),
                      "mark": "*" if math.isfinite(row["p_holm"]) and row["p_holm"] < ALPHA
                      else "(raw)" if math.isfinite(row["p_value"]) and row["p_value"] < ALPHA else ""})
     return markdown_table(rows, [("method", "method", "s"), ("column", "task", "s"), ("n", "seeds", "s"),
@@ -318,6 +322,9 @@ def findings(analysis: dict) -> list:
                 text += "; no test (fewer than 2 paired seeds)"
             if raw:
                 text += "; raw p < 0.05 only in " + _columns(raw, outcome)
+            constant = [row["column"] for row in rows if row["constant"]]
+            if constant:
+                text += "; untestable (the same difference on every seed) in " + ", ".join(constant)
             if undefined:
                 text += "; undefined (no parseable answers) in " + ", ".join(undefined)
             parts.append(text)
