@@ -27,7 +27,7 @@ Peak memory: the loss's own working memory, inputs excluded, the gradient it pro
         reused from the heap could otherwise hide an allocation.
 
     python benchmarks/bench_loss.py --quick   # one tiny shape, a smoke run (~30 s)
-    python benchmarks/bench_loss.py --cpu     # default on CPU: 10 shapes, ~25 min on 2 busy cores
+    python benchmarks/bench_loss.py --cpu     # default on CPU: 10 shapes, ~10 min on 2 quiet cores
     python benchmarks/bench_loss.py --full    # default on CUDA: the whole grid (48 shapes)
 
 The JSON (benchmarks/results/bench_loss_{quick,cpu,full}.json) holds every row and a "targets"
