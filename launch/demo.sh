@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: an embedded CPU demo of continued pretraining with SMMD vs CE (ZeRO-3 + AutoTP on
 # 2 processes), then numeric evaluation. Nothing is downloaded from a model hub.
-#   bash launch/demo.sh                     # ~10 minutes on 2 cores after the first set-up
+#   bash launch/demo.sh                     # ~8 minutes on 2 cores after the first set-up
 #   bash launch/demo.sh --help              # flags to scale it up (steps, model size, data size)
 # Set-up is idempotent: .venv, the pinned CPU torch (before anything can pull CUDA wheels), the package.
 set -euo pipefail
