@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from distributed import free_port
@@ -29,7 +30,13 @@ def deepspeed_command(num_gpus: int, script, *args, port=None) -> list:
             str(port or free_port()), str(script), *map(str, args)]
 
 
-def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
+# Rarely (once in about ten full suites on 2 cores, never in isolation) a rank of a 2-process CPU
+# job aborts in native code (gloo / DeepSpeed's shared-memory op) with this message and SIGABRT.
+# Such a run is repeated once, with a warning in the test summary; any other failure fails at once.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
+def run(command: list, timeout: float, env=None, cwd=None, _retried: bool = False) -> subprocess.CompletedProcess:
     """Run to completion; on failure or timeout the assertion carries the output's tail."""
     command = [str(part) for part in command]
     try:
@@ -38,6 +45,9 @@ def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.Complet
     except subprocess.TimeoutExpired as error:
         output = (error.stdout or b"")[-4000:] if isinstance(error.stdout, bytes) else (error.stdout or "")[-4000:]
         raise AssertionError(f"{command[:3]}... did not finish within {timeout} s:\n{output}") from None
+    if completed.returncode != 0 and NATIVE_ABORT in completed.stderr and not _retried:
+        warnings.warn(f"{' '.join(command[:3])}... aborted in native code ({NATIVE_ABORT!r}); running it once more")
+        return run(command, timeout, env=env, cwd=cwd, _retried=True)
     if completed.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}:\n"
                              f"{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}")
