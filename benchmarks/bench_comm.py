@@ -10,14 +10,13 @@ Collectives and bytes are counted by wrapping torch.distributed's collectives (t
 run); bytes are the payload each rank hands to the collective. Times are medians of forward +
 backward, interleaved, and are reported as ratios to deepspeed_ce in the same run.
 
-    python benchmarks/bench_comm.py            # tokens 2048, V in {32000, 128256}, N in {10, 1000}
-    python benchmarks/bench_comm.py --quick    # a small shape, for a smoke run
+    python -m benchmarks.bench_comm            # tokens 2048, V in {32000, 128256}, N in {10, 1000}
+    python -m benchmarks.bench_comm --quick    # a small shape, for a smoke run
 """
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, median_and_spread, write_results  # noqa: E402
+from benchmarks.common import markdown_table, median_and_spread, write_results
+from smmd_train.arguments import free_port
 
 # collective -> (position, keyword) of the tensor this rank hands in
 COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
@@ -78,7 +77,7 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
     import smmd_scale
-    from smmd_scale.training.distributed import release_cpu_allreduce_segment
+    from smmd_train.distributed import release_cpu_allreduce_segment
     deepspeed.comm.init_distributed("gloo", verbose=False)
     release_cpu_allreduce_segment()
     group = dist.group.WORLD if world_size > 1 else None
@@ -145,6 +144,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small shape")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.quick:
@@ -155,11 +155,7 @@ def main():
     rows = []
     for world_size in args.tp:
         with tempfile.TemporaryDirectory() as out_dir:
-            from socket import socket
-            with socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            mp.spawn(_worker, args=(world_size, port, configs, args.repeats, out_dir), nprocs=world_size)
+            mp.spawn(_worker, args=(world_size, free_port(), configs, args.repeats, out_dir), nprocs=world_size)
             rows += json.loads(Path(out_dir, "rows.json").read_text())
     baseline = {(r["tp"], r["tokens"], r["vocab_size"], r["numeric_size"], r["numeric_share"]): r["seconds"]
                 for r in rows if r["contender"] == "deepspeed_ce"}
@@ -172,7 +168,7 @@ def main():
                ("bytes", "bytes/rank", ",d"), ("bytes_vs_logits", "bytes / (4·tokens·V)", ".3%"),
                ("time_vs_deepspeed_ce", "time vs DeepSpeed CE", ".2f"), ("spread", "spread", ".0%")]
     print(markdown_table(rows, columns))
-    print("wrote", write_results("bench_comm" + ("_quick" if args.quick else ""), rows,
+    print("wrote", write_results("bench_comm" + ("_quick" if args.quick else ""), rows, results_dir=args.results_dir,
                                  note="forward+backward; bytes = payload handed to collectives per rank per call"))
 
 

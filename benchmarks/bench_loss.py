@@ -3,7 +3,7 @@
 Contenders, all on one ``logits [tokens, V]`` (requires grad) and ``targets [tokens]``:
   torch_ce      F.cross_entropy(logits.float(), targets): what HF's ForCausalLMLoss does
   deepspeed_ce  deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy at TP = 1 (CE only)
-  paper_way     torch_ce + SMMD computed the way the paper's implementation does (paper_way.py)
+  paper_way     torch_ce + SMMD computed the way the paper's implementation does (contenders/paper_way.py)
   ntloss        torch_ce + NTLoss (NTL-WAS) from the ``ntloss`` package, called as its README does
   ours          smmd_scale.smmd_cross_entropy(logits, targets, SMMDLoss(vocab), weight=1.0).total
 
@@ -26,9 +26,9 @@ Peak memory: the loss's own working memory, inputs excluded, the gradient it pro
         in the child so every large block is fresh pages from the OS: a block freed earlier and
         reused from the heap could otherwise hide an allocation.
 
-    python benchmarks/bench_loss.py --quick   # one tiny shape, a smoke run (~30 s)
-    python benchmarks/bench_loss.py --cpu     # default on CPU: 10 shapes, ~10 min on 2 quiet cores
-    python benchmarks/bench_loss.py --full    # default on CUDA: the whole grid (48 shapes)
+    python -m benchmarks.bench_loss --quick   # one tiny shape, a smoke run (~30 s)
+    python -m benchmarks.bench_loss --cpu     # default on CPU: 10 shapes, ~10 min on 2 quiet cores
+    python -m benchmarks.bench_loss --full    # default on CUDA: the whole grid (48 shapes)
 
 The JSON (benchmarks/results/bench_loss_{quick,cpu,full}.json) holds every row and a "targets"
 section: each target of the issue with its measured value and pass/fail, computed, not asserted.
@@ -51,12 +51,12 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median_and_spread, write_results  # noqa: E402
-from paper_way import PaperWaySMMD  # noqa: E402
+import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
+from benchmarks.common import machine, markdown_table, median_and_spread, write_results  # noqa: E402
+from benchmarks.contenders.ntloss_package import Unavailable, build_ntloss  # noqa: E402
+from benchmarks.contenders.paper_way import PaperWaySMMD  # noqa: E402
 
-import smmd_scale  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IGNORE_SHARE = 0.05
@@ -132,43 +132,8 @@ def make_inputs(shape: Shape, token_ids: torch.Tensor, device: torch.device) -> 
 # --------------------------------------------------------------------------------------------
 
 
-class Unavailable(Exception):
-    """An optional contender cannot run here; the message says why."""
-
-
 def torch_ce(logits, targets):
     return F.cross_entropy(logits.float(), targets)
-
-
-def ntloss_tokenizer(shape: Shape, token_ids: torch.Tensor):
-    """A local WordLevel tokenizer of exactly V tokens: "0".."N-1" at ``token_ids``, fillers elsewhere."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    words = [f"w{index}" for index in range(shape.vocab_size)]  # fillers never parse as numbers
-    for value, token_id in enumerate(token_ids.tolist()):
-        words[token_id] = str(value)
-    unknown = next(word for word in words if word.startswith("w"))
-    model = models.WordLevel({word: index for index, word in enumerate(words)}, unk_token=unknown)
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(model))
-
-
-def build_ntloss(shape: Shape, token_ids: torch.Tensor):
-    try:
-        import ntloss
-    except ImportError as error:
-        raise Unavailable(f"not installed ({error}); pip install --no-deps ntloss loguru") from error
-    try:
-        # digit_level=True (the default) keeps only the tokens "0".."9"; the multi-digit tokens
-        # "10".."999" count only with digit_level=False. For N = 10 both select the same tokens.
-        ntl = ntloss.NTLoss(tokenizer=ntloss_tokenizer(shape, token_ids), digit_level=False)
-    except Exception as error:  # a third-party package: record what went wrong, do not hide the row
-        raise Unavailable(f"ntloss {metadata.version('ntloss')} failed to set up: {error!r}") from error
-    found = int(ntl.is_number_token.sum())
-    if found != shape.numeric_size:
-        raise Unavailable(f"ntloss found {found} number tokens, expected {shape.numeric_size}")
-    # NTLoss wants [batch, seq, V] logits and [batch, seq] labels
-    return lambda logits, targets: torch_ce(logits, targets) + ntl(logits[None], targets[None])
 
 
 def build_loss(name: str, shape: Shape, token_ids: torch.Tensor):
@@ -187,7 +152,7 @@ def build_loss(name: str, shape: Shape, token_ids: torch.Tensor):
         smmd = PaperWaySMMD(token_ids, values, vocab_size)
         return lambda logits, targets: torch_ce(logits, targets) + smmd(logits, targets)
     if name == "ntloss":
-        return build_ntloss(shape, token_ids)
+        return build_ntloss(shape.vocab_size, shape.numeric_size, token_ids, torch_ce)
     if name == "ours":
         smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(token_ids.tolist(), values, vocab_size))
         return lambda logits, targets: smmd_scale.smmd_cross_entropy(logits, targets, smmd, weight=1.0).total
@@ -268,8 +233,8 @@ def measure_memory_here(name: str, shape: Shape) -> int:
 def cpu_peak_bytes(name: str, shape: Shape) -> int:
     """Run :func:`measure_memory_here` in a fresh interpreter, so no earlier allocation is reused."""
     environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(CHILD_MALLOC_MMAP_THRESHOLD_BYTES))
-    command = [sys.executable, str(Path(__file__).resolve()), "--measure-memory", name, *shape.cli_args()]
-    child = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
+    command = [sys.executable, "-m", "benchmarks.bench_loss", "--measure-memory", name, *shape.cli_args()]
+    child = subprocess.run(command, capture_output=True, text=True, env=environment, check=False, cwd=REPO)
     if child.returncode != 0:
         raise RuntimeError(f"memory measurement of {name} at {shape} failed (exit {child.returncode}):\n"
                            f"{child.stderr[-3000:]}")
@@ -347,7 +312,7 @@ def _not_measured(target: str, limit: float, direction: str, why: str) -> dict:
             "result": "not measured"}
 
 
-def evaluate_targets(rows: list, device_type: str) -> list:
+def check_targets(rows: list, device_type: str) -> list:
     """Each target of the issue with its measured value and pass/fail (worst shape where it spans all)."""
     ours = [row for row in rows if row["contender"] == "ours" and "seconds" in row]
     targets = []
@@ -418,6 +383,7 @@ def main():
                       help="the whole grid, meant for a GPU (default on CUDA)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per shape (default 5; 3 for --quick)")
+    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
     parser.add_argument("--measure-memory", nargs=6, metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -436,15 +402,15 @@ def main():
         rows += measure_shape(shape, device, repeats)
         print(f"{shape}: done ({time.perf_counter() - began:.0f} s)", flush=True)
     add_ratios(rows)
-    targets = evaluate_targets(rows, device.type)
+    targets = check_targets(rows, device.type)
     print(report(rows, targets))
     try:
         ntloss_version = metadata.version("ntloss")
     except metadata.PackageNotFoundError:
         ntloss_version = None
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["cpu"]
-    path = write_results(f"bench_loss_{grid_name}", rows, device=device.type, device_name=device_name,
-                         grid=grid_name, repeats=repeats, threads=torch.get_num_threads(),
+    path = write_results(f"bench_loss_{grid_name}", rows, results_dir=args.results_dir, device=device.type,
+                         device_name=device_name, grid=grid_name, repeats=repeats, threads=torch.get_num_threads(),
                          ntloss_version=ntloss_version, wall_seconds=time.perf_counter() - began,
                          note="forward+backward of the loss on the same logits; peak = the loss's own working "
                               "memory incl. the logits gradient (CPU: peak RSS rise in a fresh process)",

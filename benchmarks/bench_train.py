@@ -11,8 +11,8 @@ Each pair runs ``--repeats`` times in alternating order; a run's throughput is t
 median over its repeats. Every run logs to one TensorBoard logdir, so the curves of all scales sit
 together (the run's world/TP/DP sizes are logged as run/* scalars).
 
-    python benchmarks/bench_train.py                         # CPU: tiny Llama, worlds 1 2 4
-    python benchmarks/bench_train.py --model 125m --device cuda --worlds 1 2 4 8 --steps 60
+    python -m benchmarks.bench_train                         # CPU: tiny Llama, worlds 1 2 4
+    python -m benchmarks.bench_train --model 125m --device cuda --worlds 1 2 4 8 --steps 60
 """
 
 import argparse
@@ -21,14 +21,12 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_results  # noqa: E402
+from benchmarks.common import markdown_table, write_results
+from smmd_train.arguments import REPO, train_command
 
-REPO = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 3
 
 
@@ -43,11 +41,12 @@ def parse_args():
     parser.add_argument("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_train"))
     parser.add_argument("--repeats", type=int, default=2, help="runs per (setting, loss), alternating")
     parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps, one repeat: a smoke run")
+    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
     return parser.parse_args()
 
 
 def prepare_data(work: Path) -> tuple:
-    from smmd_scale import numeracy
+    import smmd_numeracy as numeracy
 
     corpus = numeracy.build_corpus(work / "data", train_per_task=3000, test_per_task=10, seed=0)
     with open(corpus["train"]) as handle:
@@ -60,16 +59,11 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
     name = f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_{loss}_run{repeat}"
     output = work / name
     shutil.rmtree(output, ignore_errors=True)
-    prefix = "cpu_" if args.device == "cpu" else ""
-    config = REPO / "ds_configs" / f"{prefix}zero3{'_autotp' if tp_size > 1 else ''}.json"
-    command = [shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed",
-               "--num_gpus", str(world), "--master_addr", "127.0.0.1", "--master_port", str(29400 + world),
-               str(REPO / "launch" / "train.py"), "--deepspeed_config", str(config), "--model", args.model,
-               "--tokenizer", str(tokenizer_dir), "--data", str(data), "--seq_len", str(args.seq_len),
-               "--micro_batch_size", str(args.micro_batch_size), "--max_steps", str(args.steps),
-               "--warmup_steps", "5", "--output_dir", str(output), "--cache_dir", str(work / "cache"),
-               "--tensorboard_dir", str(work / "tensorboard" / name)]
-    command += ["--smmd_weight", "1.0"] if loss == "ce+smmd" else ["--framework_loss"]
+    command = train_command(processes=world, deepspeed_config=REPO / "ds_configs" / "zero3.json", tp=tp_size,
+                            model=args.model, tokenizer=tokenizer_dir, data=[data], seq_len=args.seq_len,
+                            micro_batch_size=args.micro_batch_size, max_steps=args.steps, warmup_steps=5,
+                            output_dir=output, cache_dir=work / "cache", tensorboard_dir=work / "tensorboard" / name,
+                            smmd_weight=1.0 if loss == "ce+smmd" else None, framework_loss=loss == "ce")
     env = dict(os.environ)
     if args.device == "cpu":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR",
@@ -131,7 +125,8 @@ def main():
     print(f"target: throughput with SMMD >= 0.97x CE only; worst measured {worst:.3f} "
           f"({'pass' if worst >= 0.97 else 'fail'})")
     print(f"TensorBoard (all scales together): tensorboard --logdir {work / 'tensorboard'}")
-    print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, model=args.model,
+    print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, results_dir=args.results_dir,
+                                 model=args.model,
                                  steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                                  repeats=args.repeats,
                                  device=args.device, target={"smmd_throughput_vs_ce_min": worst,

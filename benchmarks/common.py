@@ -33,9 +33,11 @@ def median_and_spread(samples: list) -> tuple:
     return middle, (max(samples) - min(samples)) / middle if middle else 0.0
 
 
-def write_results(name: str, rows: list, **extra) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_results(name: str, rows: list, results_dir=None, **extra) -> Path:
+    """``<results_dir>/<name>.json`` (default ``benchmarks/results``) with the machine, ``extra`` and ``rows``."""
+    results_dir = Path(results_dir or RESULTS)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **extra, "rows": rows}, indent=1))
     return path
 

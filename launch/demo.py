@@ -23,11 +23,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from smmd_train.arguments import REPO, train_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--continue_lr", type=float, default=1e-3)
     parser.add_argument("--smmd_weight", type=float, default=1.0)
     parser.add_argument("--gpus", type=int, default=2, help="processes for the deepspeed launcher")
-    parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "cpu_zero3_autotp.json"),
-                        help="use ds_configs/zero3_autotp.json on GPUs")
+    parser.add_argument("--tp", type=int, default=2, help="AutoTP degree of every training run")
+    parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
     parser.add_argument("--vocab_size", type=int, default=2048, help="tokenizer size")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -61,17 +60,13 @@ def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight
     """One train.py run under the deepspeed launcher; returns its output dir."""
     output_dir = Path(args.work_dir) / name
     shutil.rmtree(output_dir, ignore_errors=True)
-    command = [shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed",
-               "--num_gpus", str(args.gpus), "--master_addr", "127.0.0.1", "--master_port",
-               str(29500 + os.getpid() % 1000), str(REPO / "launch" / "train.py"),
-               "--deepspeed_config", args.deepspeed_config, "--model", model, "--data", data["train"],
-               "--eval_data", data["eval"], "--eval_batches", "8", "--seq_len", str(args.seq_len),
-               "--micro_batch_size", str(args.micro_batch_size), "--max_steps", str(steps), "--lr", str(lr),
-               "--warmup_steps", str(max(steps // 10, 1)), "--seed", str(args.seed), "--output_dir", str(output_dir),
-               "--tensorboard_dir", str(Path(args.work_dir) / "tensorboard" / name),
-               "--smmd_weight", str(smmd_weight), "--export_hf", str(export_dir)]
-    if model == args.model:
-        command += ["--tokenizer", str(tokenizer_dir)]
+    command = train_command(processes=args.gpus, deepspeed_config=args.deepspeed_config, tp=args.tp, model=model,
+                            tokenizer=tokenizer_dir if model == args.model else None, data=[data["train"]],
+                            eval_data=[data["eval"]], eval_batches=8, seq_len=args.seq_len,
+                            micro_batch_size=args.micro_batch_size, max_steps=steps, lr=lr,
+                            warmup_steps=max(steps // 10, 1), seed=args.seed, output_dir=output_dir,
+                            tensorboard_dir=Path(args.work_dir) / "tensorboard" / name, smmd_weight=smmd_weight,
+                            export_hf=export_dir)
     log = output_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
@@ -91,10 +86,11 @@ def training_summary(output_dir: Path) -> dict:
             "eval_numeric_accuracy": evals[-1]["eval/numeric_accuracy"] if evals else float("nan")}
 
 
-def evaluate(model_dir: Path, qa_path: str) -> dict:
+def score_answers(model_dir: Path, qa_path: str) -> dict:
+    """Greedy answers and teacher-forced numeric-token metrics of an exported model on held-out problems."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_scale.evaluation import evaluate_qa, load_qa
+    from smmd_numeracy import evaluate_qa, load_qa
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     report = evaluate_qa(model, AutoTokenizer.from_pretrained(model_dir), load_qa(qa_path))
@@ -118,7 +114,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from smmd_scale import numeracy
+    import smmd_numeracy as numeracy
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -158,8 +154,8 @@ def main(argv=None) -> None:
 
     started = stage("5/5 numeric evaluation on held-out problems (greedy generation + teacher forcing)")
     rows = []
-    for name, (label, output) in runs.items():
-        report, summary = evaluate(output / "hf", data["qa_test"]), training_summary(output)
+    for label, output in runs.values():
+        report, summary = score_answers(output / "hf", data["qa_test"]), training_summary(output)
         rows.append({"run": label, "exact match": report["exact_match"], "MAE": report["mae"],
                      "unparseable": report["unparseable"],
                      "numeric-token acc.": report["numeric_token_accuracy"],

@@ -15,7 +15,7 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
   python -m pip install -q --disable-pip-version-check --upgrade pip
   python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
-python -m pip install -q --disable-pip-version-check -e .
+python -m pip install -q --disable-pip-version-check -e ".[train]"
 
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"

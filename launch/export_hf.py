@@ -23,7 +23,7 @@ import torch
 
 def _locate(checkpoint: str) -> tuple:
     """(run output dir, tag) from OUTPUT_DIR or OUTPUT_DIR/TAG."""
-    from smmd_scale.training.checkpoint import find_resume_tag, is_committed
+    from smmd_train.checkpoint import find_resume_tag, is_committed
 
     path = Path(checkpoint)
     if (path / "run_config.json").is_file():
@@ -41,7 +41,7 @@ def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_scale.training.model import config_from_dict
+    from smmd_train.model import config_from_dict
 
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag)
     config = config_from_dict(run["model_config"])
@@ -61,9 +61,10 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     from deepspeed.utils import groups
     from transformers import AutoTokenizer
 
-    from smmd_scale.training.distributed import init_distributed
-    from smmd_scale.training.export import export_hf
-    from smmd_scale.training.model import build_model, config_from_dict, zero_init_config
+    from smmd_scale import compat
+    from smmd_train.distributed import init_distributed
+    from smmd_train.export import export_hf
+    from smmd_train.model import build_model, config_from_dict, zero_init_config
 
     launch = init_distributed()
     if launch.world_size != run["world_size"]:
@@ -72,7 +73,7 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     # The optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the optimizer's
     # partitions (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
     ds_config = {key: value for key, value in run["deepspeed_config"].items() if key != "tensorboard"}
-    groups._init_tp_mesh_device(tensor_model_parallel_size=run["tp_size"])
+    compat.init_tensor_parallel_groups(run["tp_size"])
     config = config_from_dict(run["model_config"])
     model, zero_init = build_model(config, zero_init_config(ds_config))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,

@@ -7,7 +7,7 @@ import torch
 
 from smmd_scale import NumericVocab
 
-# The paper-implementation reference values (DESIGN.md §1), copied from shared/fixtures.
+# Reference values of the objective (docs/objective.md) computed in float64 with the paper's published code.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "smmd_reference_digits.pt"
 # Fresh random inputs every run; rerun one with SMMD_TEST_SEED=<seed printed in the header>.
 SESSION_SEED = int(os.environ.get("SMMD_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -59,3 +59,13 @@ def random_problem(generator, vocab_size=None, numeric_size=None, shape=None, nu
 def generator(request):
     """A generator seeded from the session seed and the test's id."""
     return torch.Generator().manual_seed(SESSION_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A Llama-3-style tokenizer (0..999 single tokens) saved as a Hugging Face directory."""
+    from style_tokenizers import llama3_style
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    llama3_style().save_pretrained(directory)
+    return directory

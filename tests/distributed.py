@@ -67,7 +67,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: floa
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead and len(outcomes) + len(dead) >= world_size:
                     raise AssertionError(f"a rank died without reporting (exit codes "
-                                         f"{[p.exitcode for p in processes]})")
+                                         f"{[p.exitcode for p in processes]})") from None
     finally:
         for process in processes:
             process.join(timeout=10)

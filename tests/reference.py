@@ -1,4 +1,4 @@
-"""A plain float64 reference of DESIGN.md §1, written for clarity, not speed.
+"""A plain float64 reference of the objective in docs/objective.md, written for clarity, not speed.
 
 It shares no code with the package: full-row copies, an explicit Laplacian matrix, autograd
 for the gradient. Tests compare the fast paths against it on fresh random inputs.
@@ -61,7 +61,7 @@ def reference_smmd(logits, targets, token_ids, values, mode="smmd", kernel="gaus
 
 def reference_total(logits, targets, token_ids, values, weight=1.0, num_items_in_batch=None, ignore_index=-100,
                     **options):
-    """(total, ce, smmd) as DESIGN §1 defines them, on a float64 copy of the logits."""
+    """(total, ce, smmd) as docs/objective.md defines them, on a float64 copy of the logits."""
     flat_logits = logits.reshape(-1, logits.shape[-1]).double()
     flat_targets = targets.reshape(-1)
     smmd = reference_smmd(logits, targets, token_ids, values, ignore_index=ignore_index, **options)

@@ -19,11 +19,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from smmd_train import data
+from smmd_train.data import (
+    PackedBatches,
+    check_tokenizer_fits_model,
+    eval_batches,
+    load_text_dataset,
+    tokenize_and_pack,
+)
+
 import style_tokenizers
 from conftest import SESSION_SEED
-from smmd_scale.training import data
-from smmd_scale.training.data import (PackedBatches, check_tokenizer_fits_model, eval_batches, load_text_dataset,
-                                      tokenize_and_pack)
 
 _WORDS = ("the", "of", "sold", "cars", "in", "2024", "12", "3.75", "1,000", "café", "naïve", "日本", "🙂", "x=7;",
           "Ελλάδα", "$5")
@@ -41,16 +47,9 @@ def rng(request):
     return random.Random(SESSION_SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """A Llama-3-style tokenizer saved to disk, loaded back the way train.py loads one."""
-    path = tmp_path_factory.mktemp("tokenizer")
-    style_tokenizers.llama3_style().save_pretrained(path)
-    return path
-
-
 @pytest.fixture
 def tokenizer(tokenizer_dir):
+    """The Llama-3-style tokenizer, loaded back from disk the way train.py loads one."""
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
@@ -324,7 +323,7 @@ _SECOND_RANK = textwrap.dedent("""
     import hashlib, json, sys
     import numpy as np
     from transformers import AutoTokenizer
-    from smmd_scale.training.data import load_text_dataset, tokenize_and_pack
+    from smmd_train.data import load_text_dataset, tokenize_and_pack
 
     tokenizer_dir, cache_dir, seq_len, *paths = sys.argv[1:]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -385,7 +384,7 @@ def test_dp_ranks_split_every_step_and_cover_each_epoch(rng):
     for epoch in range(2):
         assert all(batches.epoch == epoch for batches in ranks)
         seen = []
-        for step in range(steps_per_epoch):
+        for _ in range(steps_per_epoch):
             batches = [next(batches)["input_ids"] for batches in ranks]
             assert torch.equal(next(tensor_parallel_peer)["input_ids"], batches[-1])
             for batch in batches:

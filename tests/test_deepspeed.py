@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from launching import REPO, deepspeed_command, run
+from launching import REPO, launch_command, run
 
+pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "deepspeed_tp_training.py"
 
 
@@ -15,7 +16,7 @@ SCRIPT = REPO / "tests" / "scripts" / "deepspeed_tp_training.py"
 def test_autotp_vocab_parallel_training_equals_tp1(tmp_path, tied):
     flags = ["--tied"] if tied else []
     run([sys.executable, str(SCRIPT), "--tp", "1", "--out", tmp_path / "tp1.json", *flags], timeout=600)
-    run(deepspeed_command(2, SCRIPT, "--tp", "2", "--out", tmp_path / "tp2.json", *flags), timeout=600)
+    run(launch_command(SCRIPT, "--tp", "2", "--out", tmp_path / "tp2.json", *flags, processes=2), timeout=600)
     single = json.loads((tmp_path / "tp1.json").read_text())
     parallel = json.loads((tmp_path / "tp2.json").read_text())
 

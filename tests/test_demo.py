@@ -4,7 +4,11 @@ CE and CE + SMMD continued pretraining under ZeRO-3 + AutoTP on 2 processes, and
 import json
 import sys
 
+import pytest
+
 from launching import REPO, environment, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_end_to_end_at_toy_settings(tmp_path):

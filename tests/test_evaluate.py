@@ -1,17 +1,15 @@
-"""smmd_scale.evaluation and launch/evaluate.py on a tiny Llama that memorized a few QA items, so every
+"""smmd_numeracy.evaluation and launch/evaluate.py on a tiny Llama that memorized a few QA items, so every
 metric has a known value: exact match and MAE exactly, the teacher-forced numeric metrics against a
 per-item, unpadded, float64 reference."""
 
 import json
-import runpy
-import sys
 
 import pytest
 import torch
 
-from launching import REPO, environment, run
+from smmd_numeracy import evaluate_qa, load_qa, parse_number
+from smmd_numeracy.evaluate_cli import main as evaluate_main
 from smmd_scale import NumericVocab
-from smmd_scale.evaluation import evaluate_qa, load_qa, parse_number
 
 # Mixed prompt lengths (left padding is exercised) and answers of 1, 2 and 3 tokens: a negative
 # number, a 4-digit one ("123" "4") and a decimal ("2" "." "5").
@@ -71,8 +69,9 @@ def write_jsonl(path, items):
 @pytest.fixture(scope="module")
 def memorized(tmp_path_factory):
     """(model dir, model loaded back from it, tokenizer): a tiny Llama that memorized QA."""
-    from style_tokenizers import llama3_style
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from style_tokenizers import llama3_style
 
     torch.set_num_threads(1)
     tokenizer = llama3_style()
@@ -158,8 +157,9 @@ def test_untrained_model_scores_low(memorized):
 
 def test_batching_does_not_change_results_on_an_absolute_position_model():
     """GPT-2's learned positions would shift under left padding unless position ids follow the mask."""
-    from style_tokenizers import gpt2_style
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from style_tokenizers import gpt2_style
 
     tokenizer = gpt2_style()
     torch.manual_seed(1)
@@ -176,25 +176,25 @@ def test_batching_does_not_change_results_on_an_absolute_position_model():
     assert batched["numeric_token_mae"] == pytest.approx(mae, rel=1e-4) and batched["numeric_tokens"] == count
 
 
-def test_cli_writes_the_in_process_report(memorized, tmp_path):
+def test_cli_writes_the_in_process_report(memorized, tmp_path, capsys):
     model_dir, model, tokenizer = memorized
     data = write_jsonl(tmp_path / "qa.jsonl", QA + [{"prompt": "Q: What is 1 + 1? A:", "answer": 2}])
     output = tmp_path / "reports" / "report.json"
-    completed = run([sys.executable, REPO / "launch" / "evaluate.py", model_dir, "--data", data, "--limit",
-                     len(QA), "--batch_size", BATCH_SIZE, "--output", output], timeout=120,
-                    env=environment(CUDA_VISIBLE_DEVICES=""))
+    evaluate_main([str(model_dir), "--data", str(data), "--limit", str(len(QA)), "--batch_size", str(BATCH_SIZE),
+                   "--output", str(output)])
+    stdout = capsys.readouterr().out
 
     expected = evaluate_qa(model, tokenizer, load_qa(data)[:len(QA)], batch_size=BATCH_SIZE)
     assert json.loads(output.read_text()) == json.loads(json.dumps(expected))
-    table = completed.stdout.splitlines()
+    table = stdout.splitlines()
     assert table[1].split()[:3] == ["task", "count", "exact_match"]
     assert table[2].split()[:3] == ["all", "8", "1.0000"]
-    assert f"report: {output}" in completed.stdout
+    assert f"report: {output}" in stdout
 
 
 def test_cli_rejects_bad_inputs(memorized, tmp_path, capsys):
     model_dir = memorized[0]
-    main = runpy.run_path(str(REPO / "launch" / "evaluate.py"))["main"]
+    main = evaluate_main
     data = write_jsonl(tmp_path / "qa.jsonl", QA)
     cases = [([str(tmp_path / "nowhere"), "--data", str(data)], "no config.json"),
              ([str(model_dir), "--data", str(tmp_path / "missing.jsonl")], "does not exist"),

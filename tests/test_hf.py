@@ -6,8 +6,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import smmd_scale
-from reference import reference_total
 from smmd_scale import NumericVocab
+
+from reference import reference_total
 
 VOCAB_SIZE = 96
 NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
@@ -137,8 +138,8 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
 def test_ntl_hook_is_ce_plus_ntloss(generator):
     """The comparison hook used by the evidence study: our CE plus the ntloss package's NTL-WAS."""
     from ntloss import NTLoss
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
     for index, token_id in enumerate(NUMERIC_IDS):
@@ -148,7 +149,7 @@ def test_ntl_hook_is_ce_plus_ntloss(generator):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
 
-    from smmd_scale.integrations.ntl import install_ntl
+    from smmd_train.ntl_contender import install_ntl
     ids, labels = batch(generator)
     model = tiny_llama().double()
     installed = smmd_scale.install(model, NumericVocab.from_tokenizer(tokenizer, vocab_size=VOCAB_SIZE), weight=0.0)

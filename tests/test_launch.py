@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from distributed import free_port
-from launching import REPO, deepspeed_command, environment, metrics, run
+from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 
-TRAIN = REPO / "launch" / "train.py"
+pytestmark = pytest.mark.slow
 EXPORT = REPO / "launch" / "export_hf.py"
 CONTRACT_SCALARS = {"loss/total", "loss/ce", "loss/smmd", "loss/mmd", "loss/smooth", "numeric/accuracy",
                     "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_device",
@@ -46,20 +46,24 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_args(corpus, output_dir, *extra, config="cpu_zero3.json", steps=4, model="tiny", lr=3e-3):
-    """train.py flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
-    source = ["--model", model, "--tokenizer", corpus / "tokenizer"] if model == "tiny" else ["--model", model]
-    return [TRAIN, "--deepspeed_config", REPO / "ds_configs" / config, *source, "--data", corpus / "train.jsonl",
-            "--eval_data", corpus / "eval.jsonl", "--eval_batches", EVAL_BATCHES, "--seq_len", SEQ_LEN,
-            "--micro_batch_size", 2, "--max_steps", steps, "--warmup_steps", 1, "--lr", lr, "--output_dir", output_dir,
-            *extra]
+def train_args(corpus, output_dir, steps=4, model="tiny", lr=3e-3, **options):
+    """train.py and its flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
+    return [TRAIN, *train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model=model,
+                                tokenizer=corpus / "tokenizer" if model == "tiny" else None,
+                                data=[corpus / "train.jsonl"], eval_data=[corpus / "eval.jsonl"],
+                                eval_batches=EVAL_BATCHES, seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps,
+                                warmup_steps=1, lr=lr, output_dir=output_dir, **options)]
+
+
+def deepspeed_command(processes, script, *args, port=None):
+    return launch_command(script, *args, processes=processes, master_port=port)
 
 
 def eval_ce_of_hf_model(model_dir, corpus) -> float:
     """Token-mean CE of a saved HF model on the same packed eval blocks train.py evaluates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_scale.training.data import eval_batches, load_text_dataset, tokenize_and_pack
+    from smmd_train.data import eval_batches, load_text_dataset, tokenize_and_pack
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
     blocks = tokenize_and_pack(load_text_dataset([str(corpus / "eval.jsonl")]), tokenizer, SEQ_LEN)
@@ -87,7 +91,7 @@ def tensorboard_scalars(output_dir) -> set:
 
 def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
     output, port = tmp_path / "run", free_port()
-    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf"), port=port), timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, output, export_hf=output / "hf"), port=port), timeout=600)
     # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
@@ -104,8 +108,7 @@ def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
 
 def test_autotp_tp2_with_export_round_trips(tmp_path, corpus):
     output = tmp_path / "run"
-    run(deepspeed_command(2, *train_args(corpus, output, "--export_hf", output / "hf", "--save_steps", 4,
-                                         config="cpu_zero3_autotp.json")), timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, output, export_hf=output / "hf", save_steps=4, tp=2)), timeout=600)
     logged = metrics(output)
     assert logged[0]["run/tp_size"] == 2 and logged[0]["run/dp_size"] == 1
     assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2, 3, 4))  # the vocab-parallel exchange ran
@@ -133,18 +136,15 @@ def test_continued_pretraining_from_a_local_hf_checkpoint(tmp_path, corpus):
     # equals the saved model's own.
     run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=0.0)), timeout=600)
     assert metrics(output)[2]["eval/ce"] == pytest.approx(eval_ce_of_hf_model(start, corpus), rel=1e-5)
-    with pytest.raises(AssertionError, match="pass --tokenizer"):  # a preset needs a tokenizer
-        run([sys.executable, TRAIN, "--model", "tiny", "--deepspeed_config", REPO / "ds_configs" / "cpu_zero3.json",
-             "--data", corpus / "train.jsonl", "--max_steps", 1, "--output_dir", tmp_path / "x"], timeout=300)
 
 
 def test_sigkill_and_resume_continue_exactly(tmp_path, corpus):
     reference = tmp_path / "reference"
-    run(deepspeed_command(2, *train_args(corpus, reference, "--save_steps", 2, steps=6)), timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, reference, save_steps=2, steps=6)), timeout=600)
     expected = metrics(reference)
 
     output = tmp_path / "killed"
-    command = deepspeed_command(2, *train_args(corpus, output, "--save_steps", 2, "--resume", steps=6))
+    command = deepspeed_command(2, *train_args(corpus, output, save_steps=2, resume=True, steps=6))
     process = subprocess.Popen([str(part) for part in command], env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 400
@@ -153,7 +153,7 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, corpus):
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
     process.wait()
-    run(deepspeed_command(2, *train_args(corpus, output, "--save_steps", 2, "--resume", steps=6)), timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, output, save_steps=2, resume=True, steps=6)), timeout=600)
     resumed = metrics(output)
     for step in (5, 6):
         for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/tokens", "train/lr"):
@@ -174,7 +174,7 @@ def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     output, port = tmp_path / "run", free_port()
     # Also the one run with activation checkpointing under ZeRO-3.
-    launcher = deepspeed_command(1, *train_args(corpus, output, "--gradient_checkpointing", steps=2), port=port)
+    launcher = deepspeed_command(1, *train_args(corpus, output, gradient_checkpointing=True, steps=2), port=port)
     launcher = [launcher[0], "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port",
                 port] + launcher[launcher.index(str(TRAIN)):]
     nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
@@ -191,7 +191,7 @@ def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
     import math
 
     output = tmp_path / "run"
-    completed = run([sys.executable, *train_args(corpus, output, "--framework_loss", steps=2)], timeout=300)
+    completed = run([sys.executable, *train_args(corpus, output, framework_loss=True, steps=2)], timeout=300)
     assert "loss: the model's own" in completed.stdout
     logged = metrics(output)
     assert logged[2]["loss/total"] == logged[2]["loss/ce"] > 0

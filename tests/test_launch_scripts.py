@@ -23,7 +23,7 @@ def launch(tmp_path: Path, script: str, **variables) -> tuple:
     record = tmp_path / "argv.txt"
     record.unlink(missing_ok=True)
     env = {key: value for key, value in os.environ.items()
-           if key not in {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR"}}
+           if key not in {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR", "TP"}}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), **{k: str(v) for k, v in variables.items()})
     completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env,
                                capture_output=True, text=True, timeout=60)
@@ -41,8 +41,8 @@ def test_pretrain_single_node_command(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--num_nodes") == "1" and flag(argv, "--num_gpus") == "4"
     assert flag(argv, "--master_port") == "29811" and "--hostfile" not in argv
-    assert argv[argv.index("launch/train.py") + 1:argv.index("launch/train.py") + 3] == [
-        "--deepspeed_config", "ds_configs/zero3.json"]
+    assert argv[argv.index("launch/train.py") + 1:argv.index("launch/train.py") + 5] == [
+        "--deepspeed_config", "ds_configs/zero3.json", "--tp", "1"]
     assert flag(argv, "--model") == "7b" and flag(argv, "--tokenizer") == "/data/tok"
     data = argv.index("--data")
     assert argv[data + 1:data + 3] == ["/data/a.jsonl", "/data/b.jsonl"]  # several files stay several
@@ -70,9 +70,10 @@ def test_a_missing_required_variable_is_named(tmp_path, script, missing):
 
 def test_continue_pretrain_command(tmp_path):
     completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/models/llama-3-8b", DATA="/data/math.jsonl",
-                             DS_CONFIG="ds_configs/zero3_autotp.json", LR="1e-5")
+                             DS_CONFIG="ds_configs/zero3_offload.json", TP=2, LR="1e-5")
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--model") == "/models/llama-3-8b" and "--tokenizer" not in argv
-    assert flag(argv, "--deepspeed_config") == "ds_configs/zero3_autotp.json" and flag(argv, "--lr") == "1e-5"
+    assert flag(argv, "--deepspeed_config") == "ds_configs/zero3_offload.json" and flag(argv, "--lr") == "1e-5"
+    assert flag(argv, "--tp") == "2"
     assert flag(argv, "--output_dir") == "outputs/continue-llama-3-8b"
     assert flag(argv, "--export_hf") == "outputs/continue-llama-3-8b/hf"

@@ -5,10 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_problem
-from reference import reference_kernel, reference_smmd, reference_total, relative_error
 from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy
 from smmd_scale.kernels import build_kernel
+
+from conftest import random_problem
+from reference import reference_kernel, reference_smmd, reference_total, relative_error
 
 
 def _loss_for(case):

@@ -1,4 +1,4 @@
-"""The numeric problem generator, corpus and tokenizer (``smmd_scale.numeracy``).
+"""The numeric problem generator, corpus and tokenizer (``smmd_numeracy``).
 
 Answers are recomputed from the operands by independent references (``datetime`` for clocks, a
 table of unit sizes, counting by iteration), and every split guarantee is checked by intersecting
@@ -15,12 +15,14 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import SESSION_SEED
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from smmd_scale import NumericVocab, numeracy
-from smmd_scale.evaluation import load_qa
+import smmd_numeracy as numeracy
+from smmd_numeracy import load_qa
+from smmd_scale import NumericVocab
+
+from conftest import SESSION_SEED
 
 TRAIN_SAMPLE = 20_000
 PROMPT_PATTERN = re.compile(r"Q: .+ A:")

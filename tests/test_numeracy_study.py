@@ -5,16 +5,15 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-STUDY = Path(__file__).resolve().parents[1] / "benchmarks" / "numeracy"
-sys.path.insert(0, str(STUDY))
+from benchmarks.numeracy import analyze, run_study  # scipy and matplotlib come with the test extras
 
-import analyze  # noqa: E402  (scipy and matplotlib come with the test extras)
-import run_study  # noqa: E402
+from launching import REPO
+
+STUDY = [sys.executable, "-m", "benchmarks.numeracy.run_study"]
 
 
 @pytest.fixture
@@ -129,8 +128,8 @@ def test_analyze_tables_tests_and_findings(rng):
 @pytest.mark.slow
 def test_smoke_study_end_to_end(tmp_path):
     work_dir, results_dir = tmp_path / "work", tmp_path / "results"
-    completed = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--smoke", "--work_dir", str(work_dir),
-                                "--results_dir", str(results_dir)], capture_output=True, text=True, timeout=400)
+    completed = subprocess.run([*STUDY, "--smoke", "--work_dir", str(work_dir), "--results_dir", str(results_dir)],
+                               capture_output=True, text=True, timeout=400, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
     preset = run_study.PRESETS["smoke"]
 
@@ -162,13 +161,12 @@ def test_smoke_study_end_to_end(tmp_path):
     assert (results_dir / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Resumable: a second invocation finds every run finished and only re-analyzes.
-    again = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--smoke", "--work_dir", str(work_dir),
-                            "--results_dir", str(results_dir)], capture_output=True, text=True, timeout=120)
+    again = subprocess.run([*STUDY, "--smoke", "--work_dir", str(work_dir), "--results_dir", str(results_dir)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{len(preset.methods) * len(preset.seeds)} run(s) already finished" in again.stdout
     assert "trained" not in again.stdout
     # Other settings in the same work dir are refused instead of mixed into its results.
-    refused = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--smoke", "--steps", "3", "--work_dir",
-                              str(work_dir), "--results_dir", str(results_dir)], capture_output=True, text=True,
-                             timeout=120)
+    refused = subprocess.run([*STUDY, "--smoke", "--steps", "3", "--work_dir", str(work_dir), "--results_dir",
+                              str(results_dir)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert refused.returncode != 0 and "steps: 12 -> 3" in refused.stderr

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks, values_or_raise
 from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy, vocab_parallel_smmd_cross_entropy
 
+from distributed import run_ranks, values_or_raise
+
+pytestmark = pytest.mark.gloo
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object")
 
@@ -95,7 +97,7 @@ def _tp_equals_single_device(rank, world_size, seed, trials):
         full = logits.clone().requires_grad_(True)
         single = smmd_cross_entropy(full, targets, smmd, weight=weight, num_items_in_batch=num_items)
         single.total.backward()
-        for repeat in range(2):  # the second call runs at the capacity the first one grew
+        for _ in range(2):  # the second call runs at the capacity the first one grew
             shard = logits[..., start:end].clone().requires_grad_(True)
             parallel = smmd_cross_entropy(shard, targets, smmd, weight=weight, tp_group=group,
                                           vocab_start_index=start, num_items_in_batch=num_items)

@@ -1,10 +1,7 @@
-"""Model presets (exact parameter counts against real HF models) and launch/estimate.py (activation
+"""Model presets (exact parameter counts against real HF models) and the memory planner (activation
 counts against the tensors autograd saves, model states against DeepSpeed's own estimator)."""
 
-import importlib.util
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,12 +10,10 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smmd_scale.training.presets import PRESETS, largest_layer_params, parameter_count, preset_config
+from smmd_train import planner as estimate_cli
+from smmd_train.presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("estimate", ROOT / "launch" / "estimate.py")
-estimate_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(estimate_cli)
 
 # The brief's real-world shapes: (hidden, layers, heads, kv heads, intermediate, tied).
 REAL_WORLD = {"1b": (2048, 16, 32, 8, 8192, True), "3b": (3072, 28, 24, 8, 8192, True),
@@ -213,10 +208,8 @@ def test_all_prints_a_markdown_row_per_preset(capsys):
     assert "TP 2 x DP 4" in lines[0]
 
 
-def test_cli_json():
-    completed = subprocess.run([sys.executable, str(ROOT / "launch" / "estimate.py"), "--model", "1b", "--nodes", "1",
-                                "--gpus_per_node", "8", "--json"], capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 0, completed.stderr
-    record = json.loads(completed.stdout)
+def test_cli_json(capsys):
+    estimate_cli.main(["--model", "1b", "--nodes", "1", "--gpus_per_node", "8", "--json"])
+    record = json.loads(capsys.readouterr().out)
     assert record["model"] == "1b" and record["params"] == parameter_count(preset_config("1b", 128256))
     assert record["total_gpu_gib"] == pytest.approx(record["total_gpu_bytes"] / 2**30, abs=1e-3)

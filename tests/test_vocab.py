@@ -12,8 +12,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
-import style_tokenizers
 from smmd_scale.vocab import NumericVocab
+
+import style_tokenizers
 
 STYLES = ("gpt2_style", "llama2_style", "llama3_style", "qwen_style")
 

@@ -28,16 +28,14 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 from scipy import integrate, optimize, stats
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+from benchmarks.common import markdown_table
 
-from common import markdown_table  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 BASELINE = "ce"
 ALPHA = 0.05
@@ -366,6 +364,11 @@ def power_text(power: dict) -> str:
 # The report: results.json, summary.md, study.png
 # ----------------------------------------------------------------------------------------------
 
+def _options_text(options: dict) -> str:
+    """train.py options as the flags they become: ``{"smmd_weight": 1}`` -> ``--smmd_weight 1``."""
+    return " ".join(f"--{name} {value}" for name, value in options.items())
+
+
 def settings_rows(study: dict, runs: list) -> list:
     settings = study["settings"]
     first = runs[0]["train"]
@@ -382,7 +385,7 @@ def settings_rows(study: dict, runs: list) -> list:
         ("data", f"tasks {', '.join(settings['tasks'])}: {settings['train_per_task']:,} training and "
                  f"{settings['test_per_task']:,} held-out problems per task (held-out operands never trained), "
                  f"{settings['plain_text_share']:.0%} plain-text documents"),
-        ("methods", ", ".join(f"`{method}` ({' '.join(study['method_flags'][method])})"
+        ("methods", ", ".join(f"`{method}` ({_options_text(study['method_flags'][method])})"
                               for method in dict.fromkeys(run["method"] for run in runs))),
         ("seeds", ", ".join(str(seed) for seed in sorted({run["seed"] for run in runs}))
          + f" ({len(runs)} runs; a seed fixes the initialisation and data order of every method)"),

@@ -1,12 +1,12 @@
 """Multi-seed numeracy study: a tiny Llama trained from scratch with CE, CE + SMMD, its ablations
 and CE + NTL on a generated numeric task suite, evaluated on held-out operands, with statistics.
 
-    python benchmarks/numeracy/run_study.py --quick   # 7 methods x 3 seeds on CPU (~36 min on 2 cores) -> results/
-    python benchmarks/numeracy/run_study.py --full    # 125m, 5 seeds, bf16, one GPU (untested; see README)
-    python benchmarks/numeracy/run_study.py --full --launcher "deepspeed --num_gpus 8"   # each run on 8 GPUs
-    python benchmarks/numeracy/run_study.py --smoke   # the same pipeline in miniature (~2 min), never -> results/
+    python -m benchmarks.numeracy.run_study --quick   # 7 methods x 3 seeds on CPU (~36 min, 2 cores) -> results/
+    python -m benchmarks.numeracy.run_study --full    # 125m, 5 seeds, bf16, one GPU (untested; see README)
+    python -m benchmarks.numeracy.run_study --full --launcher "deepspeed --num_gpus 8"   # each run on 8 GPUs
+    python -m benchmarks.numeracy.run_study --smoke   # the same pipeline in miniature (~2 min), never -> results/
 
-1. Data (once per work dir): ``smmd_scale.numeracy.build_corpus`` with the tasks ``arithmetic``,
+1. Data (once per work dir): ``smmd_numeracy.build_corpus`` with the tasks ``arithmetic``,
    ``clock`` and ``word_problems`` (held-out operand tuples never trained), a Llama-3-style
    tokenizer trained on it (0..999 single tokens), the corpus tokenized once into a shared cache.
 2. Runs: for every seed, every method: ``launch/train.py`` under ZeRO-3 (a plain ``python`` process
@@ -14,8 +14,9 @@ and CE + NTL on a generated numeric task suite, evaluated on held-out operands, 
    = same initialisation and data order for every method, so runs are paired by seed; then
    ``launch/evaluate.py`` on the held-out problems (greedy generation). On CPU two runs share the
    cores (``--parallel``, one thread each on 2 cores).
-3. ``analyze.py``: mean ± std and 95% t-intervals of exact match and MAE per task and method, paired
-   t-tests against ``ce`` with Holm's correction, ``results.json``, ``summary.md`` and ``study.png``.
+3. ``analyze.py`` (also ``python -m benchmarks.numeracy.analyze``): mean ± std and 95% t-intervals of
+   exact match and MAE per task and method, paired t-tests against ``ce`` with Holm's correction,
+   ``results.json``, ``summary.md`` and ``study.png``.
 
 Resumable: a run whose ``run.json`` records a finished evaluation is skipped, one that was trained
 but not evaluated is only evaluated, anything else is trained again from scratch. ``study.json``
@@ -36,25 +37,24 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+from benchmarks.common import machine
+from benchmarks.numeracy import analyze
+from smmd_train.arguments import REPO, train_command
 
-import analyze  # noqa: E402
-from common import machine  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 TASKS = ("arithmetic", "clock", "word_problems")
-# Name shown in the tables -> train.py flags. "smmd" is the paper's defaults (gaussian kernel,
+# Name shown in the tables -> train.py options. "smmd" is the paper's defaults (gaussian kernel,
 # sigma 2, distances squashed to [1, 9], alpha auto); the ablation kernels are seeded (seed 42)
 # inside the loss, so they are the same matrix for every training seed.
 METHODS = {
-    "ce": ["--smmd_weight", "0"],
-    "smmd": ["--smmd_weight", "1"],
-    "mmd_only": ["--smmd_weight", "1", "--smmd_mode", "mmd"],
-    "smooth_only": ["--smmd_weight", "1", "--smmd_mode", "smooth"],
-    "random_kernel": ["--smmd_weight", "1", "--smmd_kernel", "random"],
-    "shuffled_kernel": ["--smmd_weight", "1", "--smmd_kernel", "shuffled"],
-    "ntl": ["--smmd_weight", "0", "--ntl_weight", "1.0"],
+    "ce": {"smmd_weight": 0},
+    "smmd": {"smmd_weight": 1},
+    "mmd_only": {"smmd_weight": 1, "smmd_mode": "mmd"},
+    "smooth_only": {"smmd_weight": 1, "smmd_mode": "smooth"},
+    "random_kernel": {"smmd_weight": 1, "smmd_kernel": "random"},
+    "shuffled_kernel": {"smmd_weight": 1, "smmd_kernel": "shuffled"},
+    "ntl": {"smmd_weight": 0, "ntl_weight": 1.0},
 }
 
 
@@ -83,10 +83,10 @@ class Preset:
 PRESETS = {
     "smoke": Preset(model="tiny", steps=12, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=600,
                     test_per_task=40, eval_batches=2, methods=("ce", "smmd", "ntl"), seeds=(0, 1),
-                    deepspeed_config="ds_configs/cpu_zero3.json"),
+                    deepspeed_config="ds_configs/zero3.json"),
     "quick": Preset(model="tiny", steps=400, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=10_000,
                     test_per_task=200, eval_batches=8, methods=tuple(METHODS), seeds=(0, 1, 2),
-                    deepspeed_config="ds_configs/cpu_zero3.json"),
+                    deepspeed_config="ds_configs/zero3.json"),
     "full": Preset(model="125m", steps=2000, seq_len=256, micro_batch_size=32, lr=6e-4, train_per_task=30_000,
                    test_per_task=1000, eval_batches=50, methods=tuple(METHODS), seeds=(0, 1, 2, 3, 4),
                    deepspeed_config="ds_configs/zero3.json"),
@@ -173,10 +173,10 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
     model's parameter count."""
     from transformers import AutoTokenizer
 
-    from smmd_scale import numeracy
-    from smmd_scale.training.data import load_text_dataset, tokenize_and_pack
-    from smmd_scale.training.model import model_config
-    from smmd_scale.training.presets import parameter_count
+    import smmd_numeracy as numeracy
+    from smmd_train.data import pack_files
+    from smmd_train.model import model_config
+    from smmd_train.presets import parameter_count
 
     data_dir, tokenizer_dir, cache_dir = work_dir / "data", work_dir / "tokenizer", work_dir / "cache"
     corpus_record = data_dir / "corpus.json"
@@ -194,7 +194,7 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
     # Loaded as train.py loads it, so the cache fingerprints match and no run tokenizes again.
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     for split in ("train", "eval"):
-        tokenize_and_pack(load_text_dataset([corpus[split]]), tokenizer, settings["seq_len"], cache_dir=cache_dir)
+        pack_files([corpus[split]], tokenizer, settings["seq_len"], cache_dir=cache_dir)
     parameters = parameter_count(model_config(settings["model"], tokenizer, 1, settings["seq_len"]))
     return {**corpus, "tokenizer": str(tokenizer_dir), "cache": str(cache_dir), "parameters": parameters}
 
@@ -212,16 +212,14 @@ def child_environment(threads_per_run: int, on_gpu: bool) -> dict:
     return env
 
 
-def train_command(settings: dict, data: dict, method: str, seed: int, output_dir: Path) -> list:
-    launcher = [sys.executable] if settings["launcher"] == "python" else shlex.split(settings["launcher"])
-    return [*launcher, str(REPO / "launch" / "train.py"),
-            "--deepspeed_config", str(REPO / settings["deepspeed_config"]), "--model", settings["model"],
-            "--tokenizer", data["tokenizer"], "--data", data["train"], "--eval_data", data["eval"],
-            "--eval_batches", str(settings["eval_batches"]), "--cache_dir", data["cache"],
-            "--seq_len", str(settings["seq_len"]), "--micro_batch_size", str(settings["micro_batch_size"]),
-            "--max_steps", str(settings["steps"]), "--lr", str(settings["lr"]),
-            "--warmup_steps", str(settings["warmup_steps"]), "--seed", str(seed),
-            "--output_dir", str(output_dir), "--export_hf", str(output_dir / "hf"), *METHODS[method]]
+def run_command(settings: dict, data: dict, method: str, seed: int, output_dir: Path) -> list:
+    launcher = "python" if settings["launcher"] == "python" else shlex.split(settings["launcher"])
+    return train_command(launcher=launcher, deepspeed_config=REPO / settings["deepspeed_config"],
+                         model=settings["model"], tokenizer=data["tokenizer"], data=[data["train"]],
+                         eval_data=[data["eval"]], eval_batches=settings["eval_batches"], cache_dir=data["cache"],
+                         seq_len=settings["seq_len"], micro_batch_size=settings["micro_batch_size"],
+                         max_steps=settings["steps"], lr=settings["lr"], warmup_steps=settings["warmup_steps"],
+                         seed=seed, output_dir=output_dir, export_hf=output_dir / "hf", **METHODS[method])
 
 
 def eval_command(data: dict, output_dir: Path) -> list:
@@ -251,7 +249,7 @@ def execute(settings: dict, data: dict, method: str, seed: int, output_dir: Path
     if "train_seconds" not in record or not (output_dir / "hf" / "config.json").is_file():
         shutil.rmtree(output_dir, ignore_errors=True)
         output_dir.mkdir(parents=True)
-        command = train_command(settings, data, method, seed, output_dir)
+        command = run_command(settings, data, method, seed, output_dir)
         record = {"method": method, "seed": seed, "flags": METHODS[method], "train_command": command}
         record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
         write_json(record_path, record)

@@ -1,9 +1,9 @@
 """Input validation shared by the single-device and the vocab-parallel paths.
 
-A check returns a :class:`Problem` (a code and a few integers) instead of raising, so that under
+A check returns a :class:`FailedCheck` (a code and a few integers) instead of raising, so that under
 tensor parallelism a rank can put its verdict into the one all-reduce and *every* rank raises
-the same exception after it (DESIGN.md §3): a rank that raised alone would leave the others
-waiting in the collective. ``Problem.error()`` turns the code back into the exception on any
+the same exception after it (docs/vocab_parallel.md): a rank that raised alone would leave the others
+waiting in the collective. ``FailedCheck.error()`` turns the code back into the exception on any
 rank, which is why messages are built only from the integers carried.
 """
 
@@ -64,7 +64,7 @@ def _name(table, index):
     return str(table[index]) if 0 <= index < len(table) else f"<{index}>"
 
 
-class Problem(NamedTuple):
+class FailedCheck(NamedTuple):
     """A failed check: ``code`` (one of the constants above) and up to four integers."""
 
     code: int
@@ -94,33 +94,33 @@ def _device_code(device: torch.device) -> tuple:
 
 def check_inputs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
-                 weight: Optional[float] = None) -> Optional[Problem]:
+                 weight: Optional[float] = None) -> Optional[FailedCheck]:
     """Validate one call's tensors and per-call arguments; return the first problem or ``None``.
 
     logits: ``[..., V_local]``, targets: ``[...]``. Only cheap checks; the one data-dependent
     check (targets in range) costs a single reduction and a host read.
     """
     if not logits.is_floating_point():
-        return Problem(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
+        return FailedCheck(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        return Problem(TARGETS_DTYPE, (_dtype_code(targets.dtype), ))
+        return FailedCheck(TARGETS_DTYPE, (_dtype_code(targets.dtype), ))
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        return Problem(TARGETS_SHAPE, (targets.numel(), targets.dim(), logits.numel() // max(logits.shape[-1], 1),
+        return FailedCheck(TARGETS_SHAPE, (targets.numel(), targets.dim(), logits.numel() // max(logits.shape[-1], 1),
                                        logits.dim() - 1))
     if targets.device != logits.device:
-        return Problem(TARGETS_DEVICE, (*_device_code(logits.device), *_device_code(targets.device)))
+        return FailedCheck(TARGETS_DEVICE, (*_device_code(logits.device), *_device_code(targets.device)))
     width = logits.shape[-1]
     if not tensor_parallel and (vocab_start_index != 0 or width != vocab_size):
-        return Problem(LOGITS_WIDTH, (width, vocab_size))
+        return FailedCheck(LOGITS_WIDTH, (width, vocab_size))
     if vocab_start_index < 0 or vocab_start_index + width > vocab_size:
-        return Problem(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
+        return FailedCheck(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
-        return Problem(NUM_ITEMS, (int(num_items_in_batch), ))
+        return FailedCheck(NUM_ITEMS, (int(num_items_in_batch), ))
     if weight is not None and not (math.isfinite(weight) and weight >= 0):
-        return Problem(WEIGHT, (float_bits(weight), ))
+        return FailedCheck(WEIGHT, (float_bits(weight), ))
     flat = targets.reshape(-1)
     out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
     if out_of_range.any():
         position = int(out_of_range.nonzero()[0, 0])
-        return Problem(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))
+        return FailedCheck(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))
     return None

@@ -1,4 +1,4 @@
-"""Value-distance kernels over the numeric sub-vocabulary (DESIGN.md §1).
+"""Value-distance kernels over the numeric sub-vocabulary (docs/objective.md).
 
 Everything here is built once per (vocabulary, options) in float64 on the CPU and is tiny:
 ``K`` is ``[N, N]`` with N ~ 10 (digit tokenizers) to ~1100 (tokenizers with 0..999 tokens).

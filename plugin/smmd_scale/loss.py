@@ -1,7 +1,7 @@
-"""SMMD and fused cross-entropy + SMMD: the math and its autograd (DESIGN.md §1).
+"""SMMD and fused cross-entropy + SMMD: the math and its autograd (the objective: docs/objective.md).
 
-No ``torch.distributed`` here: under tensor parallelism the forward hands its per-rank pieces to
-:func:`smmd_scale.parallel.exchange` (one all-reduce) and gets back what every rank needs; the
+No ``torch.distributed`` here: under tensor parallelism the forward hands this rank's contribution
+to :func:`smmd_scale.parallel.exchange` (one all-reduce) and gets back what every rank needs; the
 single-device path skips that step. Both paths share the named steps below.
 
 Memory: the fused op keeps **one** ``[tokens, V_local]`` working buffer in the compute dtype
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import checks
 from .kernels import build_kernel
-from .parallel import ExchangeState, LocalPieces, exchange, group_size_and_rank, options_fingerprint
+from .parallel import ExchangeState, RankContribution, exchange, group_size_and_rank, options_fingerprint
 from .vocab import NumericVocab
 
 
@@ -67,7 +67,20 @@ class _NumericTerms:
 
 
 @dataclass
-class _Call:
+class StatSums:
+    """One call's detached statistics, summed on the device and read once on the host (:func:`stats_dict`)."""
+
+    mmd: torch.Tensor  # sums over numeric positions
+    smooth: torch.Tensor
+    correct: torch.Tensor
+    abs_error: torch.Tensor
+    valid_tokens: torch.Tensor  # non-ignored targets
+    comm_calls: int  # collectives this call ran, and the bytes they carried
+    comm_bytes: int
+
+
+@dataclass
+class ForwardPlan:
     """Everything one forward needs besides the logits; built before any collective."""
 
     loss: "SMMDLoss"
@@ -84,7 +97,7 @@ class _Call:
     tp_group: object
     tp_state: Optional[ExchangeState]
     compute_dtype: torch.dtype
-    stats: list = field(default_factory=list)
+    stats: Optional[StatSums] = None
 
 
 def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
@@ -176,28 +189,30 @@ def numeric_smmd(numeric_logits: torch.Tensor, numeric_targets: torch.Tensor, te
                          abs_error=(probabilities @ tensors.values - target_values).abs())
 
 
-def _numeric_stats(call: _Call, terms: _NumericTerms, comm_calls: int, comm_bytes: int) -> None:
-    """Queue the detached per-call statistics (summed here, divided once on the host)."""
-    call.stats = [terms.mmd.detach().sum(), terms.smooth.detach().sum(), terms.correct.sum(),
-                  terms.abs_error.detach().sum(), call.valid.sum(), comm_calls, comm_bytes]
+def _record_stats(plan: ForwardPlan, terms: _NumericTerms, comm_calls: int, comm_bytes: int) -> None:
+    plan.stats = StatSums(mmd=terms.mmd.detach().sum(), smooth=terms.smooth.detach().sum(),
+                          correct=terms.correct.sum(), abs_error=terms.abs_error.detach().sum(),
+                          valid_tokens=plan.valid.sum(), comm_calls=comm_calls, comm_bytes=comm_bytes)
 
 
-def _exchange_or_local(call: _Call, logits: torch.Tensor, numeric_logits: torch.Tensor, local_lse=None,
-                       target_logits=None) -> tuple:
+def exchange_or_keep_local(plan: ForwardPlan, logits: torch.Tensor, numeric_logits: torch.Tensor, local_lse=None,
+                           target_logits=None) -> tuple:
     """Single device: the local pieces are the global ones. Vocab-parallel: the one all-reduce.
 
     Returns (lse ``[T]`` or None, target logits ``[T]`` or None, numeric logits ``[P, N]``,
     collectives run, bytes they carried).
     """
-    if call.tp_state is None:
+    if plan.tp_state is None:
         return local_lse, target_logits, numeric_logits, 0, 0
-    pieces = call.loss._local_pieces(logits, call.targets, call.vocab_start_index, with_ce=local_lse is not None)
-    pieces.numeric_positions = int(call.positions.numel())
-    pieces.numeric_columns = call.numeric_columns
-    pieces.numeric_logits, pieces.local_lse, pieces.target_logits = numeric_logits, local_lse, target_logits
-    exchanged = exchange(pieces, call.tp_group, call.tp_state)
-    lse = None if exchanged.lse_slots is None else combine_logsumexp(exchanged.lse_slots)
-    return lse, exchanged.target_logits, exchanged.numeric_logits, exchanged.comm_calls, exchanged.comm_bytes
+    contribution = plan.loss._rank_contribution(logits, plan.targets, plan.vocab_start_index,
+                                                with_ce=local_lse is not None)
+    contribution.numeric_positions = int(plan.positions.numel())
+    contribution.numeric_columns = plan.numeric_columns
+    contribution.numeric_logits, contribution.local_lse = numeric_logits, local_lse
+    contribution.target_logits = target_logits
+    received = exchange(contribution, plan.tp_group, plan.tp_state)
+    lse = None if received.lse_slots is None else combine_logsumexp(received.lse_slots)
+    return lse, received.target_logits, received.numeric_logits, received.comm_calls, received.comm_bytes
 
 
 def _guard_single_backward(ctx) -> None:
@@ -213,26 +228,26 @@ class _FusedCrossEntropySMMD(torch.autograd.Function):
     """``logits [T, V_local]`` -> (CE per token ``[T]``, SMMD per token ``[T]``, 0 where not numeric)."""
 
     @staticmethod
-    def forward(ctx, logits, call: _Call):
-        compute_dtype = call.compute_dtype
+    def forward(ctx, logits, plan: ForwardPlan):
+        compute_dtype = plan.compute_dtype
         softmax, local_lse = local_softmax_and_logsumexp(logits, compute_dtype)
-        target_logits = gather_target_logits(logits, call.local_targets, call.owned)
-        numeric_logits = gather_numeric_logits(logits, call.positions, call.local_numeric_columns)
-        lse, target_logits, numeric_logits, comm_calls, comm_bytes = _exchange_or_local(
-            call, logits, numeric_logits, local_lse, target_logits)
-        ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), call.valid)
-        terms = numeric_smmd(numeric_logits, call.numeric_targets, call.tensors, call.loss.mode, call.loss.alpha)
-        smmd = torch.zeros_like(ce).index_put_((call.positions, ), terms.value)
-        _numeric_stats(call, terms, comm_calls, comm_bytes)
+        target_logits = gather_target_logits(logits, plan.local_targets, plan.owned)
+        numeric_logits = gather_numeric_logits(logits, plan.positions, plan.local_numeric_columns)
+        lse, target_logits, numeric_logits, comm_calls, comm_bytes = exchange_or_keep_local(
+            plan, logits, numeric_logits, local_lse, target_logits)
+        ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), plan.valid)
+        terms = numeric_smmd(numeric_logits, plan.numeric_targets, plan.tensors, plan.loss.mode, plan.loss.alpha)
+        smmd = torch.zeros_like(ce).index_put_((plan.positions, ), terms.value)
+        _record_stats(plan, terms, comm_calls, comm_bytes)
 
         ctx.consumed = False
         ctx.logits_dtype = logits.dtype
-        ctx.numeric_columns = call.numeric_columns
+        ctx.numeric_columns = plan.numeric_columns
         if ctx.needs_input_grad[0]:
             # Under tensor parallelism the global softmax is softmax_local * exp(lse_local - lse).
-            row_scale = torch.ones_like(lse) if call.tp_state is None else torch.exp(local_lse - lse)
-            ctx.save_for_backward(softmax, row_scale, call.valid, call.owned, call.local_targets, call.positions,
-                                  call.local_numeric_columns, terms.grad)
+            row_scale = torch.ones_like(lse) if plan.tp_state is None else torch.exp(local_lse - lse)
+            ctx.save_for_backward(softmax, row_scale, plan.valid, plan.owned, plan.local_targets, plan.positions,
+                                  plan.local_numeric_columns, terms.grad)
         return ce, smmd
 
     @staticmethod
@@ -255,14 +270,14 @@ class _NumericSMMD(torch.autograd.Function):
     """``logits [T, V_local]`` -> SMMD per numeric position ``[P]``; reads only ``[P, N]`` logits."""
 
     @staticmethod
-    def forward(ctx, logits, call: _Call):
-        numeric_logits = gather_numeric_logits(logits, call.positions, call.local_numeric_columns)
-        _, _, numeric_logits, comm_calls, comm_bytes = _exchange_or_local(call, logits, numeric_logits)
-        terms = numeric_smmd(numeric_logits, call.numeric_targets, call.tensors, call.loss.mode, call.loss.alpha)
-        _numeric_stats(call, terms, comm_calls, comm_bytes)
+    def forward(ctx, logits, plan: ForwardPlan):
+        numeric_logits = gather_numeric_logits(logits, plan.positions, plan.local_numeric_columns)
+        _, _, numeric_logits, comm_calls, comm_bytes = exchange_or_keep_local(plan, logits, numeric_logits)
+        terms = numeric_smmd(numeric_logits, plan.numeric_targets, plan.tensors, plan.loss.mode, plan.loss.alpha)
+        _record_stats(plan, terms, comm_calls, comm_bytes)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        ctx.numeric_columns = call.numeric_columns
-        ctx.save_for_backward(call.positions, call.local_numeric_columns, terms.grad)
+        ctx.numeric_columns = plan.numeric_columns
+        ctx.save_for_backward(plan.positions, plan.local_numeric_columns, terms.grad)
         return terms.value
 
     @staticmethod
@@ -277,7 +292,7 @@ class _NumericSMMD(torch.autograd.Function):
 
 
 class SMMDLoss:
-    """The SMMD objective for one numeric vocabulary (DESIGN.md §1).
+    """The SMMD objective for one numeric vocabulary (docs/objective.md).
 
     ``loss = SMMDLoss(vocab)(logits, targets)`` with full-vocabulary logits ``[..., V]`` (any float
     dtype; computed in at least float32) and aligned (already shifted) targets ``[...]``; or, for a
@@ -339,20 +354,20 @@ class SMMDLoss:
             self._tp_states[tp_group] = ExchangeState()
         return self._tp_states[tp_group]
 
-    def _local_pieces(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start_index: int, with_ce: bool,
-                      problem=None) -> LocalPieces:
+    def _rank_contribution(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start_index: int, with_ce: bool,
+                           failed_check=None) -> RankContribution:
         """This rank's header for the exchange; the caller adds the data pieces when healthy."""
         width = logits.shape[-1]
-        return LocalPieces(problem=problem, tokens=logits.numel() // max(width, 1), numeric_size=len(self.vocab),
-                           vocab_start=vocab_start_index, width=width, vocab_size=self.vocab.vocab_size,
-                           loss_fingerprint=self.fingerprint, targets=targets,
-                           compute_dtype=compute_dtype_for(logits.dtype),
-                           logits_dtype=logits.dtype if logits.is_floating_point() else torch.float32,
-                           device=logits.device, with_ce=with_ce)
+        return RankContribution(failed_check=failed_check, tokens=logits.numel() // max(width, 1),
+                                numeric_size=len(self.vocab), vocab_start=vocab_start_index, width=width,
+                                vocab_size=self.vocab.vocab_size, loss_fingerprint=self.fingerprint, targets=targets,
+                                compute_dtype=compute_dtype_for(logits.dtype),
+                                logits_dtype=logits.dtype if logits.is_floating_point() else torch.float32,
+                                device=logits.device, with_ce=with_ce)
 
     def _prepare(self, logits, targets, tp_group, vocab_start_index, with_ce: bool, num_items_in_batch=None,
                  weight: Optional[float] = None) -> tuple:
-        """Validate (all ranks reach the same verdict) and build the call plan; no collective
+        """Validate (all ranks reach the same verdict) and build the forward plan; no collective
         runs unless the input is bad under tensor parallelism, where the verdict is shared."""
         if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
             raise TypeError(f"logits and targets must be torch.Tensors, got {type(logits).__name__} and "
@@ -366,15 +381,15 @@ class SMMDLoss:
             vocab_start_index = tp_rank * logits.shape[-1]
         if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, int):
             raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
-        problem = checks.check_inputs(logits, targets, vocab_size=self.vocab.vocab_size,
+        failed_check = checks.check_inputs(logits, targets, vocab_size=self.vocab.vocab_size,
                                       vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
                                       ignore_index=self.ignore_index, num_items_in_batch=num_items_in_batch,
                                       weight=weight)
-        if problem is not None:
+        if failed_check is not None:
             if not tensor_parallel:
-                raise problem.error()
+                raise failed_check.error()
             # Take part in the collective with the verdict so every rank raises it together.
-            exchange(self._local_pieces(logits, targets, vocab_start_index, with_ce, problem), tp_group,
+            exchange(self._rank_contribution(logits, targets, vocab_start_index, with_ce, failed_check), tp_group,
                      self._tp_state(tp_group))
             raise AssertionError("unreachable: the exchange raises the shared verdict")
 
@@ -392,12 +407,13 @@ class SMMDLoss:
         positions = is_numeric.nonzero().squeeze(1)
         lo = bisect.bisect_left(self._cpu_token_ids, vocab_start_index)
         hi = bisect.bisect_left(self._cpu_token_ids, vocab_start_index + width)
-        call = _Call(loss=self, tensors=tensors, targets=flat_targets, valid=valid, owned=owned,
-                     local_targets=local_targets, positions=positions, numeric_targets=index[positions],
-                     numeric_columns=(lo, hi), local_numeric_columns=tensors.token_ids[lo:hi] - vocab_start_index,
-                     vocab_start_index=vocab_start_index, tp_group=tp_group,
-                     tp_state=self._tp_state(tp_group) if tensor_parallel else None, compute_dtype=compute_dtype)
-        return logits_2d, call
+        plan = ForwardPlan(loss=self, tensors=tensors, targets=flat_targets, valid=valid, owned=owned,
+                           local_targets=local_targets, positions=positions, numeric_targets=index[positions],
+                           numeric_columns=(lo, hi), local_numeric_columns=tensors.token_ids[lo:hi] - vocab_start_index,
+                           vocab_start_index=vocab_start_index, tp_group=tp_group,
+                           tp_state=self._tp_state(tp_group) if tensor_parallel else None,
+                           compute_dtype=compute_dtype)
+        return logits_2d, plan
 
     def numeric_mask(self, targets: torch.Tensor) -> torch.Tensor:
         """``targets [...]`` -> bool ``[...]``: where the target is a numeric token (where SMMD applies)."""
@@ -406,25 +422,25 @@ class SMMDLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                  vocab_start_index: Optional[int] = 0) -> torch.Tensor:
-        logits_2d, call = self._prepare(logits, targets, tp_group, vocab_start_index, with_ce=False)
-        values = _NumericSMMD.apply(logits_2d, call)
+        logits_2d, plan = self._prepare(logits, targets, tp_group, vocab_start_index, with_ce=False)
+        values = _NumericSMMD.apply(logits_2d, plan)
         return values.sum() / max(values.numel(), 1)
 
 
-def fused_per_token(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLoss, tp_group=None,
-                    vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                    weight: Optional[float] = None) -> tuple:
-    """CE and SMMD per position, unreduced: ``([T], [T], call)``, T = targets.numel().
+def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLoss, tp_group=None,
+                     vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
+                     weight: Optional[float] = None) -> tuple:
+    """CE and SMMD per position, unreduced: ``([T], [T], forward plan)``, T = targets.numel().
 
     CE is 0 at ignored positions; SMMD is 0 where the target is not numeric. The building block
     of :func:`smmd_cross_entropy` and of the Megatron entry point (which applies its own mask).
     """
     if not isinstance(smmd, SMMDLoss):
         raise TypeError(f"smmd must be a smmd_scale.SMMDLoss, got {type(smmd).__name__}")
-    logits_2d, call = smmd._prepare(logits, targets, tp_group, vocab_start_index, with_ce=True,
+    logits_2d, plan = smmd._prepare(logits, targets, tp_group, vocab_start_index, with_ce=True,
                                     num_items_in_batch=num_items_in_batch, weight=weight)
-    ce, smmd_values = _FusedCrossEntropySMMD.apply(logits_2d, call)
-    return ce, smmd_values, call
+    ce, smmd_values = _FusedCrossEntropySMMD.apply(logits_2d, plan)
+    return ce, smmd_values, plan
 
 
 def smmd_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLoss, weight: float = 1.0,
@@ -442,10 +458,10 @@ def smmd_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLo
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise TypeError(f"weight={weight!r} must be a number (0 = CE only)")
     # The value itself is checked with the tensors, so a bad weight on one rank raises on all of them.
-    ce_per_token, smmd_per_token, call = fused_per_token(logits, targets, smmd, tp_group, vocab_start_index,
-                                                         num_items_in_batch, float(weight))
-    valid_tokens = call.valid.sum()
-    numeric_tokens = max(int(call.positions.numel()), 1)
+    ce_per_token, smmd_per_token, plan = per_token_losses(logits, targets, smmd, tp_group, vocab_start_index,
+                                                          num_items_in_batch, float(weight))
+    valid_tokens = plan.valid.sum()
+    numeric_tokens = max(int(plan.positions.numel()), 1)
     smmd_mean = smmd_per_token.sum() / numeric_tokens
     if num_items_in_batch is None:
         ce = ce_per_token.sum() / valid_tokens.clamp_min(1)
@@ -456,16 +472,17 @@ def smmd_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, smmd: SMMDLo
         ce = ce_per_token.sum() / denominator
         smmd_term = smmd_mean * valid_tokens / denominator
     total = ce + weight * smmd_term
-    return SMMDOutput(total=total, ce=ce, smmd=smmd_term, stats=finish_stats(call))
+    return SMMDOutput(total=total, ce=ce, smmd=smmd_term, stats=stats_dict(plan))
 
 
-def finish_stats(call: _Call) -> dict:
-    """Turn a call's queued sums into the floats of ``SMMDOutput.stats`` (one host sync)."""
-    mmd_sum, smooth_sum, correct, abs_error_sum, valid_tokens, comm_calls, comm_bytes = call.stats
+def stats_dict(plan: ForwardPlan) -> dict:
+    """A call's :class:`StatSums` as the floats of ``SMMDOutput.stats`` (one host sync)."""
+    sums = plan.stats
     mmd_sum, smooth_sum, correct, abs_error_sum, valid_tokens = torch.stack(
-        [mmd_sum.double(), smooth_sum.double(), correct.double(), abs_error_sum.double(),
-         valid_tokens.double()]).tolist()
-    numeric_tokens = int(call.positions.numel())
+        [sums.mmd.double(), sums.smooth.double(), sums.correct.double(), sums.abs_error.double(),
+         sums.valid_tokens.double()]).tolist()
+    comm_calls, comm_bytes = sums.comm_calls, sums.comm_bytes
+    numeric_tokens = int(plan.positions.numel())
     per_numeric = 1.0 / max(numeric_tokens, 1)
     return {"mmd": mmd_sum * per_numeric, "smooth": smooth_sum * per_numeric, "numeric_tokens": numeric_tokens,
             "numeric_accuracy": correct * per_numeric, "numeric_mae": abs_error_sum * per_numeric,

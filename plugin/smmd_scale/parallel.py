@@ -1,4 +1,4 @@
-"""The one collective of the vocab-parallel loss (DESIGN.md §3). The only module that talks to
+"""The one collective of the vocab-parallel loss (docs/vocab_parallel.md). The only module that talks to
 ``torch.distributed`` for the loss.
 
 Tensor-parallel rank k holds ``logits[..., s_k:e_k]``; targets are replicated in the group. Per
@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checks import Problem
+from .checks import FailedCheck
 
 # Header fields, one int64 row per rank.
 CODE, ARG0, ARG1, ARG2, ARG3, VOCAB_START, WIDTH, VOCAB_SIZE, NUMERIC_SIZE, LOSS_FINGERPRINT, \
@@ -89,17 +89,17 @@ class ExchangeState:
 
 
 @dataclass
-class LocalPieces:
+class RankContribution:
     """What one rank contributes to the exchange.
 
     tokens:            number of positions in the call (the logits' leading numel)
     numeric_logits:    ``[P, hi - lo]`` this rank's numeric columns at the numeric positions
     numeric_columns:   (lo, hi) — indices into the numeric vocabulary owned by this shard
-    local_lse:         ``[tokens]`` compute dtype, or None (SMMD-only calls carry no CE pieces)
+    local_lse:         ``[tokens]`` compute dtype, or None (SMMD-only calls carry no CE contribution)
     target_logits:     ``[tokens]`` logits' dtype, logits[t, y_t] where this rank owns y_t else 0
     """
 
-    problem: Optional[Problem]
+    failed_check: Optional[FailedCheck]
     tokens: int
     numeric_size: int
     vocab_start: int
@@ -119,7 +119,7 @@ class LocalPieces:
 
 
 @dataclass
-class Exchanged:
+class ExchangeResult:
     """What every rank holds after the exchange (identical on every rank of the group).
 
     lse_slots: ``[tokens, TP]`` local log-sum-exps of all ranks (None without CE)
@@ -170,8 +170,8 @@ def _raise_on_disagreement(header: list) -> None:
     """Raise the same error on every rank if any rank's verdict or view of the call differs."""
     for rank, row in enumerate(header):
         if row[CODE] != 0:
-            problem = Problem(int(row[CODE]), tuple(int(a) for a in row[ARG0:ARG3 + 1]))
-            raise problem.error(prefix=f"tensor-parallel rank {rank} of the group: ")
+            failed_check = FailedCheck(int(row[CODE]), tuple(int(a) for a in row[ARG0:ARG3 + 1]))
+            raise failed_check.error(prefix=f"tensor-parallel rank {rank} of the group: ")
     described = [f"rank {rank}: N={row[NUMERIC_SIZE]}, vocab_size={row[VOCAB_SIZE]}, "
                  f"fingerprint={row[LOSS_FINGERPRINT]}" for rank, row in enumerate(header)]
     if len({(row[NUMERIC_SIZE], row[VOCAB_SIZE], row[LOSS_FINGERPRINT]) for row in header}) > 1:
@@ -196,53 +196,54 @@ def _raise_on_disagreement(header: list) -> None:
                          "rank of a tensor-parallel group must receive the same batch")
 
 
-def exchange(pieces: LocalPieces, tp_group, state: ExchangeState) -> Exchanged:
+def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> ExchangeResult:
     """Run the packed all-reduce for one call; raise on every rank if any rank's input is bad."""
     tp_size, tp_rank = group_size_and_rank(tp_group)
-    tokens, numeric_size = pieces.tokens, pieces.numeric_size
+    tokens, numeric_size = contribution.tokens, contribution.numeric_size
     layout = _PackedBuffer()
     layout.reserve("header", (tp_size, HEADER_FIELDS), torch.int64)
-    if pieces.with_ce:
-        layout.reserve("lse", (tokens, tp_size), pieces.compute_dtype)
-        layout.reserve("target", (tokens, ), pieces.logits_dtype)
-    layout.reserve("numeric", (state.capacity, numeric_size), pieces.logits_dtype)
-    buffer, views = layout.allocate(pieces.device)
+    if contribution.with_ce:
+        layout.reserve("lse", (tokens, tp_size), contribution.compute_dtype)
+        layout.reserve("target", (tokens, ), contribution.logits_dtype)
+    layout.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
+    buffer, views = layout.allocate(contribution.device)
 
     row = [0] * HEADER_FIELDS
-    if pieces.problem is not None:
-        row[CODE] = pieces.problem.code
-        row[ARG0:ARG0 + len(pieces.problem.args)] = pieces.problem.args
-    row[VOCAB_START], row[WIDTH], row[VOCAB_SIZE] = pieces.vocab_start, pieces.width, pieces.vocab_size
-    row[NUMERIC_SIZE], row[LOSS_FINGERPRINT] = numeric_size, pieces.loss_fingerprint
-    row[NUMERIC_POSITIONS] = pieces.numeric_positions
+    if contribution.failed_check is not None:
+        row[CODE] = contribution.failed_check.code
+        row[ARG0:ARG0 + len(contribution.failed_check.args)] = contribution.failed_check.args
+    row[VOCAB_START], row[WIDTH] = contribution.vocab_start, contribution.width
+    row[VOCAB_SIZE] = contribution.vocab_size
+    row[NUMERIC_SIZE], row[LOSS_FINGERPRINT] = numeric_size, contribution.loss_fingerprint
+    row[NUMERIC_POSITIONS] = contribution.numeric_positions
     own_header = views["header"][tp_rank]
     own_header.copy_(torch.tensor(row, dtype=torch.int64))
-    healthy = pieces.problem is None
+    healthy = contribution.failed_check is None
     if healthy:
-        own_header[TARGETS_FINGERPRINT] = targets_fingerprint(pieces.targets)
-        if pieces.with_ce:
-            views["lse"][:, tp_rank] = pieces.local_lse
-            views["target"].copy_(pieces.target_logits)
-        lo, hi = pieces.numeric_columns
-        if pieces.numeric_positions <= state.capacity:
-            views["numeric"][:pieces.numeric_positions, lo:hi] = pieces.numeric_logits
+        own_header[TARGETS_FINGERPRINT] = targets_fingerprint(contribution.targets)
+        if contribution.with_ce:
+            views["lse"][:, tp_rank] = contribution.local_lse
+            views["target"].copy_(contribution.target_logits)
+        lo, hi = contribution.numeric_columns
+        if contribution.numeric_positions <= state.capacity:
+            views["numeric"][:contribution.numeric_positions, lo:hi] = contribution.numeric_logits
 
     _all_reduce(buffer, tp_group)
     comm_calls, comm_bytes = 1, buffer.numel() * WORD_BYTES
     _raise_on_disagreement(views["header"].tolist())
 
     numeric = views["numeric"]
-    if pieces.numeric_positions > state.capacity:
+    if contribution.numeric_positions > state.capacity:
         # All ranks agree on numeric_positions (checked above), so all of them take this branch.
-        state.capacity = _grown_capacity(pieces.numeric_positions)
+        state.capacity = _grown_capacity(contribution.numeric_positions)
         again = _PackedBuffer()
-        again.reserve("numeric", (state.capacity, numeric_size), pieces.logits_dtype)
-        second, second_views = again.allocate(pieces.device)
-        lo, hi = pieces.numeric_columns
-        second_views["numeric"][:pieces.numeric_positions, lo:hi] = pieces.numeric_logits
+        again.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
+        second, second_views = again.allocate(contribution.device)
+        lo, hi = contribution.numeric_columns
+        second_views["numeric"][:contribution.numeric_positions, lo:hi] = contribution.numeric_logits
         _all_reduce(second, tp_group)
         comm_calls, comm_bytes = 2, comm_bytes + second.numel() * WORD_BYTES
         numeric = second_views["numeric"]
-    return Exchanged(lse_slots=views.get("lse"), target_logits=views.get("target"),
-                     numeric_logits=numeric[:pieces.numeric_positions], comm_calls=comm_calls,
+    return ExchangeResult(lse_slots=views.get("lse"), target_logits=views.get("target"),
+                     numeric_logits=numeric[:contribution.numeric_positions], comm_calls=comm_calls,
                      comm_bytes=comm_bytes)

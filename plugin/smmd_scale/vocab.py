@@ -1,4 +1,4 @@
-"""The numeric sub-vocabulary ``V_num`` (DESIGN.md §2): which token ids are numbers, and their values.
+"""The numeric sub-vocabulary ``V_num`` (docs/objective.md): which token ids are numbers, and their values.
 
 ``NumericVocab`` is a small, immutable-by-convention record: ``token_ids`` ``[N]`` int64 sorted
 ascending, ``values`` ``[N]`` float64 aligned with them, and ``vocab_size``, the width of the
@@ -16,10 +16,12 @@ import hashlib
 import math
 import numbers
 import re
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from . import compat
 
 POLICIES = ("integers", "digits", "floats")
 
@@ -216,24 +218,13 @@ def _scan_tokenizer(tokenizer) -> tuple[dict, int, set]:
         tokenizer_size = len(tokenizer)
         added_tokens = tokenizer.added_tokens_decoder
         special_ids = set(tokenizer.all_special_ids)
-        model_token_to_id = _model_token_to_id(tokenizer)
+        model_token_to_id = compat.model_token_to_id(tokenizer)
     else:
         raise TypeError(f"from_tokenizer expects a Hugging Face tokenizer (PreTrainedTokenizerBase) or a "
                         f"tokenizers.Tokenizer; got {type(tokenizer).__module__}.{type(tokenizer).__qualname__}")
     appended_ids = {token_id for token_id, added in added_tokens.items()
                     if added.special or model_token_to_id(added.content) != token_id}
     return token_to_id, tokenizer_size, special_ids | appended_ids
-
-
-def _model_token_to_id(tokenizer) -> Callable[[str], Optional[int]]:
-    """The lookup of the tokenizer's model itself, bypassing its added-token table."""
-    from tokenizers import Tokenizer
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(backend, Tokenizer):
-        return backend.model.token_to_id
-    # Python ("slow") tokenizers: _convert_token_to_id is the per-model lookup every one implements.
-    return tokenizer._convert_token_to_id
 
 
 def _as_1d_tensor(data, name: str) -> torch.Tensor:

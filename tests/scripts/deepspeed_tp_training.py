@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.integrations import HfDeepSpeedConfig
 
 import smmd_scale
-from smmd_scale.training.distributed import init_distributed
+from smmd_scale import compat
+from smmd_train.distributed import init_distributed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -33,7 +34,7 @@ config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps"
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}
 if args.tp > 1:
     config["tensor_parallel"] = {"autotp_size": args.tp, "vocab_parallel_lm_head": True}
-    groups._init_tp_mesh_device(tensor_model_parallel_size=args.tp)
+    compat.init_tensor_parallel_groups(args.tp)
 torch.manual_seed(0)
 zero_init = HfDeepSpeedConfig(dict(config))
 model = AutoModelForCausalLM.from_config(LlamaConfig(

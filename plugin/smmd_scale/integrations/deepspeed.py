@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import compat
+
 
 def unwrap_model(model_or_engine):
     """The HF model inside a DeepSpeed engine (or the model itself)."""
@@ -26,11 +28,10 @@ def unwrap_model(model_or_engine):
 
 def find_vocab_parallel_head(model) -> Optional[object]:
     """The one ``VocabParallelLinear`` in ``model`` (None if AutoTP did not shard the head)."""
-    try:
-        from deepspeed.module_inject.layers import VocabParallelLinear
-    except ImportError:
+    head_class = compat.vocab_parallel_linear_class()
+    if head_class is None:
         return None
-    heads = [module for module in model.modules() if isinstance(module, VocabParallelLinear)]
+    heads = [module for module in model.modules() if isinstance(module, head_class)]
     if len(heads) > 1:
         raise ValueError(f"found {len(heads)} vocabulary-parallel heads; smmd_scale.install supports one LM head")
     if not heads or not getattr(heads[0], "is_tp_parallel", True):

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import compat
 from ..loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
 
 
@@ -67,8 +68,7 @@ class InstalledLoss:
         self.model = model
         self.hook = hook
         self.head = head
-        self._had_own = "_loss_function" in vars(model)
-        self._previous = vars(model).get("_loss_function")
+        self._had_own, self._previous = compat.assigned_loss_function(model)
 
     @property
     def last_stats(self) -> Optional[dict]:
@@ -83,7 +83,7 @@ class InstalledLoss:
         if self._had_own:
             self.model.loss_function = self._previous
         else:
-            vars(self.model).pop("_loss_function", None)
+            compat.forget_loss_function(self.model)
 
     def __repr__(self):
         return f"InstalledLoss(on {type(self.model).__name__}, {self.hook!r})"

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..loss import SMMDLoss, fused_per_token
+from ..loss import SMMDLoss, per_token_losses
 
 
 def vocab_parallel_smmd_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, smmd: SMMDLoss,
@@ -31,6 +31,6 @@ def vocab_parallel_smmd_cross_entropy(vocab_parallel_logits: torch.Tensor, targe
     ``smmd.ignore_index``; SMMD is 0 where the target is not a numeric token. One packed
     all-reduce in the forward, none in the backward.
     """
-    ce, smmd_values, _ = fused_per_token(vocab_parallel_logits, target, smmd, tp_group=tp_group,
-                                         vocab_start_index=vocab_start_index)
+    ce, smmd_values, _ = per_token_losses(vocab_parallel_logits, target, smmd, tp_group=tp_group,
+                                          vocab_start_index=vocab_start_index)
     return ce.view(target.shape), smmd_values.view(target.shape)

@@ -18,6 +18,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from smmd_scale import compat
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -105,10 +107,8 @@ def release_cpu_allreduce_segment() -> None:
         return
     if dist.get_world_size() > 1:
         dist.barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")
     try:
-        os.unlink(os.path.join("/dev/shm", name))
+        os.unlink(os.path.join("/dev/shm", compat.cpu_allreduce_segment(dist.get_rank())))
     except FileNotFoundError:  # not a CPU run, or ranks on several hosts (DeepSpeed makes none)
         pass
 

@@ -1,9 +1,7 @@
-"""Everything numeric the project trains and evaluates on: problems, plain filler text, the corpus, a tokenizer.
+"""Numeric word problems with one integer answer in 0..999, and their held-out split.
 
     problems = generate_problems("arithmetic", count=1000, split="train", seed=0)
     problems[0].prompt, problems[0].answer, problems[0].text  # "Q: What is 237 + 418? A:", 655, "... A: 655."
-    paths = build_corpus("data/", train_per_task=4000, test_per_task=60)   # train/eval/qa_test .jsonl
-    tokenizer = train_numeric_tokenizer(texts)                             # Llama-3 style, 0..999 one token each
 
 **Problems.** Five tasks (``TASKS``), each a few *kinds* of question, in varied phrasings:
 
@@ -35,33 +33,18 @@ midnight, hands); a test quantity "7 meters" is never trained as "700 centimeter
 never counted in training. A list of problems holds each operand tuple at most once, spread
 evenly over the task's kinds (a kind with fewer tuples than its share gives all it has; the rest go
 to the other kinds), so a split can supply as many problems as it has tuples (``split_capacity``).
-
-**Corpus.** ``build_corpus`` writes ``train.jsonl`` (training problems, ``PROBLEMS_PER_DOCUMENT`` per
-document joined by newlines, shuffled with plain-text paragraphs), ``eval.jsonl`` (test problems in
-the same document shape, for eval cross-entropy) and ``qa_test.jsonl`` (test prompts and answers for
-generation-based evaluation, ``smmd_scale.evaluation.load_qa``).
-
-**Tokenizer.** ``train_numeric_tokenizer``: byte-level BPE with the Llama-3 pre-tokenizer, digits cut
-into groups of 1..3 and never joined to a space or a letter; like Llama-3 every group of 1..3 ASCII
-digits (0..999 and the zero-padded 00..09, 000..099) is one token, so " 46" is the two tokens
-``Ġ`` and ``46``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import random
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import datasets
 import numpy as np
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 TASKS = ("arithmetic", "clock", "units", "counting", "word_problems")
 SPLITS = ("train", "test")
@@ -70,8 +53,6 @@ TEST_MODULUS = 10
 # Problems joined (by newlines) into one training or eval document: about 100 tokens with the tokenizer below.
 PROBLEMS_PER_DOCUMENT = 4
 MAX_ANSWER = 999
-
-BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 
 
 @dataclass(frozen=True)
@@ -99,7 +80,7 @@ class Problem:
 # Word lists (letters only: plain text must hold no digits)
 # ----------------------------------------------------------------------------------------------
 
-_NAMES = (("Tom", "he"), ("Mia", "she"), ("Sam", "he"), ("Lena", "she"), ("Omar", "he"), ("Ana", "she"),
+NAMES = (("Tom", "he"), ("Mia", "she"), ("Sam", "he"), ("Lena", "she"), ("Omar", "he"), ("Ana", "she"),
           ("Ravi", "he"), ("Yuki", "she"), ("Ben", "he"), ("Zoe", "she"), ("Leo", "he"), ("Ivy", "she"),
           ("Noah", "he"), ("Emma", "she"), ("Kofi", "he"), ("Sara", "she"), ("Luis", "he"), ("Nora", "she"))
 _OBJECTS = ("pens", "pencils", "stickers", "marbles", "cookies", "apples", "books", "cards", "stamps", "shells",
@@ -112,7 +93,7 @@ _RELATIVES = ("mother", "father", "aunt", "uncle", "grandmother", "grandfather")
 _TALLIED = (("apple", "apples"), ("pear", "pears"), ("cat", "cats"), ("dog", "dogs"), ("star", "stars"),
             ("cup", "cups"), ("key", "keys"), ("coin", "coins"), ("bird", "birds"), ("hat", "hats"))
 # Spelled in the counting task; also the nouns of plain text.
-_WORDS = tuple("""
+WORDS = tuple("""
 apple banana cherry grape lemon melon peach plum mango garden forest river mountain valley ocean island
 desert meadow canyon village city castle bridge tower market harbor station library museum school kitchen window
 door table chair pillow blanket mirror candle lantern basket bottle kettle teapot saucer spoon fork knife plate
@@ -127,29 +108,6 @@ thunder lightning rainbow cloud breeze storm snowflake sunshine moonlight starli
 music melody rhythm story legend puzzle riddle secret treasure promise adventure mystery wonder
 happiness kindness courage patience wisdom freedom balance harmony comfort memory dream
 """.split())
-_ADJECTIVES = ("quiet", "bright", "small", "gentle", "old", "busy", "calm", "narrow", "golden", "dark", "warm",
-               "cold", "tall", "curious", "patient", "happy", "tired", "clever", "rusty", "shiny", "soft", "loud")
-_PLACES = ("garden", "market", "library", "harbor", "village", "forest", "kitchen", "station", "museum", "meadow",
-           "castle", "school", "valley", "bridge")
-_VERBS = ("waited", "rested", "wandered", "listened", "watched", "smiled", "worked", "sang", "slept", "paused",
-          "stayed", "laughed")
-_ADVERBS = ("slowly", "quietly", "happily", "carefully", "suddenly", "softly", "gladly", "calmly")
-_TIMES = ("in the morning", "at noon", "before dinner", "after the rain", "at dusk", "during the storm",
-          "late at night", "on a windy afternoon")
-_SENTENCES = (
-    "The {adjective} {noun} {verb} near the {place}.",
-    "{name} found a {adjective} {noun} {time}.",
-    "Every {noun} in the {place} looked {adjective}.",
-    "{name} and {other} walked to the {place} and talked about the {noun}.",
-    "It was a {adjective} day, and the {noun} {verb} {adverb}.",
-    "Nobody knew why the {noun} {verb} {time}.",
-    "{name} {verb} {adverb} while the {adjective} {noun} watched.",
-    "In the {place}, a {adjective} {noun} {verb} {adverb}.",
-    "{name} said that the {noun} was more {adjective} than the {other_noun}.",
-    "The {place} smelled of {noun} and {other_noun} {time}.",
-)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kinds: the operand tuples of one kind of question, how to ask it, how to solve it
 # ----------------------------------------------------------------------------------------------
@@ -384,7 +342,7 @@ _UNITS = tuple(kind for pair in _UNIT_PAIRS for kind in _unit_kinds(*pair))
 # --- counting: letters, tallies, ranges, multiples, list lengths --------------------------------
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-_SPELLED = tuple(sorted(set(_WORDS)))
+_SPELLED = tuple(sorted(set(WORDS)))
 
 
 def _letter_rows() -> np.ndarray:
@@ -462,7 +420,7 @@ _COUNTING = (
 # --- word problems: two steps each -------------------------------------------------------------
 
 def _person(rng: random.Random) -> dict:
-    name, pronoun = rng.choice(_NAMES)
+    name, pronoun = rng.choice(NAMES)
     return {"name": name, "pronoun": pronoun.capitalize(), "possessive": "His" if pronoun == "he" else "Her"}
 
 
@@ -615,7 +573,7 @@ def _check_task_and_split(task: str, split: str) -> None:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
 
 
-def _check_count(name: str, count) -> None:
+def check_count(name: str, count) -> None:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"{name} must be a non-negative int; got {count!r}")
 
@@ -629,7 +587,7 @@ def generate_problems(task: str, count: int, split: str, seed: int) -> list[Prob
     ``split_capacity(task, split)``.
     """
     _check_task_and_split(task, split)
-    _check_count("count", count)
+    check_count("count", count)
     kinds = _KINDS[task]
     pools = [_split_rows(task, index)[split] for index in range(len(kinds))]
     capacity = sum(len(pool) for pool in pools)
@@ -645,153 +603,3 @@ def generate_problems(task: str, count: int, split: str, seed: int) -> list[Prob
             problems.append(Problem(task, f"Q: {kind.ask(operands, rng)} A:", kind.solve(operands), operands))
     rng.shuffle(problems)
     return problems
-
-
-# ----------------------------------------------------------------------------------------------
-# Plain text and the corpus
-# ----------------------------------------------------------------------------------------------
-
-def plain_text(count: int, seed: int) -> list[str]:
-    """``count`` paragraphs of 3..6 template sentences with no digits: the non-numeric share of the corpus."""
-    _check_count("count", count)
-    rng = random.Random(f"plain_text/{seed}")
-    paragraphs = []
-    for _ in range(count):
-        sentences = []
-        for _ in range(rng.randint(3, 6)):
-            (name, _pronoun), (other, _other_pronoun) = rng.sample(_NAMES, 2)
-            noun, other_noun = rng.sample(_WORDS, 2)
-            sentence = rng.choice(_SENTENCES).format(
-                name=name, other=other, noun=noun, other_noun=other_noun, adjective=rng.choice(_ADJECTIVES),
-                place=rng.choice(_PLACES), verb=rng.choice(_VERBS), adverb=rng.choice(_ADVERBS),
-                time=rng.choice(_TIMES))
-            sentences.append(sentence[0].upper() + sentence[1:])
-        paragraphs.append(" ".join(sentences))
-    return paragraphs
-
-
-def _documents(problems: list[Problem]) -> list[str]:
-    """Problem texts, ``PROBLEMS_PER_DOCUMENT`` per document, one per line (the last document may be shorter)."""
-    return ["\n".join(problem.text for problem in problems[start:start + PROBLEMS_PER_DOCUMENT])
-            for start in range(0, len(problems), PROBLEMS_PER_DOCUMENT)]
-
-
-def build_corpus(out_dir, *, train_per_task: int, test_per_task: int, plain_text_share: float = 0.2, seed: int = 0,
-                 tasks: Sequence[str] = TASKS) -> dict:
-    """Write the training corpus and the held-out sets under ``out_dir`` with ``datasets`` (JSON lines).
-
-    ``train.jsonl``   {"text"}: ``train_per_task`` training problems per task, ``PROBLEMS_PER_DOCUMENT``
-                      per document, shuffled with plain-text paragraphs that make up ``plain_text_share``
-                      of the documents.
-    ``eval.jsonl``    {"text"}: the ``test_per_task`` test problems per task, in documents of the same shape.
-    ``qa_test.jsonl`` {"prompt", "answer", "task"}: the same test problems, one per line, shuffled.
-
-    Returns ``{"train", "eval", "qa_test"}`` (paths) and the counts ``train_problems``,
-    ``train_documents``, ``plain_text_documents``, ``eval_documents``, ``test_problems``.
-    Deterministic in ``seed``; raises ``ValueError`` for bad arguments (see ``generate_problems``).
-    """
-    for name, count in (("train_per_task", train_per_task), ("test_per_task", test_per_task)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be a positive int; got {count!r}")
-    if not 0 <= plain_text_share < 1:
-        raise ValueError(f"plain_text_share must be in [0, 1) (the share of training documents that are plain "
-                         f"text); got {plain_text_share!r}")
-    tasks = tuple(tasks)
-    unknown = [task for task in tasks if task not in _KINDS]
-    if unknown or not tasks:
-        raise ValueError(f"tasks must be a non-empty subset of {TASKS}; got {tasks!r}")
-
-    rng = random.Random(f"corpus/{seed}")
-    train = [problem for task in tasks for problem in generate_problems(task, train_per_task, "train", seed)]
-    test = [problem for task in tasks for problem in generate_problems(task, test_per_task, "test", seed)]
-    rng.shuffle(train)
-    rng.shuffle(test)
-    problem_documents = _documents(train)
-    plain_count = round(len(problem_documents) * plain_text_share / (1 - plain_text_share))
-    train_documents = problem_documents + plain_text(plain_count, seed)
-    rng.shuffle(train_documents)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "qa_test": out_dir / "qa_test.jsonl"}
-    tables = {"train": [{"text": text} for text in train_documents],
-              "eval": [{"text": text} for text in _documents(test)],
-              "qa_test": [{"prompt": problem.prompt, "answer": problem.answer, "task": problem.task}
-                          for problem in test]}
-    for name, path in paths.items():
-        _write_jsonl(tables[name], path)
-    return {**paths, "train_problems": len(train), "train_documents": len(train_documents),
-            "plain_text_documents": plain_count, "eval_documents": len(tables["eval"]), "test_problems": len(test)}
-
-
-def _write_jsonl(rows: list[dict], path: Path) -> None:
-    """``rows`` as JSON lines through ``datasets``, without its progress bars (restored as they were)."""
-    bars_were_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        datasets.Dataset.from_list(rows).to_json(str(path), lines=True)
-    finally:
-        if bars_were_enabled:
-            datasets.enable_progress_bars()
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------------------------
-
-# Llama-3's pre-tokenization regex (tiktoken cl100k style): digit runs cut into groups of 1..3 that
-# never carry a space or a letter; the space before a number is its own piece ("Ġ").
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Every ASCII digit group a number splits into: "0".."9", "00".."99", "000".."999" (1110 strings).
-_DIGIT_GROUPS = tuple(f"{number:0{width}d}" for width in (1, 2, 3) for number in range(10 ** width))
-_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
-_BYTE_ALPHABET_SIZE = 256
-
-
-def _llama3_pre_tokenizer(*then) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), *then,
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-def train_numeric_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """A Llama-3-style byte-level BPE tokenizer of at most ``vocab_size`` tokens trained on ``texts``.
-
-    Layout: the 256 byte tokens and the text merges learned from ``texts``; then every other digit group
-    of ``_DIGIT_GROUPS`` (0..999 and the zero-padded 00..09, 000..099 are one token each, as in Llama-3); then
-    the specials ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos), ``<|pad|>`` (pad).
-
-    The merges are learned on text with the digit runs removed (pre-tokenization never joins digits
-    with anything else, so the number merges are independent of the text merges) and the number
-    merges are written by hand: "ab" from a + b, "abc" from both ab + c and a + bc, so a group ends
-    as one token whichever of its two-digit merges applies first. ``ignore_merges`` is on, as in
-    Llama-3's tokenizer.json. No BOS is added on encode: the training pipeline packs documents with
-    EOS only, and evaluation tokenizes prompts with the default special tokens, so both see the same
-    text. ``padding_side="left"``: evaluation generates from left-padded batches.
-    Deterministic for the same ``texts``; about a second per megabyte of text.
-    """
-    minimum = _BYTE_ALPHABET_SIZE + len(_DIGIT_GROUPS) - 10 + len(_SPECIAL_TOKENS)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
-        raise ValueError(f"vocab_size must be an int >= {minimum} (256 bytes, {len(_DIGIT_GROUPS) - 10} multi-digit "
-                         f"groups, {len(_SPECIAL_TOKENS)} specials); got {vocab_size!r}")
-    text_tokenizer = Tokenizer(models.BPE())
-    text_tokenizer.pre_tokenizer = _llama3_pre_tokenizer(pre_tokenizers.Split(Regex(r"\p{N}+"), behavior="removed"))
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(_DIGIT_GROUPS) + 10 - len(_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    text_tokenizer.train_from_iterator(texts, trainer=trainer)
-
-    learned = json.loads(text_tokenizer.to_str())["model"]
-    vocab = dict(learned["vocab"])
-    merges = [tuple(merge) for merge in learned["merges"]]
-    for group in _DIGIT_GROUPS[10:]:
-        vocab[group] = len(vocab)
-    merges += [(group[0], group[1]) for group in _DIGIT_GROUPS if len(group) == 2]
-    merges += [pair for group in _DIGIT_GROUPS if len(group) == 3 for pair in ((group[:2], group[2]),
-                                                                                (group[0], group[1:]))]
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    tokenizer.pre_tokenizer = _llama3_pre_tokenizer()
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-                                   pad_token=PAD_TOKEN, padding_side="left", clean_up_tokenization_spaces=False)

@@ -290,6 +290,13 @@ def tokenize_and_pack(dataset: datasets.Dataset, tokenizer, seq_len: int, text_f
     return datasets.Dataset.from_file(str(packed_path))
 
 
+def pack_files(paths: Sequence[str | os.PathLike], tokenizer, seq_len: int, text_field: str = "text",
+               num_proc: int = 1, cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
+    """``load_text_dataset`` then ``tokenize_and_pack``: what train.py does with ``--data`` and ``--eval_data``."""
+    return tokenize_and_pack(load_text_dataset(paths, text_field), tokenizer, seq_len, text_field=text_field,
+                             num_proc=num_proc, cache_dir=cache_dir)
+
+
 def _tokenize_documents(batch: dict, tokenizer, text_field: str) -> dict:
     token_ids = tokenizer(batch[text_field], add_special_tokens=False, verbose=False)["input_ids"]
     eos_token_id = tokenizer.eos_token_id

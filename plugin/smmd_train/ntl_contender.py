@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import SMMDOutput
-from .hf import SMMDCausalLMLoss
+from smmd_scale import SMMDOutput
+from smmd_scale.integrations.hf import SMMDCausalLMLoss
 
 
 class NTLCausalLMLoss(SMMDCausalLMLoss):

@@ -1,6 +1,6 @@
 """SMMD computed the way the paper's public implementation does it: the benchmark's baseline.
 
-Written by us from the objective in DESIGN.md §1 (the kernel itself comes from smmd_scale: the
+Written by us from the objective in docs/objective.md (the kernel itself comes from smmd_scale: the
 benchmark is about the *data flow* of the published implementation, which this follows):
 
   1. flatten logits to ``[T, V]`` and mask the rows whose target is a numeric token;

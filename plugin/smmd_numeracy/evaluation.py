@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .vocab import NumericVocab
+from smmd_scale import NumericVocab
 
 # The number the model answered with: optional sign, ASCII digits, optional decimal part.
 # [0-9], not \d, which also matches non-ASCII digits ("٣").

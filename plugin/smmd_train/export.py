@@ -1,9 +1,9 @@
 """Export a trained engine as a Hugging Face model directory that ``from_pretrained`` loads.
 
-``engine._zero3_consolidated_16bit_state_dict()`` gathers the ZeRO-3 partitions and, under
-AutoTP, the tensor-parallel shards (DeepSpeed's ``GatherReplacedLayerParams``) into full
-tensors on rank 0 (in the training dtype: fp32 stays fp32). It is a collective: every rank calls
-:func:`export_hf`. Rank 0 then builds a fresh model from the config and writes it.
+``smmd_scale.compat.consolidated_state_dict`` gathers the ZeRO-3 partitions and, under AutoTP,
+the tensor-parallel shards (DeepSpeed's ``GatherReplacedLayerParams``) into full tensors on rank 0
+(in the training dtype: fp32 stays fp32). It is a collective: every rank calls :func:`export_hf`.
+Rank 0 then builds a fresh model from the config and writes it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from smmd_scale import compat
+
 
 def export_hf(engine, output_dir: str, tokenizer=None) -> None:
     """Write ``output_dir`` (config, weights, and the tokenizer if given). Call on every rank."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    state_dict = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() \
-        else engine._consolidated_16bit_state_dict()
+    state_dict = compat.consolidated_state_dict(engine)
     if dist.get_rank() == 0:
         config = engine.module.config
         unset_hf_deepspeed_config()  # or from_config would partition the fresh model with zero.Init

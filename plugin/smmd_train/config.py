@@ -1,10 +1,12 @@
-"""DeepSpeed config for a training run: read it, resolve its ``"auto"`` values from the run's
-flags, and reject combinations that cannot work — before any model is built.
+"""DeepSpeed config for a training run: read it, set the tensor-parallel degree from ``--tp``,
+resolve its ``"auto"`` values from the run's flags, adapt it to the CPU accelerator, and reject
+combinations that cannot work — before any model is built.
 
 Resolved like the HF Trainer resolves them: batch sizes from the micro batch, gradient
 accumulation and the data-parallel size (world / autotp_size); optimizer and scheduler numbers
 from the learning-rate flags; bf16 on when the accelerator supports it; TensorBoard into the
-run's directory.
+run's directory. The same ``ds_configs/*.json`` serve GPUs and the CPU: :data:`CPU_SETTINGS` is
+the one place where the two differ.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 AUTO = "auto"
+
+# What a run on DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu, gloo) changes in any config, and why:
+# (section path, key, value).
+CPU_SETTINGS = (
+    # DeepSpeed's own Adam ops (FusedAdam, CPUAdam) are compiled extensions; torch's AdamW needs no build.
+    (("optimizer", "params"), "torch_adam", True),
+    # Overlapping ZeRO's reduce-scatter with backward needs accelerator streams; the CPU has none.
+    (("zero_optimization", ), "overlap_comm", False),
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,27 @@ def load_config(path: str) -> dict:
         return json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"--deepspeed_config {path} is not valid JSON: {error}") from None
+
+
+def set_tensor_parallel(config: dict, tp_size: Optional[int]) -> dict:
+    """A copy of ``config`` whose AutoTP degree is ``tp_size`` (``train.py --tp``), with the LM head
+    vocabulary-parallel; ``None`` keeps what the config says (no ``tensor_parallel``: TP 1)."""
+    config = copy.deepcopy(config)
+    if tp_size is None:
+        return config
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"--tp {tp_size!r} must be a positive int (the AutoTP degree)")
+    if tp_size == 1:
+        config.pop("tensor_parallel", None)
+    else:
+        config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": tp_size,
+                                     "vocab_parallel_lm_head": True}
+    return config
+
+
+def tensor_parallel_size(config: dict) -> int:
+    """The AutoTP degree a config asks for (1 without a ``tensor_parallel`` section)."""
+    return int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 
 
 def _resolve(section: dict, key: str, value) -> None:
@@ -58,9 +91,9 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     """
     config = copy.deepcopy(config)
     tensor_parallel = config.get("tensor_parallel") or {}
-    tp_size = int(tensor_parallel.get("autotp_size", 1) or 1)
+    tp_size = tensor_parallel_size(config)
     if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} must divide the world size {world_size} (the "
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} (--tp) must divide the world size {world_size} (the "
                          f"ranks are split into world/autotp_size data-parallel groups of autotp_size ranks)")
     if tp_size > 1 and not tensor_parallel.get("vocab_parallel_lm_head", False):
         raise ValueError("tensor_parallel.autotp_size > 1 needs \"vocab_parallel_lm_head\": true so the LM head "
@@ -89,10 +122,20 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
         _resolve_auto(params, "warmup_num_steps", min(warmup_steps, max(max_steps - 1, 0)))
         _resolve_auto(params, "total_num_steps", max_steps)
         _resolve_auto(params, "warmup_max_lr", learning_rate)
+    if accelerator == "cpu":
+        for path, key, value in CPU_SETTINGS:
+            section = config
+            for name in path:
+                section = section.get(name)
+                if section is None:
+                    break
+            if section is not None:
+                section[key] = value
     for precision in ("bf16", "fp16"):
         section = config.get(precision)
         if section is not None and section.get("enabled") == AUTO:
-            section["enabled"] = precision == "bf16" and bf16_supported
+            # On the CPU accelerator "auto" means off: CPU bf16 GEMMs are far slower than fp32 ones.
+            section["enabled"] = precision == "bf16" and bf16_supported and accelerator != "cpu"
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = 1.0
 
@@ -105,12 +148,12 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     if stage != 3:
         raise ValueError(f"zero_optimization.stage={stage}: train.py runs ZeRO stage 3 (models are partitioned as "
                          "they are built, and steps with a non-finite loss are discarded by ZeRO-3's gradient-norm "
-                         "check); use one of ds_configs/*zero3*.json")
+                         "check); use ds_configs/zero3.json or ds_configs/zero3_offload.json")
     offloaded = [key for key in ("offload_param", "offload_optimizer")
                  if (zero.get(key) or {}).get("device", "none") != "none"]
     if offloaded and accelerator == "cpu":
         raise ValueError(f"zero_optimization.{offloaded[0]} offloads to the CPU, but this run already trains on the "
-                         "CPU accelerator (DS_ACCELERATOR=cpu); use ds_configs/cpu_zero3.json")
+                         "CPU accelerator (DS_ACCELERATOR=cpu); use ds_configs/zero3.json")
     for key in offloaded:
         if zero[key].get("device") == "nvme" and not zero[key].get("nvme_path"):
             raise ValueError(f"zero_optimization.{key}.device is nvme but nvme_path is not set")

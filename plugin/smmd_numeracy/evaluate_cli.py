@@ -1,0 +1,100 @@
+"""The command line of ``launch/evaluate.py``: numeric evaluation of a Hugging Face causal-LM
+checkpoint on {"prompt", "answer"} JSONL lines.
+
+    python launch/evaluate.py MODEL_DIR --data qa.jsonl [--limit 200] [--output report.json]
+
+Greedy generation and teacher-forced numeric-token metrics (``smmd_numeracy.evaluation``): prints a
+table (all items, then each "task") and writes the JSON report returned by ``evaluate_qa``, by
+default to MODEL_DIR/numeric_eval.json. Runs on CUDA when available (float32, or --dtype bfloat16),
+else on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .evaluation import evaluate_qa, load_qa
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_COLUMNS = (("count", "count"), ("exact_match", "exact_match"), ("mae", "mae"), ("relative_error", "rel_error"),
+            ("unparseable", "unparseable"), ("numeric_token_accuracy", "num_tok_acc"),
+            ("numeric_token_mae", "num_tok_mae"), ("numeric_tokens", "num_tokens"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="a local HF model dir (config.json and weights, e.g. from export_hf.py)")
+    parser.add_argument("--data", required=True, help='JSONL of {"prompt", "answer", optional "task"}')
+    parser.add_argument("--tokenizer", help="tokenizer dir (default: the model dir)")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--max_new_tokens", type=int, default=8)
+    parser.add_argument("--limit", type=int, help="evaluate only the first N items")
+    parser.add_argument("--output", help="report path (default MODEL_DIR/numeric_eval.json)")
+    parser.add_argument("--dtype", choices=list(_DTYPES), default="float32", help="bfloat16 needs CUDA")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="allow model/tokenizer code shipped inside the model dir to run (off by default)")
+    args = parser.parse_args(argv)
+
+    if not (Path(args.model_dir) / "config.json").is_file():
+        parser.error(f"{args.model_dir} is not a Hugging Face model dir (no config.json there)")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer {args.tokenizer} is not a directory")
+    if not Path(args.data).is_file():
+        parser.error(f"--data {args.data} does not exist")
+    for name in ("batch_size", "max_new_tokens", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1; got {value}")
+    if args.dtype != "float32" and not torch.cuda.is_available():
+        parser.error(f"--dtype {args.dtype} needs a CUDA device; on CPU the evaluation runs in float32")
+    return args
+
+
+def load_model_and_tokenizer(args: argparse.Namespace) -> tuple:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=_DTYPES[args.dtype],
+                                                 trust_remote_code=args.trust_remote_code).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_dir,
+                                              trust_remote_code=args.trust_remote_code)
+    return model, tokenizer
+
+
+def format_table(report: dict) -> str:
+    """One row for all items, then one per task; ``-`` where a mean is undefined."""
+    rows = [("all", report)] + list(report["per_task"].items())
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'task':<{width}}" + "".join(f"  {header:>11}" for _, header in _COLUMNS)]
+    for name, metrics in rows:
+        cells = []
+        for key, _ in _COLUMNS:
+            value = metrics[key]
+            cells.append("-" if value is None else f"{value}" if isinstance(value, int) else f"{value:.4f}")
+        lines.append(f"{name:<{width}}" + "".join(f"  {cell:>11}" for cell in cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    try:
+        qa = load_qa(args.data)
+    except ValueError as error:
+        sys.exit(f"evaluate.py: {error}")
+    if args.limit is not None:
+        qa = qa[:args.limit]
+    model, tokenizer = load_model_and_tokenizer(args)
+    report = evaluate_qa(model, tokenizer, qa, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+
+    output = Path(args.output) if args.output else Path(args.model_dir) / "numeric_eval.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.model_dir} on {args.data} ({report['count']} items, {model.device}, {args.dtype})")
+    print(format_table(report))
+    print(f"report: {output}")
+    return report

@@ -1,0 +1,106 @@
+"""Every private DeepSpeed / transformers / tokenizers API the project relies on, in one place.
+
+Upstream can change these without notice. Each function below names what it reaches for, imports
+lazily (``import smmd_scale`` needs neither DeepSpeed nor transformers), and raises
+:class:`UpstreamChanged` naming the package version when the thing is gone, instead of failing
+somewhere deep in a training job. ``tests/test_compat.py`` exercises each one against the installed
+versions, so an upgrade that breaks one fails there first. Written against deepspeed 0.19.8 and
+transformers 5.23.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from typing import Callable, Optional
+
+
+class UpstreamChanged(RuntimeError):
+    """A private upstream API smmd-scale uses is missing or different in the installed version."""
+
+
+def _private(owner, name: str, package: str, purpose: str):
+    """``getattr(owner, name)``, or :class:`UpstreamChanged` saying what it was for."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise UpstreamChanged(f"{package} {metadata.version(package)} has no {getattr(owner, '__name__', owner)}."
+                              f"{name}, which smmd-scale uses to {purpose}; this smmd-scale was written against "
+                              f"deepspeed 0.19.8 / transformers 5.23 (see smmd_scale/compat.py)") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers / tokenizers (used by the loss plugin)
+# ---------------------------------------------------------------------------------------------
+
+def model_token_to_id(tokenizer) -> Callable[[str], Optional[int]]:
+    """The token -> id lookup of a tokenizer's *model*, bypassing its added-token table.
+
+    Fast tokenizers: ``backend_tokenizer.model.token_to_id`` (public). Python ("slow") tokenizers
+    have no public equivalent: ``_convert_token_to_id`` is the per-model lookup every one implements.
+    """
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        return backend.model.token_to_id
+    return _private(tokenizer, "_convert_token_to_id", "transformers",
+                    "tell a tokenizer's own tokens from tokens added on top of it")
+
+
+# HF causal LMs keep an assigned ``loss_function`` in this instance attribute (the property's setter);
+# reading it tells whether the model had its own hook before smmd_scale.install replaced it.
+_LOSS_FUNCTION_ATTRIBUTE = "_loss_function"
+
+
+def assigned_loss_function(model) -> tuple:
+    """``(True, hook)`` if ``model.loss_function`` was assigned on this instance, else ``(False, None)``."""
+    own = vars(model)
+    return (_LOSS_FUNCTION_ATTRIBUTE in own), own.get(_LOSS_FUNCTION_ATTRIBUTE)
+
+
+def forget_loss_function(model) -> None:
+    """Undo an assignment of ``model.loss_function``: the model's class default applies again."""
+    vars(model).pop(_LOSS_FUNCTION_ATTRIBUTE, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed (used by the integrations and the trainer)
+# ---------------------------------------------------------------------------------------------
+
+def vocab_parallel_linear_class():
+    """``deepspeed.module_inject.layers.VocabParallelLinear`` (AutoTP's vocabulary-parallel LM head),
+    or None when DeepSpeed is not installed. Its attributes ``mp_group``, ``vocab_start_index``,
+    ``vocab_end_index``, ``vocab_size`` and ``is_tp_parallel`` are what the loss reads."""
+    try:
+        from deepspeed.module_inject import layers
+    except ImportError:
+        return None
+    return _private(layers, "VocabParallelLinear", "deepspeed", "find AutoTP's vocabulary-parallel LM head")
+
+
+def init_tensor_parallel_groups(tp_size: int) -> None:
+    """Create DeepSpeed's tensor- and data-parallel groups for AutoTP (``groups._init_tp_mesh_device``)
+    before the model is partitioned over the data-parallel group (what ``deepspeed.initialize``
+    would do later, too late for ``zero.Init``)."""
+    from deepspeed.utils import groups
+
+    _private(groups, "_init_tp_mesh_device", "deepspeed", "create the AutoTP process groups before ZeRO-3 "
+             "partitions the model")(tensor_model_parallel_size=tp_size)
+
+
+def consolidated_state_dict(engine) -> dict:
+    """The full model state dict on rank 0 (ZeRO-3 partitions and AutoTP shards gathered); a
+    collective: every rank calls it. DeepSpeed's ``save_16bit_model`` does the same but writes one
+    file in its own layout, not a Hugging Face directory."""
+    if engine.zero_optimization_partition_weights():
+        return _private(engine, "_zero3_consolidated_16bit_state_dict", "deepspeed",
+                        "gather a ZeRO-3 model for export")()
+    return _private(engine, "_consolidated_16bit_state_dict", "deepspeed", "gather an AutoTP model for export")()
+
+
+def cpu_allreduce_segment(rank: int) -> str:
+    """The ``/dev/shm`` name of DeepSpeed's CPU shared-memory all-reduce buffer of ``rank`` (its C++
+    op names it from the user id, MASTER_ADDR and MASTER_PORT, and never unlinks it)."""
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{rank}")

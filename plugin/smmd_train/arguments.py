@@ -1,0 +1,171 @@
+"""``launch/train.py``'s command line: the parser, and the one builder of train.py command lines
+that the demo, the benchmarks, the numeracy study and the tests use.
+
+    args = parse_args(["--deepspeed_config", "ds_configs/zero3.json", "--model", "tiny", ...])
+    command = train_command(processes=2, deepspeed_config="ds_configs/zero3.json", model="tiny", tp=2,
+                            data=["train.jsonl"], max_steps=10, output_dir="runs/a")
+    subprocess.run(command, check=True)   # deepspeed --num_gpus 2 ... launch/train.py --deepspeed_config ...
+
+The builder takes train.py options as keyword arguments named like the flags, checks every name
+against the parser (a typo fails here, not after a launch), and writes them the way argparse reads
+them back: ``True`` is a bare switch, ``False``/``None`` leave the flag out, a list or tuple gives
+several values after one flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .presets import PRESETS
+
+# The repository this package is installed from (an editable install of a source checkout).
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO / "launch" / "train.py"
+
+
+def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
+    import deepspeed
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model and data")
+    model.add_argument("--model", required=True, help=f"a local HF model dir (continued pretraining) or a preset "
+                       f"to pretrain from scratch: {', '.join(PRESETS)}")
+    model.add_argument("--tokenizer", help="tokenizer dir (default: the model dir; required with a preset)")
+    model.add_argument("--trust_remote_code", action="store_true",
+                       help="allow model/tokenizer code shipped inside the model dir to run (off by default)")
+    model.add_argument("--data", nargs="+", required=True, help=".jsonl/.json/.txt/.parquet files or "
+                       "datasets.save_to_disk dirs")
+    model.add_argument("--text_field", default="text")
+    model.add_argument("--seq_len", type=int, default=1024)
+    model.add_argument("--eval_data", nargs="+", help="held-out data, packed like --data")
+    model.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    model.add_argument("--eval_batches", type=int, default=50, help="micro-batches per evaluation")
+    model.add_argument("--cache_dir", help="where tokenized/packed data is cached (default <output_dir>/cache)")
+    model.add_argument("--num_proc", type=int, default=1, help="processes for tokenization")
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--tp", type=int, help="AutoTP degree, with a vocabulary-parallel LM head (default: the "
+                       "config's tensor_parallel.autotp_size, else 1); must divide the world size")
+    train.add_argument("--max_steps", type=int, required=True, help="optimizer steps")
+    train.add_argument("--micro_batch_size", type=int, default=1, help="resolves train_micro_batch_size_per_gpu")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--lr", type=float, default=3e-4)
+    train.add_argument("--weight_decay", type=float, default=0.1)
+    train.add_argument("--warmup_steps", type=int, default=100)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--gradient_checkpointing", action="store_true")
+    train.add_argument("--output_dir", required=True)
+    train.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest committed checkpoint in "
+                       "--output_dir (starts fresh if there is none, so restart loops can always pass it)")
+    train.add_argument("--export_hf", help="write a Hugging Face model dir here at the end")
+    train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
+    train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,
+                       help="how long a collective waits for a lost rank before the job fails")
+    train.add_argument("--max_skipped_steps", type=int, default=10,
+                       help="stop after this many consecutive steps with a NaN/inf loss (each is skipped on every "
+                       "rank)")
+
+    smmd = parser.add_argument_group("SMMD loss")
+    smmd.add_argument("--smmd_weight", type=float, default=1.0, help="0 = CE only (numeric metrics still logged)")
+    smmd.add_argument("--smmd_policy", default="integers", choices=["integers", "digits", "floats"])
+    smmd.add_argument("--smmd_max_value", type=float, default=999)
+    smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
+    smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
+    smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
+    smmd.add_argument("--ntl_weight", type=float, default=0.0,
+                      help="for comparisons: CE + this x NTL-WAS (ntloss package) instead of SMMD; full logits only")
+    smmd.add_argument("--framework_loss", action="store_true",
+                      help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
+                      "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
+
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] = None) -> argparse.Namespace:
+    """train.py's arguments, with the checks that need no file, model or process group."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    if not args.deepspeed_config:
+        parser.error("--deepspeed_config is required (see ds_configs/)")
+    if args.model in PRESETS and not args.tokenizer:
+        parser.error(f"--model {args.model} is a preset (training from scratch): pass --tokenizer DIR")
+    if args.tp is not None and args.tp < 1:
+        parser.error(f"--tp {args.tp} must be >= 1")
+    if args.ntl_weight and args.smmd_weight:
+        parser.error("--ntl_weight replaces SMMD: pass --smmd_weight 0 with it")
+    if args.framework_loss and args.ntl_weight:
+        parser.error("--framework_loss trains with the model's own loss: it cannot add --ntl_weight")
+    args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
+    args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
+    return args
+
+
+def train_flags(**options) -> list:
+    """train.py flags for ``options`` (keyword arguments named like the flags, without ``--``)."""
+    actions = {action.dest: action for action in build_parser()._actions if action.option_strings}
+    flags = []
+    for name, value in options.items():
+        action = actions.get(name)
+        if action is None:
+            close = difflib.get_close_matches(name, actions, n=3)
+            raise ValueError(f"train.py has no option --{name}" + (f"; did you mean {close}?" if close else ""))
+        flag = f"--{name}"
+        if value is None or value is False:
+            continue
+        if value is True:
+            if action.nargs != 0:
+                raise ValueError(f"--{name} takes a value, got True")
+            flags.append(flag)
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launcher's ``--master_port``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def deepspeed_launcher() -> str:
+    """The ``deepspeed`` launcher of this Python environment (a virtualenv's bin/ first)."""
+    return shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+
+
+def launch_command(script, *script_args, processes: int = 1, launcher="deepspeed",
+                   master_port: Optional[int] = None, master_addr: str = "127.0.0.1") -> list:
+    """How to start ``script`` on this machine: ``launcher="deepspeed"`` (``processes`` ranks on
+    ``master_addr:master_port``, a free port by default), ``"python"`` (one plain process), or a
+    list that starts the script as given (e.g. ``["torchrun", "--nproc_per_node", "8"]``)."""
+    if isinstance(launcher, (list, tuple)):
+        return [*map(str, launcher), str(script), *map(str, script_args)]
+    if launcher == "python":
+        if processes != 1:
+            raise ValueError(f"launcher='python' starts one process, not {processes}; use launcher='deepspeed'")
+        return [sys.executable, str(script), *map(str, script_args)]
+    if launcher != "deepspeed":
+        raise ValueError(f"launcher={launcher!r} must be 'deepspeed' or 'python'")
+    return [deepspeed_launcher(), "--num_gpus", str(processes), "--master_addr", master_addr, "--master_port",
+            str(master_port or free_port()), str(script), *map(str, script_args)]
+
+
+def train_command(*, processes: int = 1, launcher="deepspeed", master_port: Optional[int] = None,
+                  **options) -> list:
+    """The command that runs ``launch/train.py`` with ``options`` (see :func:`train_flags`)."""
+    if not TRAIN_SCRIPT.is_file():
+        raise FileNotFoundError(f"{TRAIN_SCRIPT} not found: train_command needs smmd_train installed from a source "
+                                "checkout (pip install -e .)")
+    return launch_command(TRAIN_SCRIPT, *train_flags(**options), processes=processes, launcher=launcher,
+                          master_port=master_port)

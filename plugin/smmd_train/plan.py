@@ -1,0 +1,50 @@
+"""What a training run will be, decided before any weight or batch exists: the tokenizer, the model
+architecture, the resolved DeepSpeed config and the parallel layout. Every rank computes the same
+plan from the same arguments, so a bad combination raises the same error on every rank, before
+the model is built, and it can be checked in a single process without a launcher.
+
+    plan = plan_run(parse_args(argv), world_size=8, accelerator="cuda", bf16_supported=True)
+    plan.topology.tp_size, plan.ds_config["train_batch_size"], plan.model_config.vocab_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .config import Topology, load_config, resolve_config, set_tensor_parallel, tensor_parallel_size
+from .data import check_tokenizer_fits_model
+from .model import model_config
+from .presets import PRESETS
+
+
+@dataclass
+class RunPlan:
+    tokenizer: object
+    model_config: object  # a transformers PretrainedConfig
+    ds_config: dict  # resolved: no "auto" left
+    topology: Topology
+    pretrained_dir: Optional[str]  # None: a preset trained from scratch
+    warnings: list = field(default_factory=list)
+
+
+def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
+    """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
+    ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    raw_config = set_tensor_parallel(load_config(args.deepspeed_config), args.tp)
+    config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
+                          args.trust_remote_code)
+    warning = check_tokenizer_fits_model(tokenizer, config.vocab_size)
+    ds_config, topology = resolve_config(
+        raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
+        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
+        tensorboard_dir=args.tensorboard_dir, job_name=Path(args.output_dir).name, bf16_supported=bf16_supported,
+        hidden_size=config.hidden_size, accelerator=accelerator)
+    return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
+                   pretrained_dir=None if args.model in PRESETS else args.model,
+                   warnings=[warning] if warning else [])

@@ -1,0 +1,356 @@
+"""The memory planner: per-GPU memory for training a model preset under ZeRO-3 (+ AutoTP), before
+booking a cluster, and what to change when it does not fit. ``launch/estimate.py`` runs :func:`main`.
+
+    result = estimate(preset_config("7b", vocab_size=128256), nodes=4, gpus_per_node=8, tp_size=2)
+    result["total_gpu_bytes"], result["verdict"], next_steps(config, nodes=4, gpus_per_node=8)
+
+Per GPU, in bf16 mixed precision with Adam:
+
+* **model states** (bf16 params and grads, fp32 master params and Adam moments), from DeepSpeed's
+  own ``estimate_zero3_model_states_mem_needs`` with ``zero_init`` (the model is built under
+  ``zero.Init``) and its default CPU ``additional_buffer_factor`` of 1.5. With ``--tp T`` AutoTP
+  first splits the model T ways; each TP rank's share is one ZeRO-3 model partitioned over its
+  world / T data-parallel ranks (T of them per node, so the CPU memory per node is T times the
+  estimator's). AutoTP leaves an untied embedding whole on every TP rank, so on the same GPUs more
+  TP can raise the model states of 7b and up. ``--offload`` moves params and optimizer to CPU, as
+  ``ds_configs/zero3_offload.json``.
+* **activations** kept for backward, counted tensor by tensor for HF's Llama layer (the method of
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; their
+  GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes, s*b*h*(10 + 24/t + 5*a*s/(h*t)) under t-way TP;
+  HF's Llama layer keeps more: RMSNorm upcasts to fp32 and SwiGLU keeps four intermediate-wide
+  tensors). See :func:`layer_activation_bytes`. With gradient checkpointing, each layer's bf16
+  input plus one layer's activations while it is recomputed.
+* **logits and loss**: the vocabulary-parallel bf16 logits, the fused CE + SMMD loss's one fp32
+  ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns.
+
+The total is a sum of these (a slight over-estimate with gradient checkpointing, where the
+recomputed layer and the logits are not alive at once). It leaves out the CUDA context, NCCL
+buffers, ZeRO-3 prefetch beyond the largest layer, and allocator fragmentation: an estimate
+within ``HEADROOM_FRACTION`` of the GPU memory is reported as ``tight``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Optional
+
+from .presets import PRESETS, largest_layer_params, parameter_count, preset_config
+
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+GIB = 2**30
+ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default margin on the CPU memory
+HEADROOM_FRACTION = 0.1  # what this estimate does not count (see the module docstring)
+TABLE_PRESETS = ("1b", "3b", "7b", "13b", "34b", "70b")
+MAX_NODES_TRIED = 1024
+
+
+def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
+                           flash_attention: bool = True) -> int:
+    """Bytes one HF ``LlamaDecoderLayer`` keeps for backward on one GPU, with bf16 activations,
+    causal attention without a mask (packed sequences), and attention dropout 0.
+
+    Per token (``h`` hidden, ``a`` heads and ``k`` KV heads of ``d``, ``I`` MLP width, ``t`` TP):
+
+    * each of the two RMSNorms: its fp32 input copy (4h), the normalized bf16 (2h), the weighted
+      output that the next projections keep (2h), the fp32 rsqrt (4) -> 16h + 8, on every TP rank;
+    * SDPA (``flash_attention``): q and the attention output (2*a*d each; o_proj keeps the same
+      output), k and v (2*k*d each, GQA is not expanded), the fp32 log-sum-exp (4a);
+      eager: q, the expanded k and v, the o_proj input (2*a*d each) and per score the fp32 softmax
+      and its bf16 copy (6 bytes, a*s scores per token);
+    * SwiGLU: gate (the SiLU input), SiLU output, up and their product (the down_proj input),
+      2*I each -> 8I;
+
+    everything but the norms split t ways (heads and MLP width are sharded; AutoTP has no
+    sequence parallelism). tests/test_presets.py checks this against the tensors autograd saves.
+    """
+    if config.attention_dropout:
+        raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
+                         "has); dropout masks would add activations it does not count")
+    tokens = seq_len * micro_batch
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    norms = tokens * (16 * config.hidden_size + 8)
+    if flash_attention:
+        attention = tokens * (4 * heads * head_dim + 4 * kv_heads * head_dim + 4 * heads)
+    else:
+        attention = tokens * (8 * heads * head_dim + 6 * heads * seq_len)
+    mlp = tokens * 8 * config.intermediate_size
+    return norms + (attention + mlp) // tp_size
+
+
+def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
+                     flash_attention: bool = True) -> int:
+    """Bytes of activations kept for backward on one GPU by the whole ``LlamaForCausalLM`` up to
+    the lm_head input: every layer (:func:`layer_activation_bytes`), or with gradient
+    checkpointing each layer's bf16 input (2h per token) plus one layer being recomputed; and the
+    final RMSNorm (8h + 4 per token: fp32 copy, normalized, weighted = the lm_head input, rsqrt)."""
+    tokens = seq_len * micro_batch
+    layer = layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention)
+    final_norm = tokens * (8 * config.hidden_size + 4)
+    if gradient_checkpointing:
+        return config.num_hidden_layers * tokens * 2 * config.hidden_size + layer + final_norm
+    return config.num_hidden_layers * layer + final_norm
+
+
+def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1) -> int:
+    """Bytes of the loss's working set on one GPU: bf16 logits ``[tokens, V/T]`` (2 B), the fused
+    loss's fp32 buffer (4 B, the softmax turned into the gradient in place) and the bf16 logits
+    gradient it returns (2 B); SMMD's ``[P, N]`` numeric part is negligible."""
+    return seq_len * micro_batch * (vocab_size // tp_size) * (2 + 4 + 2)
+
+
+def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False) -> dict:
+    """ZeRO-3 model states from DeepSpeed's estimator: ``gpu_bytes`` per GPU and
+    ``cpu_per_node_bytes``, for the ``tp_params`` / ``tp_largest_layer_params`` one AutoTP rank
+    holds, partitioned over the ``gpus_per_node / tp_size`` data-parallel ranks per node."""
+    tp_params, tp_largest = parameter_count(config, tp_size), largest_layer_params(config, tp_size)
+    cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
+        total_params=tp_params, largest_layer_params=tp_largest, num_gpus_per_node=gpus_per_node // tp_size,
+        num_nodes=nodes, cpu_offload=offload, cpu_offload_params=offload, zero_init=True,
+        additional_buffer_factor=ADDITIONAL_BUFFER_FACTOR)
+    return {"gpu_bytes": gpu_bytes, "cpu_per_node_bytes": tp_size * cpu_bytes, "tp_params": tp_params,
+            "tp_largest_layer_params": tp_largest}
+
+
+def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib):
+    for name, value in dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, seq_len=seq_len,
+                            micro_batch=micro_batch).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if gpus_per_node % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide gpus_per_node={gpus_per_node}: AutoTP groups are "
+                         "placed inside a node (tensor parallelism over the inter-node network is too slow)")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"gpu_memory_gib={gpu_memory_gib!r} must be positive")
+
+
+def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, offload: bool = False,
+             seq_len: int = 4096, micro_batch: int = 1, gradient_checkpointing: bool = False,
+             flash_attention: bool = True, gpu_memory_gib: float = 80.0) -> dict:
+    """Memory per GPU (and CPU per node) for training ``config`` (a ``LlamaConfig``) on ``nodes``
+    x ``gpus_per_node`` GPUs with ZeRO-3 over world / ``tp_size`` data-parallel ranks.
+
+    Returns ``setup`` (these arguments), ``params``, ``tp_params`` and ``tp_largest_layer_params``
+    (one TP rank's share), ``dp_size``, the ``*_bytes`` parts (``model_states_gpu_bytes``,
+    ``model_states_cpu_per_node_bytes``, ``activation_bytes``, ``logits_and_loss_bytes``,
+    ``total_gpu_bytes``) and ``verdict``: "fits", "tight" (within ``HEADROOM_FRACTION`` of
+    ``gpu_memory_gib``) or "does not fit".
+    """
+    _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib)
+    setup = dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, offload=offload, seq_len=seq_len,
+                 micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
+                 flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib)
+    states = model_states_bytes(config, nodes, gpus_per_node, tp_size, offload)
+    activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention)
+    logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size)
+    total = states["gpu_bytes"] + activations + logits
+    gpu_bytes = gpu_memory_gib * GIB
+    verdict = ("fits" if total <= (1 - HEADROOM_FRACTION) * gpu_bytes else
+               "tight" if total <= gpu_bytes else "does not fit")
+    return {"setup": setup, "params": parameter_count(config), "tp_params": states["tp_params"],
+            "tp_largest_layer_params": states["tp_largest_layer_params"], "dp_size": nodes * gpus_per_node // tp_size,
+            "model_states_gpu_bytes": states["gpu_bytes"],
+            "model_states_cpu_per_node_bytes": states["cpu_per_node_bytes"], "activation_bytes": activations,
+            "logits_and_loss_bytes": logits, "total_gpu_bytes": total, "verdict": verdict}
+
+
+def _options(config, setup: dict) -> list:
+    """Every setup reachable from ``setup`` by the changes this estimate knows: a smaller micro
+    batch (halving; gradient accumulation keeps the global batch), gradient checkpointing, more TP
+    (doubling, inside the node, while the model's heads and widths split evenly), CPU offload."""
+    micro_batches = [setup["micro_batch"]]
+    while micro_batches[-1] > 1:
+        micro_batches.append(micro_batches[-1] // 2)
+    tp_sizes = [setup["tp_size"]]
+    while setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:
+        try:
+            parameter_count(config, 2 * tp_sizes[-1])
+        except ValueError:  # the model's heads or widths do not split that many ways
+            break
+        tp_sizes.append(2 * tp_sizes[-1])
+    return [{**setup, "micro_batch": micro_batch, "gradient_checkpointing": checkpointing, "tp_size": tp_size,
+             "offload": offload}
+            for micro_batch in micro_batches for checkpointing in {setup["gradient_checkpointing"], True}
+            for tp_size in tp_sizes for offload in {setup["offload"], True}]
+
+
+def _cost(setup: dict) -> tuple:
+    """Order of preference among setups that fit: offload is the slowest (every step moves the
+    model through PCIe); then more TP (an all-reduce per layer on the critical path, smaller
+    GEMMs); then recomputation (~1/3 more compute); a smaller micro batch costs least."""
+    return setup["offload"], setup["tp_size"], setup["gradient_checkpointing"], -setup["micro_batch"]
+
+
+def _cheapest_fit(config, setup: dict, offload: bool = True) -> Optional[dict]:
+    """The estimate of the cheapest setup (by :func:`_cost`) among :func:`_options` that fits,
+    only those without offload when ``offload`` is False; None if none fits."""
+    fitting = [result for result in (estimate(config, **option) for option in _options(config, setup)
+                                     if offload or not option["offload"]) if result["verdict"] == "fits"]
+    return min(fitting, key=lambda result: _cost(result["setup"]), default=None)
+
+
+def next_steps(config, **setup) -> Optional[dict]:
+    """What to change when :func:`estimate` (same arguments) is not "fits", or None when it is.
+
+    ``flags`` (for this CLI) and ``estimate`` of the cheapest setup that fits (:func:`_cheapest_fit`),
+    or of the smallest one when none does (then ``fits`` is False). When that setup needs offload,
+    ``without_offload`` gives the fewest ``nodes`` (doubling) on which one fits without it, with its
+    ``flags`` and ``total_gpu_bytes`` (None beyond ``MAX_NODES_TRIED`` nodes).
+    """
+    current = estimate(config, **setup)
+    if current["verdict"] == "fits":
+        return None
+    setup = current["setup"]  # with the defaults filled in
+    best = _cheapest_fit(config, setup)
+    fits = best is not None
+    if not fits:
+        best = min((estimate(config, **option) for option in _options(config, setup)),
+                   key=lambda result: result["total_gpu_bytes"])
+    steps = {"flags": _flags(setup, best["setup"]), "estimate": best, "fits": fits, "without_offload": None}
+    if best["setup"]["offload"] and not setup["offload"]:
+        nodes = 2 * setup["nodes"]
+        while nodes <= MAX_NODES_TRIED and steps["without_offload"] is None:
+            on_more_nodes = _cheapest_fit(config, {**setup, "nodes": nodes}, offload=False)
+            if on_more_nodes is not None:
+                steps["without_offload"] = {"nodes": nodes, "flags": _flags(setup, on_more_nodes["setup"]),
+                                            "total_gpu_bytes": on_more_nodes["total_gpu_bytes"]}
+            nodes *= 2
+    return steps
+
+
+def _flags(old: dict, new: dict) -> list:
+    """The command-line flags that turn setup ``old`` into ``new``."""
+    flags = []
+    if new["nodes"] != old["nodes"]:
+        flags.append(f"--nodes {new['nodes']}")
+    if new["micro_batch"] != old["micro_batch"]:
+        flags.append(f"--micro_batch {new['micro_batch']}")
+    if new["gradient_checkpointing"] and not old["gradient_checkpointing"]:
+        flags.append("--gradient_checkpointing")
+    if new["tp_size"] != old["tp_size"]:
+        flags.append(f"--tp {new['tp_size']}")
+    if new["offload"] and not old["offload"]:
+        flags.append("--offload")
+    return flags
+
+
+def with_gib(record):
+    """``record`` with a rounded ``*_gib`` next to every ``*_bytes`` value, at any depth (for JSON)."""
+    if not isinstance(record, dict):
+        return record
+    converted = {}
+    for key, value in record.items():
+        converted[key] = with_gib(value)
+        if key.endswith("_bytes"):
+            converted[key[:-len("_bytes")] + "_gib"] = round(value / GIB, 3)
+    return converted
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f}"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+
+
+def _advice(steps: dict) -> str:
+    """One line saying what to try next, from :func:`next_steps`."""
+    total = _gib(steps["estimate"]["total_gpu_bytes"])
+    if not steps["flags"]:
+        return "nothing left to try here: shorten --seq_len or use larger GPUs"
+    text = f"try {' '.join(steps['flags'])} ({total} GiB" + ("" if steps["fits"] else ", still too much")
+    if steps["estimate"]["setup"]["offload"]:
+        text += f"; {_gib(steps['estimate']['model_states_cpu_per_node_bytes'])} GiB CPU memory per node"
+    text += ")"
+    alternative = steps["without_offload"]
+    if alternative:
+        text += f", or without offload: {' '.join(alternative['flags'])} ({_gib(alternative['total_gpu_bytes'])} GiB)"
+    return text
+
+
+def _describe(setup: dict, vocab_size: int) -> str:
+    nodes, gpus, tp = setup["nodes"], setup["gpus_per_node"], setup["tp_size"]
+    return (f"{nodes} node{'s' * (nodes > 1)} x {gpus} GPUs, TP {tp} x DP {nodes * gpus // tp}, ZeRO-3"
+            f"{' with CPU offload' if setup['offload'] else ''}; seq {setup['seq_len']}, micro batch "
+            f"{setup['micro_batch']}, vocab {vocab_size}, {'SDPA' if setup['flash_attention'] else 'eager'} attention"
+            f"{', gradient checkpointing' if setup['gradient_checkpointing'] else ''}; "
+            f"{setup['gpu_memory_gib']:g} GiB GPUs")
+
+
+def format_report(name: str, config, result: dict, steps: Optional[dict]) -> str:
+    """The readable table for one preset."""
+    setup = result["setup"]
+    rows = [("model states / GPU (ZeRO-3, DeepSpeed estimator)", result["model_states_gpu_bytes"]),
+            ("activations / GPU", result["activation_bytes"]),
+            ("logits + loss buffers / GPU", result["logits_and_loss_bytes"]),
+            ("total / GPU", result["total_gpu_bytes"]),
+            ("CPU memory / node (ZeRO-3, DeepSpeed estimator)", result["model_states_cpu_per_node_bytes"])]
+    lines = [f"{name}: {_count(result['params'])} params ({_count(result['tp_params'])} per TP rank, largest "
+             f"layer {_count(result['tp_largest_layer_params'])})",
+             _describe(setup, config.vocab_size), "", f"{'':<50}{'GiB':>8}"]
+    lines += [f"{label:<50}{_gib(value):>8}" for label, value in rows]
+    lines += ["", f"verdict: {result['verdict']} in {setup['gpu_memory_gib']:g} GiB"
+              + (f"; {_advice(steps)}" if steps else "")]
+    return "\n".join(lines)
+
+
+def format_markdown(results: list, vocab_size: int) -> str:
+    """A markdown table, one row per (preset name, result, next steps)."""
+    setup = results[0][1]["setup"]
+    lines = [f"**{_describe(setup, vocab_size)}** (GiB)", "",
+             "| model | params | model states / GPU | CPU / node | activations / GPU | logits + loss / GPU "
+             "| total / GPU | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, result, steps in results:
+        verdict = result["verdict"] + (f": {_advice(steps)}" if steps else "")
+        lines.append(f"| {name} | {_count(result['params'])} | {_gib(result['model_states_gpu_bytes'])} "
+                     f"| {_gib(result['model_states_cpu_per_node_bytes'])} | {_gib(result['activation_bytes'])} "
+                     f"| {_gib(result['logits_and_loss_bytes'])} | {_gib(result['total_gpu_bytes'])} | {verdict} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Per-GPU memory for training a model preset under ZeRO-3 "
+                                     "(+ AutoTP), before booking a cluster")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", choices=list(PRESETS), help="a model preset")
+    which.add_argument("--all", action="store_true", help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=1, help="AutoTP size, inside a node (default 1)")
+    parser.add_argument("--offload", action="store_true", help="ZeRO-3 offload of params and optimizer to CPU")
+    parser.add_argument("--seq_len", type=int, default=4096)
+    parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per micro step")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
+                             "a*s*s attention scores)")
+    parser.add_argument("--vocab_size", type=int, default=128256, help="default: Llama-3's")
+    parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp_size=args.tp, offload=args.offload,
+                 seq_len=args.seq_len, micro_batch=args.micro_batch, gradient_checkpointing=args.gradient_checkpointing,
+                 flash_attention=args.flash_attention, gpu_memory_gib=args.gpu_memory_gib)
+    results = []
+    for name in (TABLE_PRESETS if args.all else [args.model]):
+        try:
+            config = preset_config(name, vocab_size=args.vocab_size)
+            results.append((name, config, estimate(config, **setup), next_steps(config, **setup)))
+        except ValueError as error:  # a layout or TP size that does not fit this model
+            raise SystemExit(f"estimate.py: {name}: {error}") from None
+    if args.json:
+        records = [with_gib({"model": name, **result, "next_steps": steps}) for name, _, result, steps in results]
+        print(json.dumps(records if args.all else records[0], indent=2))
+    elif args.all:
+        print(format_markdown([(name, result, steps) for name, _, result, steps in results], args.vocab_size))
+    else:
+        print(format_report(*results[0]))

@@ -1,0 +1,120 @@
+"""The loss plugin installs and imports alone, and every private upstream API in smmd_scale/compat.py
+still exists in the installed DeepSpeed / transformers (an upgrade that breaks one fails here)."""
+
+import configparser
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from smmd_scale import compat
+
+from distributed import run_ranks, values_or_raise
+from launching import REPO
+
+HEAVY = ("deepspeed", "transformers", "datasets", "tensorboard", "mpi4py", "accelerate", "tokenizers")
+
+
+def test_import_smmd_scale_pulls_no_heavy_package():
+    code = ("import json, sys, smmd_scale; "
+            "vocab = smmd_scale.NumericVocab([1, 2], [1.0, 2.0], 4); smmd_scale.SMMDLoss(vocab); "
+            f"print(json.dumps(sorted(name for name in {HEAVY!r} if name in sys.modules)))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout.splitlines()[-1]) == []
+
+
+def test_the_loss_plugin_requires_only_torch_and_numpy():
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    required = [line.split(">")[0].split("=")[0].strip() for line in
+                setup["options"]["install_requires"].strip().splitlines()]
+    assert required == ["torch", "numpy"]
+    extras = setup["options.extras_require"]
+    assert {"train", "mpi", "bench", "test"} <= set(extras)
+    for package in ("deepspeed", "transformers", "datasets", "tensorboard", "mpi4py", "tqdm", "accelerate"):
+        assert package in extras["train"], package
+
+
+def test_model_token_to_id_of_fast_and_python_tokenizers():
+    from transformers import ByT5Tokenizer
+
+    from style_tokenizers import llama3_style
+
+    fast = llama3_style()
+    assert compat.model_token_to_id(fast)("42") == fast.convert_tokens_to_ids("42")
+    slow = ByT5Tokenizer()
+    assert compat.model_token_to_id(slow)("a") == slow.convert_tokens_to_ids("a")
+
+
+def test_assigned_loss_function_of_an_hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    assert compat.assigned_loss_function(model) == (False, None)
+
+    def hook(**kwargs):
+        return None
+
+    model.loss_function = hook
+    assert compat.assigned_loss_function(model) == (True, hook) and model.loss_function is hook
+    compat.forget_loss_function(model)
+    assert model.loss_function is ForCausalLMLoss
+
+
+def test_deepspeed_private_apis_exist():
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.utils import groups
+
+    head_class = compat.vocab_parallel_linear_class()
+    assert head_class.__name__ == "VocabParallelLinear"
+    source = "".join(inspect.getsource(cls) for cls in head_class.__mro__ if cls.__module__.startswith("deepspeed"))
+    for attribute in ("mp_group", "vocab_start_index", "vocab_end_index", "vocab_size"):
+        assert f"self.{attribute}" in source, attribute
+    assert "tensor_model_parallel_size" in inspect.signature(groups._init_tp_mesh_device).parameters
+    for name in ("_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict"):
+        assert callable(getattr(DeepSpeedEngine, name)), name
+
+
+def test_cpu_allreduce_segment_is_named_as_deepspeed_names_it(monkeypatch):
+    import deepspeed
+
+    # The installed DeepSpeed's own C++ source is the reference.
+    source = (Path(inspect.getfile(deepspeed)).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp").read_text()
+    assert '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"' in source
+    assert '"%s_%d_%s_%s",\n             SHM_BUFFER_NAME,\n             getuid(),' in source
+    assert 'snprintf(shm_name, NAME_BUF_SIZE, "%s_%d", shm_name_prefix, rank);' in source
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert compat.cpu_allreduce_segment(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_10.0.0.1_29500_3"
+
+
+def test_a_missing_private_api_is_named():
+    class Engine:
+        def zero_optimization_partition_weights(self):
+            return True
+
+    with pytest.raises(compat.UpstreamChanged, match=r"deepspeed .* has no .*_zero3_consolidated_16bit_state_dict, "
+                                                     r"which smmd-scale uses to gather a ZeRO-3 model for export"):
+        compat.consolidated_state_dict(Engine())
+
+
+def _tensor_parallel_groups(rank, world_size):
+    import deepspeed
+    from deepspeed.utils import groups
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group run_ranks started
+    compat.init_tensor_parallel_groups(world_size)
+    return groups.get_tensor_model_parallel_world_size(), dist.get_world_size(groups.get_data_parallel_group())
+
+
+@pytest.mark.gloo
+def test_init_tensor_parallel_groups_on_two_gloo_ranks():
+    assert values_or_raise(run_ranks(_tensor_parallel_groups, 2)) == [(2, 1), (2, 1)]

@@ -1,0 +1,165 @@
+"""Launch-level faults of train.py through the deepspeed launcher on 2 CPU ranks: a rank killed
+mid-step ends the job quickly, a crash mid-save never leaves a trusted broken checkpoint, NaN/inf
+steps are skipped together and abort after K in a row with an intact checkpoint, and a data error
+on rank 0 is raised on every rank."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from corpora import write_corpus
+from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
+
+pytestmark = pytest.mark.slow
+SEQ_LEN = 48
+
+
+def deepspeed_command(processes, script, *args):
+    return launch_command(script, *args, processes=processes)
+
+
+def train_command(tokenizer_or_model, data, output_dir, steps=4, model="tiny", **options):
+    return [TRAIN, *train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model=model,
+                                tokenizer=tokenizer_or_model if model == "tiny" else None, data=[data],
+                                seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps, warmup_steps=1, lr=3e-3,
+                                output_dir=output_dir, **options)]
+
+
+def rank_processes(marker: str) -> list:
+    """PIDs of train.py rank processes whose command line holds ``marker`` (the output dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "train.py" in command and marker in command and "--local_rank" in command:
+            found.append((int(entry.name), command))
+    return found
+
+
+def test_a_rank_killed_mid_step_ends_the_job_quickly(tmp_path, tokenizer_dir):
+    data = write_corpus(tmp_path / "train.jsonl", 400)
+    output = tmp_path / "run"
+    command = [str(part) for part in deepspeed_command(2, *train_command(
+        tokenizer_dir, data, output, process_group_timeout_minutes=1, steps=500))]
+    launcher = subprocess.Popen(command, env=environment(), cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((output / "metrics.jsonl").exists() and len(metrics(output)) > 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        victims = [pid for pid, command in rank_processes(str(output)) if "--local_rank=1" in command]
+        assert len(victims) == 1, rank_processes(str(output))
+        killed_at = time.monotonic()
+        os.kill(victims[0], signal.SIGKILL)
+        returncode = launcher.wait(timeout=120)
+        assert returncode != 0 and time.monotonic() - killed_at < 90
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_crash_mid_save_never_resumes_from_the_broken_checkpoint(tmp_path, tokenizer_dir):
+    data = write_corpus(tmp_path / "train.jsonl", 400)
+    output = tmp_path / "run"
+    run(deepspeed_command(2, *train_command(tokenizer_dir, data, output, save_steps=2)), timeout=600)
+    expected = metrics(output)
+    # What a crash in the middle of saving step 4 leaves: shards half written, no commit marker,
+    # and a "latest" that already names the new tag (DeepSpeed's own save writes it that early).
+    (output / "step00000004" / "commit.json").unlink()
+    shard = next((output / "step00000004").glob("*model_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    (output / "latest").write_text("step00000004")
+    completed = run(deepspeed_command(2, *train_command(tokenizer_dir, data, output, save_steps=2, resume=True)),
+                    timeout=600)
+    assert "resumed from step00000002 at step 2" in completed.stdout
+    resumed = metrics(output)
+    for step in (3, 4):
+        assert resumed[step]["loss/total"] == pytest.approx(expected[step]["loss/total"], rel=1e-6)
+
+
+def _model_with_a_nan_embedding_row(directory, tokenizer_dir, token: str):
+    """A tiny untied Llama whose *input* embedding of ``token`` is NaN: any sequence containing the
+    token gets a NaN loss, sequences without it are unaffected."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128, tie_word_embeddings=False))
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token_id] = float("nan")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return token_id
+
+
+def test_non_finite_steps_are_skipped_on_every_rank(tmp_path, tokenizer_dir):
+    model_dir = tmp_path / "model"
+    token_id = _model_with_a_nan_embedding_row(model_dir, tokenizer_dir, "777")
+    data = write_corpus(tmp_path / "train.jsonl", 600, number_share=0.04, number=777)
+    output = tmp_path / "run"
+    run(deepspeed_command(2, *train_command(None, data, output, max_skipped_steps=50, export_hf=output / "hf",
+                                            steps=10, model=model_dir)), timeout=600)
+    logged = metrics(output)
+    skipped = [torch.isnan(torch.tensor(logged[step]["loss/total"])).item() for step in range(1, 11)]
+    # Data-parallel ranks see different batches; a NaN on either one skips the step for both.
+    assert 0 < sum(skipped) < 10, skipped
+    for step in range(1, 11):
+        assert logged[step]["train/skipped_steps"] == sum(skipped[:step])
+        if not skipped[step - 1]:
+            assert torch.isfinite(torch.tensor(logged[step]["train/grad_norm"]))
+    # No NaN leaked into any update: only the poisoned embedding row is still NaN.
+    from safetensors.torch import load_file
+    weights = load_file(output / "hf" / "model.safetensors")
+    for name, tensor in weights.items():
+        if name == "model.embed_tokens.weight":
+            assert torch.isnan(tensor[token_id]).all()
+            tensor = torch.cat([tensor[:token_id], tensor[token_id + 1:]])
+        assert torch.isfinite(tensor).all(), name
+
+
+def test_consecutive_non_finite_steps_abort_with_an_intact_checkpoint(tmp_path, tokenizer_dir):
+    model_dir = tmp_path / "model"
+    _model_with_a_nan_embedding_row(model_dir, tokenizer_dir, "777")
+    clean = write_corpus(tmp_path / "clean.jsonl", 300)
+    output = tmp_path / "run"
+    run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, steps=2, model=model_dir)),
+        timeout=600)
+    # The same documents, but now every one holds the token whose embedding is NaN.
+    poisoned = write_corpus(tmp_path / "poisoned.jsonl", 300, number_share=1.0, number=777)
+    # Steps 3, 4, 5 are skipped; the checkpoint at step 4 still commits (a skipped step leaves the
+    # weights as they were, and its data position is past the poisoned batches).
+    with pytest.raises(AssertionError, match=r"(?s)exited 3.*3 consecutive optimizer steps had a NaN/inf loss.*"
+                                              r"the last committed checkpoint is step00000004"):
+        run(deepspeed_command(2, *train_command(None, poisoned, output, save_steps=2, resume=True,
+                                                max_skipped_steps=3, steps=8, model=model_dir)),
+            timeout=600)
+    assert (output / "latest").read_text() == "step00000004"
+    assert metrics(output)[5]["train/skipped_steps"] == 3 and 6 not in metrics(output)
+    # The checkpoint is intact: a run on clean data resumes from it and finishes.
+    completed = run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, resume=True, steps=6,
+                                                        model=model_dir)), timeout=600)
+    assert "resumed from step00000004 at step 4" in completed.stdout
+    assert all(not torch.isnan(torch.tensor(metrics(output)[step]["loss/total"])) for step in (5, 6))
+
+
+def test_a_data_error_on_rank_zero_is_raised_on_every_rank(tmp_path, tokenizer_dir):
+    data = write_corpus(tmp_path / "train.jsonl", 200)
+    began = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run(deepspeed_command(2, *train_command(tokenizer_dir, data, tmp_path / "run", text_field="body")),
+            timeout=300)
+    assert time.monotonic() - began < 240
+    assert "[rank1]" in str(failure.value) and "on rank 0:" in str(failure.value)

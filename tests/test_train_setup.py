@@ -1,0 +1,210 @@
+"""What train.py decides before it trains, in one process: its arguments, the one builder of its
+command lines, the DeepSpeed config (``--tp``, "auto" values, the CPU settings), and bad configs and
+data failing with a clear error before any model is built. No launcher: the launch adds nothing
+to these checks (test_faults.py shows that a data error on one rank stops every rank)."""
+
+import json
+import re
+
+import pytest
+
+from smmd_train.arguments import parse_args
+from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
+from smmd_train.data import pack_files
+from smmd_train.plan import plan_run
+
+from corpora import write_corpus
+from launching import REPO, TRAIN, train_command, train_flags
+
+SEQ_LEN = 48
+ZERO3 = REPO / "ds_configs" / "zero3.json"
+
+
+def argv(tokenizer_dir, corpus, output_dir, **options) -> list:
+    values = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tokenizer_dir, data=[corpus], seq_len=SEQ_LEN,
+                  micro_batch_size=2, max_steps=2, output_dir=output_dir)
+    values.update(options)
+    return train_flags(**values)
+
+
+def prepare_like_train_py(arguments: list, world_size: int = 1):
+    """The steps train.py runs before its first step, in its order: arguments, plan, data."""
+    args = parse_args(arguments)
+    plan = plan_run(args, world_size=world_size, accelerator="cpu", bf16_supported=True)
+    pack_files(args.data, plan.tokenizer, args.seq_len, text_field=args.text_field, cache_dir=args.cache_dir)
+    return args, plan
+
+
+# ------------------------------------------------------------------------------------------------
+# The command-line builder
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_flags_round_trip_through_the_parser(tmp_path):
+    flags = train_flags(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["a.jsonl", "b.jsonl"],
+                        max_steps=3, output_dir=tmp_path / "run", tp=2, resume=True, framework_loss=False,
+                        eval_data=None, smmd_sigmas=(1.0, 3.0))
+    assert "--framework_loss" not in flags and "--eval_data" not in flags
+    args = parse_args(flags)
+    assert args.data == ["a.jsonl", "b.jsonl"] and args.smmd_sigmas == [1.0, 3.0]
+    assert args.tp == 2 and args.resume is True and args.max_steps == 3
+    assert args.tensorboard_dir == str(tmp_path / "run" / "tensorboard")
+
+
+def test_train_flags_refuse_unknown_options_and_values_for_switches():
+    with pytest.raises(ValueError, match=r"train.py has no option --max_step; did you mean \['max_steps'"):
+        train_flags(max_step=3)
+    with pytest.raises(ValueError, match="--lr takes a value, got True"):
+        train_flags(lr=True)
+
+
+def test_train_command_launchers(tmp_path):
+    deepspeed = train_command(processes=2, master_port=29555, model="tiny", max_steps=1)
+    assert deepspeed[1:7] == ["--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29555"]
+    assert deepspeed[7] == str(TRAIN) and deepspeed[8:] == ["--model", "tiny", "--max_steps", "1"]
+    plain = train_command(launcher="python", model="tiny")
+    assert plain[1:] == [str(TRAIN), "--model", "tiny"]
+    custom = train_command(launcher=["torchrun", "--nproc_per_node", "8"], model="tiny")
+    assert custom == ["torchrun", "--nproc_per_node", "8", str(TRAIN), "--model", "tiny"]
+    with pytest.raises(ValueError, match="starts one process, not 2"):
+        train_command(launcher="python", processes=2)
+
+
+def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", data=["x.jsonl"], max_steps=1,
+                               output_dir=tmp_path))
+    assert re.search(r"--model tiny is a preset .* pass --tokenizer", capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------------
+# The DeepSpeed config: --tp, "auto" values, the CPU settings
+# ------------------------------------------------------------------------------------------------
+
+
+def resolve(config, world_size=2, accelerator="cpu", **overrides):
+    values = dict(world_size=world_size, micro_batch_size=2, gradient_accumulation_steps=3, learning_rate=1e-3,
+                  weight_decay=0.1, warmup_steps=10, max_steps=100, tensorboard_dir="tb", job_name="run",
+                  bf16_supported=True, hidden_size=64, accelerator=accelerator)
+    values.update(overrides)
+    return resolve_config(config, **values)
+
+
+def test_tp_flag_sets_autotp_without_editing_json():
+    raw = load_config(ZERO3)
+    assert "tensor_parallel" not in raw
+    for tp in (2, 4):
+        config, topology = resolve(set_tensor_parallel(raw, tp), world_size=8)
+        assert config["tensor_parallel"] == {"autotp_size": tp, "vocab_parallel_lm_head": True}
+        assert (topology.tp_size, topology.dp_size) == (tp, 8 // tp)
+        assert config["train_batch_size"] == 2 * 3 * (8 // tp)
+    assert "tensor_parallel" not in set_tensor_parallel({"tensor_parallel": {"autotp_size": 2}}, 1)
+    assert set_tensor_parallel({"tensor_parallel": {"autotp_size": 2}}, None) == {"tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(ValueError, match=r"--tp 0 must be a positive int"):
+        set_tensor_parallel(raw, 0)
+
+
+def test_one_config_serves_gpu_and_cpu_and_the_differences_are_the_cpu_settings():
+    raw = load_config(ZERO3)
+    on_gpu, _ = resolve(raw, accelerator="cuda")
+    on_cpu, _ = resolve(raw, accelerator="cpu")
+    assert on_gpu["bf16"]["enabled"] is True and on_cpu["bf16"]["enabled"] is False
+    changed = {(path, key) for path, key, _ in CPU_SETTINGS}
+    assert changed == {(("optimizer", "params"), "torch_adam"), (("zero_optimization", ), "overlap_comm")}
+    for path, key, value in CPU_SETTINGS:
+        gpu_section, cpu_section = on_gpu, on_cpu
+        for name in path:
+            gpu_section, cpu_section = gpu_section[name], cpu_section[name]
+        assert cpu_section[key] == value and gpu_section.get(key) != value
+    # Nothing else differs between the two.
+    for path, key, _ in CPU_SETTINGS:
+        for section in (on_gpu, on_cpu):
+            for name in path:
+                section = section[name]
+            section.pop(key, None)
+    on_gpu.pop("bf16"), on_cpu.pop("bf16")
+    assert on_gpu == on_cpu
+    assert '"auto"' not in json.dumps(on_cpu)
+
+
+def test_offload_config_is_zero3_plus_offload():
+    base, offload = load_config(ZERO3), load_config(REPO / "ds_configs" / "zero3_offload.json")
+    for key in ("offload_param", "offload_optimizer"):
+        assert offload["zero_optimization"].pop(key)["device"] == "cpu"
+    assert offload == base
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad configs and data: a clear error before training starts
+# ------------------------------------------------------------------------------------------------
+
+
+def _config(tmp_path, edit):
+    config = load_config(ZERO3)
+    edit(config)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _small_hf_model(directory, vocab_size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(directory)
+    return directory
+
+
+def _non_utf8(path):
+    lines = [json.dumps({"text": "fine line 1"}).encode(), json.dumps({"text": "fine line 2"}).encode(),
+             b'{"text": "broken \xff\xfe bytes"}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+BAD_SETUPS = {
+    "autotp_size_does_not_divide_world": (lambda tmp, tok: {"tp": 2}, r"autotp_size=2 \(--tp\) must divide the world "
+                                                                     r"size 1"),
+    "zero_stage_2": (lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c["zero_optimization"].update(
+        stage=2))}, r"zero_optimization.stage=2: train.py runs ZeRO stage 3"),
+    "offload_on_the_cpu_accelerator": (
+        lambda tmp, tok: {"deepspeed_config": REPO / "ds_configs" / "zero3_offload.json"},
+        r"offloads to the CPU, but this run already trains on the CPU"),
+    "batch_sizes_do_not_multiply_out": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(train_batch_size=7))},
+        r"train_batch_size=7 but train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 x data-parallel "
+        r"size 1"),
+    "invalid_json_config": (
+        lambda tmp, tok: {"deepspeed_config": (tmp / "broken.json", (tmp / "broken.json").write_text("{"))[0]},
+        r"is not valid JSON"),
+    "missing_config": (lambda tmp, tok: {"deepspeed_config": tmp / "nowhere.json"}, r"nowhere.json: no such file"),
+    "tokenizer_larger_than_model": (
+        lambda tmp, tok: {"model": _small_hf_model(tmp / "small", 100), "tokenizer": tok},
+        r"the tokenizer has \d+ tokens but the model's embedding has 100 rows"),
+    "missing_text_field": (lambda tmp, tok: {"text_field": "body"}, r"'body'.*text"),
+    "empty_dataset": (lambda tmp, tok: {"data": [(tmp / "empty.jsonl", (tmp / "empty.jsonl").write_text(""))[0]]},
+                      r"empty"),
+    "dataset_smaller_than_one_block": (
+        lambda tmp, tok: {"data": [write_corpus(tmp / "tiny.jsonl", 1)]}, r"too small|fewer"),
+    "non_utf8_line": (lambda tmp, tok: {"data": [_non_utf8(tmp / "bad.jsonl")]}, r"bad.jsonl.*line 3.*UTF-8"),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(BAD_SETUPS))
+def test_bad_configs_and_data_fail_before_training(tmp_path, tokenizer_dir, setup):
+    make, pattern = BAD_SETUPS[setup]
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
+                     **make(tmp_path, tokenizer_dir))
+    with pytest.raises((ValueError, FileNotFoundError)) as failure:
+        prepare_like_train_py(arguments)
+    assert re.search(pattern, str(failure.value)), str(failure.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was trained
+
+
+def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", tp=2)
+    args, plan = prepare_like_train_py(arguments, world_size=4)
+    assert (plan.topology.tp_size, plan.topology.dp_size) == (2, 2) and plan.pretrained_dir is None
+    assert plan.model_config.vocab_size % (64 * 2) == 0 and plan.model_config.vocab_size >= len(plan.tokenizer)
+    assert plan.ds_config["train_batch_size"] == 2 * 2 and plan.warnings == []
+    assert plan.ds_config["optimizer"]["params"]["lr"] == args.lr
