@@ -86,3 +86,30 @@ def relative_error(actual, expected):
 
 def is_close(actual, expected, rtol):
     return math.isclose(float(actual), float(expected), rel_tol=rtol, abs_tol=rtol * 1e-3)
+
+
+# The fp32 accuracy the vocab-parallel CE must keep at any logit magnitude (Megatron-core's level):
+# per-token CE and its gradient against float64 on the same fp32 logits, N(0, 3) + offset.
+FP32_OFFSETS = (0.0, 30.0, 300.0, 1000.0)
+FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE = 4e-6, 6e-7
+
+
+def fp32_ce_errors(per_token_ce, offset: float, seed: int, tokens: int = 96, vocab_size: int = 3000,
+                   start: int = 0, end=None) -> tuple:
+    """(max |CE error|, max |gradient error|) of ``per_token_ce(shard, targets) -> [tokens]`` on
+    ``logits[:, start:end]`` of fp32 logits N(0, 3) + ``offset``, against float64 on the same values
+    (d sum(CE) / d logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, vocab_size, generator=generator, dtype=torch.float64) * 3 + offset).float()
+    targets = torch.randint(0, vocab_size, (tokens, ), generator=generator)
+    targets[::7] = -100
+    reference_logits = logits.double().requires_grad_(True)
+    reference = F.cross_entropy(reference_logits, targets, reduction="none")
+    reference.sum().backward()
+    end = vocab_size if end is None else end
+    shard = logits[:, start:end].clone().requires_grad_(True)
+    ce = per_token_ce(shard, targets)
+    ce.sum().backward()
+    assert ce.dtype == torch.float32
+    return ((ce.double() - reference).abs().max().item(),
+            (shard.grad.double() - reference_logits.grad[:, start:end]).abs().max().item())

@@ -5,11 +5,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy
+from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy, vocab_parallel_smmd_cross_entropy
 from smmd_scale.kernels import build_kernel
 
 from conftest import random_problem
-from reference import reference_kernel, reference_smmd, reference_total, relative_error
+from reference import (
+    FP32_CE_TOLERANCE,
+    FP32_GRAD_TOLERANCE,
+    FP32_OFFSETS,
+    fp32_ce_errors,
+    reference_kernel,
+    reference_smmd,
+    reference_total,
+    relative_error,
+)
 
 
 def _loss_for(case):
@@ -119,6 +128,19 @@ def test_fused_random_inputs_match_reference(generator, num_items):
         assert abs(out.smmd.item() - smmd.item()) <= 1e-10
         assert abs(out.total.item() - total.item()) <= 1e-10
         assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("offset", FP32_OFFSETS)
+def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset):
+    """Per-token CE within 4e-6 and its gradient within 6e-7 of float64 at any logit magnitude."""
+    smmd = SMMDLoss(NumericVocab(list(range(10, 30)), list(range(20)), 3000))
+
+    def per_token_ce(logits, targets):
+        return vocab_parallel_smmd_cross_entropy(logits, targets, smmd)[0]
+
+    seed = int(torch.randint(0, 2**31, (1, ), generator=generator))
+    ce_error, grad_error = fp32_ce_errors(per_token_ce, offset, seed)
+    assert ce_error <= FP32_CE_TOLERANCE and grad_error <= FP32_GRAD_TOLERANCE, (ce_error, grad_error)
 
 
 def test_ce_equals_torch_cross_entropy_float32(generator):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -110,32 +110,50 @@ def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
+class ShiftedLogSumExp(NamedTuple):
+    """A log-sum-exp per row kept as two numbers, ``shift + log_sum``: a shift (the row's max) and
+    ``log sum exp(x - shift)``. The sum itself is never formed in the compute dtype: in fp32 at
+    logits around 300 its rounding alone would cost 3e-5 of CE, while ``shift - logit`` is exact
+    and ``log_sum`` is small (at most log V), so CE and the softmax keep fp32's accuracy at any
+    logit magnitude, as Megatron-core's vocab-parallel CE does by subtracting the global max."""
+
+    shift: torch.Tensor  # [T]
+    log_sum: torch.Tensor  # [T]
+
+
 def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype) -> tuple:
-    """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its log-sum-exp ``[T]``).
+    """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its :class:`ShiftedLogSumExp`).
 
-    The softmax is the working buffer, written in ``compute_dtype`` straight from the logits'
-    own dtype. For float32/float64 logits, and for bf16/fp16 on CUDA (where torch's softmax
-    converts half to float inside the kernel), that is one fused softmax. On other devices
-    torch.softmax would first copy half-precision logits to float32, a second full-size buffer,
-    so the steps are spelled out instead: ``logits - max`` computed in float32 straight into the
-    buffer, then exp, sum and normalise in place. The log-sum-exp comes from the softmax at the
-    arg-max, where the probability is at least 1/V_local, so ``max - log p_max`` loses nothing
-    to underflow.
+    The softmax is the working buffer, written in ``compute_dtype`` straight from the logits' own
+    dtype. On CUDA that is torch's fused softmax (it converts half to float inside the kernel and
+    accumulates accurately). On other devices the steps are spelled out: ``logits - max`` computed
+    in the compute dtype straight into the buffer (never a float32 copy of half logits), then exp,
+    sum and normalise in place; torch's CPU softmax kernel accumulates its row sums with about 4x
+    the error of ``sum``, which the fp32 accuracy target cannot afford.
     """
-    max_logits, argmax = logits.max(dim=-1)
-    if logits.dtype == compute_dtype or logits.is_cuda:
+    max_logits = logits.amax(dim=-1).to(compute_dtype)
+    if logits.is_cuda:
         softmax = torch.softmax(logits, dim=-1, dtype=compute_dtype)
+        log_sum = -softmax.amax(dim=-1).log()  # the max's probability is 1 / sum, at least 1 / V_local
     else:
-        softmax = torch.sub(logits, max_logits.to(compute_dtype)[:, None])  # promotes to compute_dtype
+        softmax = torch.sub(logits, max_logits[:, None])  # promotes to compute_dtype
         softmax.exp_()
-        softmax.div_(softmax.sum(dim=-1, keepdim=True))
-    logsumexp = max_logits.to(compute_dtype) - softmax.gather(1, argmax[:, None]).squeeze(1).log()
-    return softmax, logsumexp
+        row_sums = softmax.sum(dim=-1)
+        softmax.div_(row_sums[:, None])
+        log_sum = row_sums.log()
+    return softmax, ShiftedLogSumExp(max_logits, log_sum)
 
 
-def combine_logsumexp(logsumexp_slots: torch.Tensor) -> torch.Tensor:
-    """Per-rank log-sum-exps ``[T, TP]`` -> the global one ``[T]`` (stable, exact in exact arithmetic)."""
-    return torch.logsumexp(logsumexp_slots, dim=-1)
+def combine_logsumexp(shifts: torch.Tensor, log_sums: torch.Tensor) -> ShiftedLogSumExp:
+    """Per-rank pieces ``[T, TP]`` -> the global :class:`ShiftedLogSumExp` (shifted by the global max)."""
+    shift = shifts.amax(dim=-1)
+    return ShiftedLogSumExp(shift, torch.logsumexp(shifts - shift[:, None] + log_sums, dim=-1))
+
+
+def softmax_rescale(local: ShiftedLogSumExp, overall: ShiftedLogSumExp) -> torch.Tensor:
+    """``[T]`` factors that turn a shard's softmax into its slice of the full-vocabulary softmax:
+    ``exp(local lse - global lse)``, formed from differences only."""
+    return torch.exp((local.shift - overall.shift) + (local.log_sum - overall.log_sum))
 
 
 def gather_target_logits(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -149,11 +167,12 @@ def gather_numeric_logits(logits: torch.Tensor, positions: torch.Tensor, local_c
     return logits[positions[:, None], local_columns[None, :]]
 
 
-def cross_entropy_per_token(logsumexp: torch.Tensor, target_logits: torch.Tensor,
-                            valid: torch.Tensor) -> torch.Tensor:
-    """``lse - logits[t, y_t]`` at valid positions; 0 at ignored ones unless their logits are not
-    finite (``lse - lse`` is NaN there), so a NaN anywhere in the logits never becomes a finite loss."""
-    return torch.where(valid, logsumexp - target_logits, logsumexp - logsumexp)
+def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``lse - logits[t, y_t]``, as ``(shift - target logit) + log_sum``, at valid positions; 0 at
+    ignored ones unless their logits are not finite (``x - x`` is NaN there), so a NaN anywhere in
+    the logits never becomes a finite loss."""
+    return torch.where(valid, (lse.shift - target_logits) + lse.log_sum,
+                       (lse.shift - lse.shift) + (lse.log_sum - lse.log_sum))
 
 
 def numeric_smmd(numeric_logits: torch.Tensor, numeric_targets: torch.Tensor, tensors: _VocabTensors, mode: str,
@@ -211,7 +230,8 @@ def exchange_or_keep_local(plan: ForwardPlan, logits: torch.Tensor, numeric_logi
     contribution.numeric_logits, contribution.local_lse = numeric_logits, local_lse
     contribution.target_logits = target_logits
     received = exchange(contribution, plan.tp_group, plan.tp_state)
-    lse = None if received.lse_slots is None else combine_logsumexp(received.lse_slots)
+    lse = None if received.lse_slots is None else combine_logsumexp(received.lse_slots[..., 0],
+                                                                   received.lse_slots[..., 1])
     return lse, received.target_logits, received.numeric_logits, received.comm_calls, received.comm_bytes
 
 
@@ -245,7 +265,7 @@ class _FusedCrossEntropySMMD(torch.autograd.Function):
         ctx.numeric_columns = plan.numeric_columns
         if ctx.needs_input_grad[0]:
             # Under tensor parallelism the global softmax is softmax_local * exp(lse_local - lse).
-            row_scale = torch.ones_like(lse) if plan.tp_state is None else torch.exp(local_lse - lse)
+            row_scale = torch.ones_like(ce) if plan.tp_state is None else softmax_rescale(local_lse, lse)
             ctx.save_for_backward(softmax, row_scale, plan.valid, plan.owned, plan.local_targets, plan.positions,
                                   plan.local_numeric_columns, terms.grad)
         return ce, smmd

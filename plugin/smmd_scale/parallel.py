@@ -7,7 +7,9 @@ forward, every rank packs what the others need into **one SUM all-reduce**:
     header          int64    [TP, HEADER_FIELDS]  verdict of its input checks, its shard layout, a
                                                   fingerprint of its vocabulary/options and of its
                                                   targets, its count of numeric positions P
-    lse slots       float    [tokens, TP]         its local log-sum-exp per token (CE only)
+    lse slots       float    [tokens, TP, 2]      its local log-sum-exp per token as (max, log of the sum of
+                                                  exp(logit - max)), so no rounding at the logits'
+                                                  magnitude enters CE (CE only)
     target logits   logits'  [tokens]             logits[t, y_t] for the targets it owns (CE only)
     numeric logits  logits'  [capacity, N]        its numeric columns at the P numeric positions
 
@@ -95,7 +97,8 @@ class RankContribution:
     tokens:            number of positions in the call (the logits' leading numel)
     numeric_logits:    ``[P, hi - lo]`` this rank's numeric columns at the numeric positions
     numeric_columns:   (lo, hi) — indices into the numeric vocabulary owned by this shard
-    local_lse:         ``[tokens]`` compute dtype, or None (SMMD-only calls carry no CE contribution)
+    local_lse:         ``ShiftedLogSumExp`` of ``[tokens]`` in the compute dtype, or None (SMMD-only calls
+                       carry no CE contribution)
     target_logits:     ``[tokens]`` logits' dtype, logits[t, y_t] where this rank owns y_t else 0
     """
 
@@ -110,7 +113,7 @@ class RankContribution:
     numeric_positions: int = 0
     numeric_logits: Optional[torch.Tensor] = None
     numeric_columns: tuple = (0, 0)
-    local_lse: Optional[torch.Tensor] = None
+    local_lse: Optional[tuple] = None
     target_logits: Optional[torch.Tensor] = None
     compute_dtype: torch.dtype = torch.float32
     logits_dtype: torch.dtype = torch.float32
@@ -122,7 +125,7 @@ class RankContribution:
 class ExchangeResult:
     """What every rank holds after the exchange (identical on every rank of the group).
 
-    lse_slots: ``[tokens, TP]`` local log-sum-exps of all ranks (None without CE)
+    lse_slots: ``[tokens, TP, 2]`` every rank's local log-sum-exp as (max, log-sum) (None without CE)
     target_logits: ``[tokens]`` logits[t, y_t] (zero where y_t is ignored; None without CE)
     numeric_logits: ``[P, N]`` the full numeric slice at the numeric positions
     """
@@ -203,7 +206,7 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
     layout = _PackedBuffer()
     layout.reserve("header", (tp_size, HEADER_FIELDS), torch.int64)
     if contribution.with_ce:
-        layout.reserve("lse", (tokens, tp_size), contribution.compute_dtype)
+        layout.reserve("lse", (tokens, tp_size, 2), contribution.compute_dtype)
         layout.reserve("target", (tokens, ), contribution.logits_dtype)
     layout.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
     buffer, views = layout.allocate(contribution.device)
@@ -222,7 +225,7 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
     if healthy:
         own_header[TARGETS_FINGERPRINT] = targets_fingerprint(contribution.targets)
         if contribution.with_ce:
-            views["lse"][:, tp_rank] = contribution.local_lse
+            views["lse"][:, tp_rank, 0], views["lse"][:, tp_rank, 1] = contribution.local_lse
             views["target"].copy_(contribution.target_logits)
         lo, hi = contribution.numeric_columns
         if contribution.numeric_positions <= state.capacity:
