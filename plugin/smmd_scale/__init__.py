@@ -6,10 +6,12 @@
 """
 
 from .integrations import install, vocab_parallel_smmd_cross_entropy
-from .loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
+from .loss import SMMDOutput, smmd_cross_entropy
+from .numeric_loss import NumericLoss
+from .smmd import SMMDLoss
 from .vocab import NumericVocab
 
 __version__ = "0.1.0"
 
-__all__ = ["NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy",
+__all__ = ["NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy",
            "vocab_parallel_smmd_cross_entropy", "__version__"]

@@ -92,24 +92,24 @@ def _device_code(device: torch.device) -> tuple:
     return type_code, -1 if device.index is None else device.index
 
 
-def check_inputs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
+def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
                  weight: Optional[float] = None) -> Optional[FailedCheck]:
-    """Validate one call's tensors and per-call arguments; return the first problem or ``None``.
+    """Validate one call's tensors and per-call arguments; return the first failed check or ``None``.
 
-    logits: ``[..., V_local]``, targets: ``[...]``. Only cheap checks; the one data-dependent
-    check (targets in range) costs a single reduction and a host read.
+    logits: a ``LogitsSpec`` of ``[..., V_local]`` (the tensor need not exist), targets: ``[...]``.
+    Only cheap checks; the one data-dependent check (targets in range) costs a single reduction and
+    a host read.
     """
-    if not logits.is_floating_point():
+    if not logits.dtype.is_floating_point:
         return FailedCheck(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         return FailedCheck(TARGETS_DTYPE, (_dtype_code(targets.dtype), ))
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        return FailedCheck(TARGETS_SHAPE, (targets.numel(), targets.dim(), logits.numel() // max(logits.shape[-1], 1),
-                                       logits.dim() - 1))
+        return FailedCheck(TARGETS_SHAPE, (targets.numel(), targets.dim(), logits.tokens, len(logits.shape) - 1))
     if targets.device != logits.device:
         return FailedCheck(TARGETS_DEVICE, (*_device_code(logits.device), *_device_code(targets.device)))
-    width = logits.shape[-1]
+    width = logits.width
     if not tensor_parallel and (vocab_start_index != 0 or width != vocab_size):
         return FailedCheck(LOGITS_WIDTH, (width, vocab_size))
     if vocab_start_index < 0 or vocab_start_index + width > vocab_size:

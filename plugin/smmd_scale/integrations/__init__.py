@@ -3,7 +3,7 @@ Megatron-core (``megatron``). :func:`install` is the one entry point for HF mode
 
 from __future__ import annotations
 
-from ..loss import SMMDLoss
+from ..smmd import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
 from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function

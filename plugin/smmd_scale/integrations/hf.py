@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..loss import SMMDLoss, SMMDOutput, smmd_cross_entropy
+from ..loss import SMMDOutput, smmd_cross_entropy
+from ..numeric_loss import NumericLoss
 
 
 class SMMDCausalLMLoss:
@@ -26,7 +27,7 @@ class SMMDCausalLMLoss:
     call's statistics (floats) and ``last_losses`` its detached (total, ce, smmd).
     """
 
-    def __init__(self, smmd: SMMDLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
+    def __init__(self, smmd: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
         self.smmd = smmd
         self.weight = weight
         self.tp_group = tp_group

@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-from ..loss import SMMDLoss, per_token_losses
+from ..loss import per_token_losses
+from ..numeric_loss import NumericLoss
 
 
-def vocab_parallel_smmd_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, smmd: SMMDLoss,
+def vocab_parallel_smmd_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, smmd: NumericLoss,
                                       tp_group=None, vocab_start_index: Optional[int] = None) -> tuple:
     """CE and SMMD per token for this rank's vocabulary shard.
 
