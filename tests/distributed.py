@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import NamedTuple
 
+import torch.distributed as dist
+
 
 class Outcome(NamedTuple):
     rank: int
@@ -82,3 +84,33 @@ def values_or_raise(outcomes) -> list:
     if failed:
         raise AssertionError("\n".join(f"rank {o.rank}: {o.value}\n{o.traceback}" for o in failed))
     return [outcome.value for outcome in outcomes]
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object")
+
+
+class CollectiveSpy:
+    """Counts the collectives (and all_reduce payload bytes) that really run; nothing is mocked."""
+
+    def __init__(self):
+        self.calls, self.bytes = 0, 0
+        self._originals = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+
+            def counted(*args, _original=original, _name=name, **kwargs):
+                self.calls += 1
+                if _name == "all_reduce":
+                    self.bytes += args[0].numel() * args[0].element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)

@@ -10,38 +10,10 @@ import torch.distributed as dist
 
 from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy, vocab_parallel_smmd_cross_entropy
 
-from distributed import run_ranks, values_or_raise
+from distributed import CollectiveSpy, run_ranks, values_or_raise
 from reference import FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE, FP32_OFFSETS, fp32_ce_errors
 
 pytestmark = pytest.mark.gloo
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object")
-
-
-class CollectiveSpy:
-    """Counts the collectives (and all_reduce payload bytes) that really run; nothing is mocked."""
-
-    def __init__(self):
-        self.calls, self.bytes = 0, 0
-        self._originals = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            self._originals[name] = original
-
-            def counted(*args, _original=original, _name=name, **kwargs):
-                self.calls += 1
-                if _name == "all_reduce":
-                    self.bytes += args[0].numel() * args[0].element_size()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
 
 
 def _uneven_bounds(generator, vocab_size, tp_size):

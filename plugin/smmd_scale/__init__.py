@@ -5,6 +5,7 @@
     out.total.backward()
 """
 
+from .fused_linear import linear_smmd_cross_entropy
 from .integrations import install, vocab_parallel_smmd_cross_entropy
 from .loss import SMMDOutput, smmd_cross_entropy
 from .numeric_loss import NumericLoss
@@ -13,5 +14,5 @@ from .vocab import NumericVocab
 
 __version__ = "0.1.0"
 
-__all__ = ["NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "install", "smmd_cross_entropy",
-           "vocab_parallel_smmd_cross_entropy", "__version__"]
+__all__ = ["NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "install", "linear_smmd_cross_entropy",
+           "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy", "__version__"]

@@ -1,4 +1,4 @@
-"""Input validation shared by the single-device and the vocab-parallel paths.
+"""Input validation shared by the single-device, vocab-parallel and fused-linear paths.
 
 A check returns a :class:`FailedCheck` (a code and a few integers) instead of raising, so that under
 tensor parallelism a rank can put its verdict into the one all-reduce and *every* rank raises
@@ -29,6 +29,13 @@ SHARD_OUTSIDE_VOCAB = 6
 TARGET_OUT_OF_RANGE = 7
 NUM_ITEMS = 8
 WEIGHT = 9
+LINEAR_DTYPES = 10
+LINEAR_DEVICES = 11
+HEAD_WEIGHT_SHAPE = 12
+BIAS_SHAPE = 13
+EMPTY_INPUT = 14
+CHUNK_SIZE = 15
+HEAD_ROWS = 16
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -48,6 +55,18 @@ _ERRORS = {
                           "ignore_index={3} (position counted over the flattened targets)"),
     NUM_ITEMS: (ValueError, "num_items_in_batch={0} must be >= 0"),
     WEIGHT: (ValueError, "weight={0} must be a finite number >= 0 (0 = CE only)"),
+    LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2}"),
+    LINEAR_DEVICES: (ValueError, "head_weight and bias must be on hidden's device {0}:{1}; one of them is on {2}:{3}"),
+    HEAD_WEIGHT_SHAPE: (ValueError, "head_weight must be [V_local, H] with H = hidden's width {0}; got {1} dims of "
+                        "sizes ({2}, {3}, ...)"),
+    BIAS_SHAPE: (ValueError, "bias has {0} elements in {1} dims; expected [{2}], one per head_weight row"),
+    EMPTY_INPUT: (ValueError, "hidden holds {0} tokens of width {1} and head_weight {2} rows; the fused loss needs at "
+                  "least one of each"),
+    CHUNK_SIZE: (ValueError, "chunk_size={0} must be a positive int (head rows per block), or None to choose it from "
+                 "a memory budget"),
+    HEAD_ROWS: (ValueError, "head_weight has {0} rows but the numeric vocabulary was built for vocab_size={1}; build "
+                "NumericVocab for the model's vocabulary (vocab_size=...) or pass tp_group and vocab_start_index for "
+                "a vocab-parallel head shard"),
 }
 
 
@@ -75,7 +94,9 @@ class FailedCheck(NamedTuple):
         args = list(self.args)
         if self.code in (LOGITS_DTYPE, TARGETS_DTYPE):
             args[0] = _name(DTYPES, args[0])
-        if self.code == TARGETS_DEVICE:
+        if self.code == LINEAR_DTYPES:
+            args = [_name(DTYPES, code) if code >= 0 else "None (no bias)" for code in args[:3]]
+        if self.code in (TARGETS_DEVICE, LINEAR_DEVICES):
             args[0] = _name(DEVICE_TYPES, args[0])
             args[2] = _name(DEVICE_TYPES, args[2])
         if self.code == WEIGHT:
@@ -123,4 +144,31 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
     if out_of_range.any():
         position = int(out_of_range.nonzero()[0, 0])
         return FailedCheck(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))
+    return None
+
+
+def check_linear_inputs(hidden: torch.Tensor, head_weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_size,
+                        vocab_size: int, tensor_parallel: bool) -> Optional[FailedCheck]:
+    """The fused linear path's own checks (before the logits' checks): ``hidden [..., H]``,
+    ``head_weight [V_local, H]``, ``bias [V_local]`` or None, ``chunk_size`` positive or None."""
+    dtypes = (hidden.dtype, head_weight.dtype, hidden.dtype if bias is None else bias.dtype)
+    if not hidden.dtype.is_floating_point or len(set(dtypes)) > 1:
+        return FailedCheck(LINEAR_DTYPES, (_dtype_code(hidden.dtype), _dtype_code(head_weight.dtype),
+                                           -1 if bias is None else _dtype_code(bias.dtype)))
+    for other in (head_weight, bias):
+        if other is not None and other.device != hidden.device:
+            return FailedCheck(LINEAR_DEVICES, (*_device_code(hidden.device), *_device_code(other.device)))
+    width = hidden.shape[-1] if hidden.dim() else 0
+    if head_weight.dim() != 2 or head_weight.shape[1] != width:
+        sizes = (list(head_weight.shape) + [0, 0])[:2]
+        return FailedCheck(HEAD_WEIGHT_SHAPE, (width, head_weight.dim(), *sizes))
+    if bias is not None and tuple(bias.shape) != (head_weight.shape[0], ):
+        return FailedCheck(BIAS_SHAPE, (bias.numel(), bias.dim(), head_weight.shape[0]))
+    tokens = hidden.numel() // max(width, 1) if hidden.dim() > 1 else 0
+    if tokens == 0 or width == 0 or head_weight.shape[0] == 0:
+        return FailedCheck(EMPTY_INPUT, (tokens, width, head_weight.shape[0]))
+    if chunk_size is not None and chunk_size < 1:
+        return FailedCheck(CHUNK_SIZE, (int(chunk_size), ))
+    if not tensor_parallel and head_weight.shape[0] != vocab_size:
+        return FailedCheck(HEAD_ROWS, (head_weight.shape[0], vocab_size))
     return None

@@ -122,7 +122,7 @@ class NumericLoss:
             raise TypeError(f"ignore_index={ignore_index!r} must be an int")
         self.vocab = vocab
         self.ignore_index = ignore_index
-        self._cpu_token_ids = vocab.token_ids.tolist()
+        self.token_id_list = vocab.token_ids.tolist()  # sorted ascending, on the host
         self._vocab_tensors_cache = {}
         # Exchange state per tensor-parallel group; weak keys so a destroyed group is not kept alive.
         self._tp_states = weakref.WeakKeyDictionary()
@@ -212,8 +212,8 @@ class NumericLoss:
         local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
         index = torch.searchsorted(tensors.token_ids, flat_targets).clamp(max=len(self.vocab) - 1)
         positions = (tensors.token_ids[index] == flat_targets).nonzero().squeeze(1)
-        lo = bisect.bisect_left(self._cpu_token_ids, vocab_start_index)
-        hi = bisect.bisect_left(self._cpu_token_ids, vocab_start_index + width)
+        lo = bisect.bisect_left(self.token_id_list, vocab_start_index)
+        hi = bisect.bisect_left(self.token_id_list, vocab_start_index + width)
         return ForwardPlan(loss=self, spec=spec, tensors=tensors, targets=flat_targets, valid=valid, owned=owned,
                            local_targets=local_targets, positions=positions, numeric_targets=index[positions],
                            numeric_columns=(lo, hi), local_numeric_columns=tensors.token_ids[lo:hi] - vocab_start_index,

@@ -164,6 +164,15 @@ def _all_reduce(buffer: torch.Tensor, tp_group) -> None:
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=tp_group)
 
 
+def reduce_input_gradient(grad_hidden: torch.Tensor, tp_group) -> None:
+    """The fused linear head's backward: the sum over the group of every rank's ``d loss / d hidden``
+    ``[tokens, H]`` (each rank's covers its own vocabulary rows). It is the all-reduce a
+    column-parallel head runs in its own backward anyway (hidden is replicated across the group),
+    which the fused path, bypassing the head's forward, runs itself; the loss adds no other
+    collective to backward."""
+    _all_reduce(grad_hidden, tp_group)
+
+
 def _grown_capacity(needed: int) -> int:
     rows = math.ceil(needed * CAPACITY_HEADROOM)
     return -(-rows // CAPACITY_ROUNDING) * CAPACITY_ROUNDING

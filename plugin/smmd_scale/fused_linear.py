@@ -1,0 +1,219 @@
+"""CE + a numeric loss straight from the LM head's input: the logits never exist as a whole.
+
+    out = linear_smmd_cross_entropy(hidden [..., H], head_weight [V_local, H], targets [...], smmd)
+
+The same contract as :func:`smmd_scale.smmd_cross_entropy` on ``hidden @ head_weight.T (+ bias)``,
+with the logits produced one block of head rows at a time (``[tokens, chunk_size]``):
+
+* forward: one pass over the blocks keeps a running (max, sum of exp) per token (merged online, so
+  the log-sum-exp is the same :class:`ShiftedLogSumExp` as on materialized logits) and picks the
+  target logits; the numeric logits ``[P, n_local]`` are one small product of the numeric-target
+  rows of ``hidden`` and the numeric rows of the head. Then the same single exchange as the
+  materialized path (vocab-parallel: one packed SUM all-reduce), CE and the numeric loss.
+* backward: a second pass recomputes each block's logits, turns them into the gradient in place
+  (softmax times the row multipliers, minus the one-hot, plus the numeric loss's columns) and
+  writes ``d head_weight`` for the block and accumulates ``d hidden`` in the compute dtype. Under
+  tensor parallelism ``d hidden`` is summed over the group: the one all-reduce a column-parallel
+  head runs in its own backward anyway; nothing else.
+
+Extra memory beyond the inputs and the gradients: one block of logits in the compute dtype (plus its
+copy in the input dtype for half inputs), ``d hidden`` in the compute dtype and O(tokens + P * N).
+By default a block holds as many elements as ``hidden`` but at least :data:`MIN_BLOCK_ELEMENTS`,
+which is DeepSpeed's rule for its fused linear CE; ``chunk_size`` sets the head rows per block.
+Four GEMM passes over the head against three for materialized logits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional
+
+import torch
+
+from . import checks
+from .loss import (
+    ShiftedLogSumExp,
+    _check_numeric_loss,
+    _guard_single_backward,
+    check_weight,
+    cross_entropy_per_token,
+    exchange_or_keep_local,
+    numeric_step,
+    record_stats,
+    reduce_losses,
+    row_multipliers,
+)
+from .numeric_loss import LogitsSpec, NumericLoss, compute_dtype_for
+from .parallel import group_size_and_rank, reduce_input_gradient
+
+# A block of logits holds at least this many elements (4 MiB in fp32): smaller GEMMs waste time.
+MIN_BLOCK_ELEMENTS = 1 << 20
+
+
+def default_chunk_size(tokens: int, hidden_size: int, head_rows: int) -> int:
+    """Head rows per block when none is given: a block as large as ``hidden`` (tokens x H elements),
+    at least :data:`MIN_BLOCK_ELEMENTS`, at most the whole head."""
+    elements = max(tokens * hidden_size, MIN_BLOCK_ELEMENTS)
+    return max(1, min(head_rows, elements // max(tokens, 1)))
+
+
+def block_logits(hidden: torch.Tensor, head_rows: torch.Tensor, bias_rows: Optional[torch.Tensor],
+                 compute_dtype: torch.dtype) -> torch.Tensor:
+    """``hidden [T, H] @ head_rows[B, H].T (+ bias)`` -> ``[T, B]`` in the compute dtype. The product
+    runs in the inputs' dtype, as the model's own head computes its logits."""
+    logits = hidden @ head_rows.T if bias_rows is None else torch.addmm(bias_rows, hidden, head_rows.T)
+    return logits.to(compute_dtype)
+
+
+def _blocks(rows: int, chunk_size: int):
+    return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
+
+
+def _numeric_columns_in_block(local_columns: list, start: int, end: int) -> tuple:
+    """(first, last) positions in the sorted ``local_columns`` that fall in ``[start, end)``."""
+    return bisect.bisect_left(local_columns, start), bisect.bisect_left(local_columns, end)
+
+
+class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
+    """``hidden [T, H]``, ``head_weight [V_local, H]``, ``bias [V_local]`` -> (CE ``[T]``, numeric loss ``[T]``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, bias, plan, chunk_size: int):
+        compute_dtype = plan.compute_dtype
+        tokens = hidden.shape[0]
+        shift = torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device)
+        total = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+        target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+        for start, end in _blocks(head_weight.shape[0], chunk_size):
+            logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
+                                  compute_dtype)
+            in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
+            picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
+            target_logits = torch.where(in_block, picked, target_logits)
+            new_shift = torch.maximum(shift, logits.amax(dim=-1))
+            # A row whose shift is still -inf has nothing to rescale (and -inf - -inf would be NaN).
+            carried = torch.where(torch.isneginf(new_shift), torch.zeros_like(total), total * (shift - new_shift).exp())
+            total = carried + logits.sub_(new_shift[:, None]).exp_().sum(dim=-1)
+            shift = new_shift
+        local_lse = ShiftedLogSumExp(shift, total.log())
+
+        numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
+        numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
+                                      compute_dtype).to(plan.spec.dtype)
+        lse, target_logits, numeric_logits, comm_calls, comm_bytes = exchange_or_keep_local(
+            plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
+        ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), plan.valid)
+        step = numeric_step(plan, numeric_logits, lse)
+        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value)
+        record_stats(plan, step, comm_calls, comm_bytes)
+
+        ctx.consumed = False
+        ctx.plan, ctx.chunk_size = plan, chunk_size
+        ctx.lse, ctx.numeric_grad, ctx.row_coefficient = lse, step.grad, step.row_coefficient
+        ctx.save_for_backward(hidden, head_weight, bias)
+        return ce, numeric
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_numeric):
+        _guard_single_backward(ctx)
+        hidden, head_weight, bias = ctx.saved_tensors
+        plan, lse = ctx.plan, ctx.lse
+        compute_dtype = plan.compute_dtype
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype)
+        grad_ce = grad_ce.to(compute_dtype)
+        grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
+        grad_weight = torch.empty_like(head_weight) if needs_weight else None
+        grad_bias = torch.empty_like(bias) if needs_bias else None
+        owned_rows = plan.owned.nonzero().squeeze(1)
+        owned_targets = plan.local_targets[owned_rows]
+        lo, hi = plan.numeric_columns
+        local_columns = [token_id - plan.vocab_start_index for token_id in plan.loss.token_id_list[lo:hi]]
+        numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
+
+        for start, end in _blocks(head_weight.shape[0], ctx.chunk_size):
+            head_rows = head_weight[start:end]
+            bias_rows = None if bias is None else bias[start:end]
+            grad_logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
+            # softmax = exp((z - shift) - log_sum), times each row's multiplier
+            grad_logits.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
+            in_block = (owned_targets >= start) & (owned_targets < end)
+            rows = owned_rows[in_block]
+            grad_logits.index_put_((rows, owned_targets[in_block] - start), -grad_ce[rows], accumulate=True)
+            first, last = _numeric_columns_in_block(local_columns, start, end)
+            if last > first and plan.positions.numel():
+                columns = torch.tensor(local_columns[first:last], device=hidden.device) - start
+                grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
+                                       accumulate=True)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if needs_weight:
+                grad_weight[start:end] = grad_logits.T @ hidden
+            if needs_bias:
+                grad_bias[start:end] = grad_logits.sum(dim=0)
+            if needs_hidden:
+                grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
+
+        if needs_hidden:
+            if plan.tp_state is not None:
+                reduce_input_gradient(grad_hidden, plan.tp_group)
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                            numeric_loss: NumericLoss, *, bias: Optional[torch.Tensor] = None, tp_group=None,
+                            vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
+                            weight: Optional[float] = None, chunk_size: Optional[int] = None) -> tuple:
+    """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced:
+    ``([T], [T], forward plan)``; see :func:`linear_smmd_cross_entropy`."""
+    _check_numeric_loss(numeric_loss)
+    for name, value in (("hidden", hidden), ("head_weight", head_weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(f"chunk_size={chunk_size!r} must be an int (head rows per block) or None")
+    tp_size, _ = group_size_and_rank(tp_group)
+    failed_check = checks.check_linear_inputs(hidden, head_weight, bias, chunk_size, numeric_loss.vocab.vocab_size,
+                                              tensor_parallel=tp_size > 1)
+    width = head_weight.shape[0] if head_weight.dim() == 2 else 0
+    spec = LogitsSpec(tuple(hidden.shape[:-1]) + (width, ) if hidden.dim() else (width, ), hidden.dtype,
+                      hidden.device)
+    plan = numeric_loss.prepare(spec, targets, tp_group, vocab_start_index, with_ce=True,
+                                num_items_in_batch=num_items_in_batch, weight=weight, failed_check=failed_check)
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
+    ce, numeric = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
+    return ce, numeric, plan
+
+
+def linear_smmd_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                              smmd: NumericLoss, weight: float = 1.0, *, bias: Optional[torch.Tensor] = None,
+                              tp_group=None, vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
+                              chunk_size: Optional[int] = None):
+    """CE + weight * SMMD (or another numeric loss) of the logits ``hidden @ head_weight.T (+ bias)``,
+    without ever making them: the same :class:`SMMDOutput` as ``smmd_cross_entropy`` on those logits.
+
+    hidden:      ``[..., H]``, identical on every rank of ``tp_group``
+    head_weight: ``[V_local, H]`` this rank's rows of the head (vocabulary ids from
+                 ``vocab_start_index``; all V rows without tensor parallelism)
+    targets:     ``[...]`` aligned with hidden (already shifted)
+    chunk_size:  head rows per block of logits (default: a block as large as ``hidden``)
+
+    Gradients flow to hidden, head_weight and bias. Vocab-parallel: one packed all-reduce in the
+    forward and the ``d hidden`` all-reduce in the backward (``stats["backward_comm_calls"]``,
+    ``["backward_comm_bytes"]``); none at all on one device.
+    """
+    weight = check_weight(weight)
+    ce, numeric, plan = linear_per_token_losses(hidden, head_weight, targets, smmd, bias=bias, tp_group=tp_group,
+                                                vocab_start_index=vocab_start_index,
+                                                num_items_in_batch=num_items_in_batch, weight=weight,
+                                                chunk_size=chunk_size)
+    output = reduce_losses(ce, numeric, plan, weight, num_items_in_batch)
+    reduces_gradient = plan.tp_state is not None and hidden.requires_grad
+    output.stats["backward_comm_calls"] = int(reduces_gradient)
+    output.stats["backward_comm_bytes"] = (
+        ce.shape[0] * hidden.shape[-1] * torch.empty((), dtype=compute_dtype_for(hidden.dtype)).element_size()
+        if reduces_gradient else 0)
+    return output
