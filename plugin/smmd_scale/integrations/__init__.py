@@ -6,20 +6,26 @@ from __future__ import annotations
 from ..smmd import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
+from .fused_forward import check_fused_support, fused_forward
 from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function
 from .megatron import vocab_parallel_smmd_cross_entropy
 
 
-def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, **smmd_options) -> InstalledLoss:
+def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, fused_linear: bool = False,
+            **smmd_options) -> InstalledLoss:
     """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * SMMD.
 
     Replaces ``model.loss_function``. If DeepSpeed AutoTP made the LM head vocabulary-parallel,
     the hook computes on this rank's logits shard with the head's ``mp_group`` and
     ``vocab_start_index`` (one packed all-reduce per forward); otherwise on full logits.
-    ``smmd_options`` go to :class:`SMMDLoss`. Returns an :class:`InstalledLoss` with
-    ``last_stats`` and ``restore()``.
+    ``fused_linear=True`` also replaces this model's ``forward`` so that a training forward with
+    labels never computes the logits (``integrations/fused_forward.py``; Llama, Mistral, Qwen2 and
+    Qwen3 families); evaluation and generation still return logits. ``smmd_options`` go to
+    :class:`SMMDLoss`. Returns an :class:`InstalledLoss` with ``last_stats`` and ``restore()``.
     """
     model = unwrap_model(model_or_engine)
+    if fused_linear:
+        check_fused_support(model)
     smmd = SMMDLoss(vocab, **smmd_options)
     head = find_vocab_parallel_head(model)
     if head is not None:
@@ -37,6 +43,11 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, **smmd_op
         hook = SMMDCausalLMLoss(smmd, weight)
     installed = InstalledLoss(model, hook, head)
     set_loss_function(model, hook)
+    if fused_linear:
+        # The head is looked up at call time: with AutoTP it is the VocabParallelLinear found above.
+        model.forward = fused_forward(model, model.forward, hook,
+                                      lambda: head if head is not None else model.get_output_embeddings())
+        installed.fused_linear = True
     return installed
 
 

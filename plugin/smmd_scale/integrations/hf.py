@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
+from ..fused_linear import linear_smmd_cross_entropy
 from ..loss import SMMDOutput, smmd_cross_entropy
 from ..numeric_loss import NumericLoss
 
@@ -39,17 +40,23 @@ class SMMDCausalLMLoss:
         where = "full logits" if self.tp_group is None else f"vocab shard from {self.vocab_start_index}"
         return f"SMMDCausalLMLoss(weight={self.weight}, {where}, {self.smmd!r})"
 
-    def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
-                 num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
-                 **kwargs) -> torch.Tensor:
+    def shifted(self, labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor],
+                ignore_index: int) -> torch.Tensor:
+        """The targets of each position: ``shift_labels`` as given, or ``labels`` shifted as HF does."""
         if ignore_index != self.smmd.ignore_index:
             raise ValueError(f"the model asked for ignore_index={ignore_index} but the installed SMMDLoss uses "
                              f"ignore_index={self.smmd.ignore_index}; install with ignore_index={ignore_index}")
-        if shift_labels is None:
-            if labels is None:
-                raise ValueError("the loss hook needs labels or shift_labels")
-            # Pad-and-drop shifts the labels instead of slicing the logits, so the logits are never copied.
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if shift_labels is not None:
+            return shift_labels
+        if labels is None:
+            raise ValueError("the loss hook needs labels or shift_labels")
+        # Pad-and-drop shifts the labels instead of slicing the logits, so the logits are never copied.
+        return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+    def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
+                 num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                 **kwargs) -> torch.Tensor:
+        shift_labels = self.shifted(labels, shift_labels, ignore_index)
         output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch)
         return output.total
 
@@ -57,9 +64,32 @@ class SMMDCausalLMLoss:
         """The full :class:`SMMDOutput` for already-shifted labels (records ``last_*``)."""
         output = smmd_cross_entropy(logits, shift_labels, self.smmd, weight=self.weight, tp_group=self.tp_group,
                                     vocab_start_index=self.vocab_start_index, num_items_in_batch=num_items_in_batch)
+        self._record(output)
+        return output
+
+    def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
+                   num_items_in_batch=None, ignore_index: int = -100) -> torch.Tensor:
+        """The same loss from the head's input ``hidden [B, S, H]`` without logits
+        (:func:`smmd_scale.linear_smmd_cross_entropy`), run as ``head``'s forward through
+        ``call_through_module`` so that its weight is gathered and released like the head's own."""
+        targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
+        outputs = []
+
+        def head_loss(hidden_states):
+            output = linear_smmd_cross_entropy(hidden_states, head.weight, targets, self.smmd, self.weight,
+                                               bias=getattr(head, "bias", None), tp_group=self.tp_group,
+                                               vocab_start_index=self.vocab_start_index,
+                                               num_items_in_batch=num_items_in_batch)
+            outputs.append(output)
+            return output.total
+
+        total = call_through_module(head, head_loss, hidden)
+        self._record(outputs[0])
+        return total
+
+    def _record(self, output: SMMDOutput) -> None:
         self.last_stats = output.stats
         self.last_losses = (output.total.detach(), output.ce.detach(), output.smmd.detach())
-        return output
 
 
 class InstalledLoss:
@@ -70,6 +100,8 @@ class InstalledLoss:
         self.hook = hook
         self.head = head
         self._had_own, self._previous = compat.assigned_loss_function(model)
+        self._had_own_forward, self._previous_forward = "forward" in vars(model), vars(model).get("forward")
+        self.fused_linear = False
 
     @property
     def last_stats(self) -> Optional[dict]:
@@ -80,14 +112,21 @@ class InstalledLoss:
         return self.hook.tp_group is not None
 
     def restore(self) -> None:
-        """Put back the loss function the model had before ``install``."""
+        """Put back the loss function (and, with ``fused_linear``, the forward) the model had before ``install``."""
         if self._had_own:
             self.model.loss_function = self._previous
         else:
             compat.forget_loss_function(self.model)
+        if self.fused_linear:
+            if self._had_own_forward:
+                self.model.forward = self._previous_forward
+            else:
+                del self.model.forward
+            self.fused_linear = False
 
     def __repr__(self):
-        return f"InstalledLoss(on {type(self.model).__name__}, {self.hook!r})"
+        fused = ", fused linear head" if self.fused_linear else ""
+        return f"InstalledLoss(on {type(self.model).__name__}{fused}, {self.hook!r})"
 
 
 def set_loss_function(model, hook) -> None:
