@@ -125,11 +125,11 @@ def main(argv=None) -> None:
                                                    vocab_size=model.config.vocab_size)
     installed = None
     if not args.framework_loss:
-        installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, mode=args.smmd_mode,
-                                       kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
+        installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, fused_linear=args.fused_linear,
+                                       mode=args.smmd_mode, kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
         if args.ntl_weight:
             install_ntl(installed, tokenizer, args.ntl_weight)
-    log(f"loss: {installed.hook!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})"
+    log(f"loss: {installed!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})"
         if installed else f"loss: the model's own ({type(engine.module.loss_function).__name__}), no SMMD")
 
     # 6. Resume: model/optimizer/scheduler from DeepSpeed, then step, data position and RNG.

@@ -1,5 +1,8 @@
-"""smmd_scale.install on a DeepSpeed engine: ZeRO-3 with AutoTP TP=2 and a vocabulary-parallel
-LM head, launched with the real deepspeed launcher on 2 CPU processes, against TP=1 ZeRO-3."""
+"""smmd_scale.install on DeepSpeed engines, launched with the real deepspeed launcher on 2 CPU
+processes: ZeRO-3 with AutoTP TP=2 and a vocabulary-parallel LM head against TP=1, and the fused
+linear head (install(..., fused_linear=True)) against the materialized loss under ZeRO-3 (with and
+without CPU offload) and ZeRO-3 + AutoTP, tied and untied embeddings. One launch trains every
+variant of its layout (tests/scripts/deepspeed_training.py)."""
 
 import json
 import sys
@@ -9,16 +12,26 @@ import pytest
 from launching import REPO, launch_command, run
 
 pytestmark = pytest.mark.slow
-SCRIPT = REPO / "tests" / "scripts" / "deepspeed_tp_training.py"
+SCRIPT = REPO / "tests" / "scripts" / "deepspeed_training.py"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The variants of three launches: TP=1 (one plain process), AutoTP TP=2, and ZeRO-3 over 2
+    data-parallel ranks with and without offload."""
+    directory = tmp_path_factory.mktemp("deepspeed")
+    run([sys.executable, SCRIPT, "--tp", 1, "--out", directory / "tp1.json"], timeout=600)
+    run(launch_command(SCRIPT, "--tp", 2, "--out", directory / "tp2.json", processes=2), timeout=600)
+    run(launch_command(SCRIPT, "--offload", "--embeddings", "untied", "--out", directory / "dp2.json", processes=2),
+        timeout=600)
+    return {layout: json.loads((directory / f"{layout}.json").read_text())["variants"]
+            for layout in ("tp1", "tp2", "dp2")}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_autotp_vocab_parallel_training_equals_tp1(tmp_path, tied):
-    flags = ["--tied"] if tied else []
-    run([sys.executable, str(SCRIPT), "--tp", "1", "--out", tmp_path / "tp1.json", *flags], timeout=600)
-    run(launch_command(SCRIPT, "--tp", "2", "--out", tmp_path / "tp2.json", *flags, processes=2), timeout=600)
-    single = json.loads((tmp_path / "tp1.json").read_text())
-    parallel = json.loads((tmp_path / "tp2.json").read_text())
+def test_autotp_vocab_parallel_training_equals_tp1(trained, tied):
+    name = "tied" if tied else "untied"
+    single, parallel = trained["tp1"][name], trained["tp2"][name]
 
     # DeepSpeed made the head vocabulary-parallel and installed its CE-only loss; install replaced it.
     assert parallel["deepspeed_loss_function"] == "VocabParallelCausalLMLoss"
@@ -34,7 +47,28 @@ def test_autotp_vocab_parallel_training_equals_tp1(tmp_path, tied):
         assert tp2_stats["mmd"] == pytest.approx(tp1_stats["mmd"], abs=1e-5)
 
     # What crossed the wire: one all-reduce per forward after the first, far below the logits.
-    logits_bytes = parallel["tokens"] * parallel["vocab_size"] * 4
+    logits_bytes = 4 * 24 * 2048 * 4
     assert [s["comm_calls"] for s in parallel["stats"]] == [2, 1, 1]
     assert all(0 < s["comm_bytes"] < 0.02 * logits_bytes for s in parallel["stats"])
     assert all(s["comm_calls"] == 0 and s["comm_bytes"] == 0 for s in single["stats"])
+
+
+@pytest.mark.parametrize("layout, name", [("tp1", "untied"), ("tp1", "tied"), ("tp2", "untied"), ("tp2", "tied"),
+                                          ("dp2", "untied"), ("dp2", "untied-offload")])
+def test_fused_linear_head_trains_like_the_materialized_loss(trained, layout, name):
+    """Per-step losses equal to 1e-5 relative and final weights to 1e-5 (relative Frobenius norm
+    per tensor); the fused variant never computed training logits; under AutoTP its backward ran the
+    one d hidden all-reduce of [tokens, H] fp32."""
+    materialized, fused = trained[layout][name], trained[layout][f"{name}-fused"]
+    assert fused["fused_linear"] and not materialized["fused_linear"]
+    assert materialized["training_logits"] and not fused["training_logits"]
+    assert fused["losses"] == pytest.approx(materialized["losses"], rel=1e-5)
+    assert fused["weights_relative_difference"] <= 1e-5
+    for fused_stats, materialized_stats in zip(fused["stats"], materialized["stats"]):
+        assert fused_stats["comm_calls"] == materialized_stats["comm_calls"]
+        assert fused_stats["comm_bytes"] == materialized_stats["comm_bytes"]
+        assert fused_stats["mmd"] == pytest.approx(materialized_stats["mmd"], rel=1e-5)
+        tensor_parallel = layout == "tp2"
+        assert fused_stats["backward_comm_calls"] == int(tensor_parallel)
+        assert fused_stats["backward_comm_bytes"] == (4 * 24 * 64 * 4 if tensor_parallel else 0)
+    assert fused["heads"] == materialized["heads"]

@@ -79,6 +79,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
     smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
     smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
+    smmd.add_argument("--fused_linear", action="store_true",
+                      help="compute CE + SMMD from the LM head's input without materializing the logits "
+                      "(Llama, Mistral, Qwen2, Qwen3); evaluation still uses logits")
     smmd.add_argument("--ntl_weight", type=float, default=0.0,
                       help="for comparisons: CE + this x NTL-WAS (ntloss package) instead of SMMD; full logits only")
     smmd.add_argument("--framework_loss", action="store_true",
@@ -104,6 +107,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error("--ntl_weight replaces SMMD: pass --smmd_weight 0 with it")
     if args.framework_loss and args.ntl_weight:
         parser.error("--framework_loss trains with the model's own loss: it cannot add --ntl_weight")
+    if args.fused_linear and (args.framework_loss or args.ntl_weight):
+        parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with "
+                     + ("--framework_loss" if args.framework_loss else "--ntl_weight"))
     args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
