@@ -187,9 +187,38 @@ def test_next_steps_fit_and_need_every_change(name, micro_batch):
         undo.append({"gradient_checkpointing": False})
     if chosen["micro_batch"] < micro_batch:
         undo.append({"micro_batch": 2 * chosen["micro_batch"]})
+    if chosen["fused_linear"]:
+        undo.append({"fused_linear": False})
     assert len(undo) == len(steps["flags"]) >= 1
     for change in undo:
         assert estimate_cli.estimate(config, **{**chosen, **change})["verdict"] != "fits", change
+
+
+def test_fused_linear_loss_memory_and_the_micro_batch_it_buys():
+    config = preset_config("1b", vocab_size=128256)
+    tokens, hidden = 4096, config.hidden_size
+    materialized = estimate_cli.logits_and_loss_bytes(128256, 4096, 1)
+    fused = estimate_cli.logits_and_loss_bytes(128256, 4096, 1, fused_linear=True, hidden_size=hidden)
+    assert materialized == tokens * 128256 * 8
+    assert fused == tokens * hidden * 6 + tokens * hidden * 4  # one [tokens, H]-sized block, d hidden
+    assert fused < 0.05 * materialized
+    setup = dict(nodes=1, gpus_per_node=8, gpu_memory_gib=80.0)
+    largest = estimate_cli.largest_micro_batch(config, **setup)
+    largest_fused = estimate_cli.largest_micro_batch(config, fused_linear=True, **setup)
+    assert largest_fused > largest >= 1
+    for micro_batch, fused_linear in ((largest, False), (largest_fused, True)):
+        assert estimate_cli.estimate(config, micro_batch=micro_batch, fused_linear=fused_linear, **setup)["verdict"] \
+            == "fits"
+        assert estimate_cli.estimate(config, micro_batch=micro_batch + 1, fused_linear=fused_linear,
+                                     **setup)["verdict"] != "fits"
+    assert estimate_cli.largest_micro_batch(preset_config("70b", vocab_size=128256), **setup) == 0
+
+
+def test_report_names_the_largest_micro_batch_with_and_without_fused_linear(capsys):
+    estimate_cli.main(["--model", "1b", "--nodes", "1", "--gpus_per_node", "8"])
+    out = capsys.readouterr().out
+    assert "largest micro batch that fits: 6 sequences (24,576 tokens) with materialized logits, 10 (40,960 " \
+           "tokens) with --fused_linear" in out
 
 
 def test_layout_errors():

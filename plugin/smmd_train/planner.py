@@ -21,7 +21,10 @@ Per GPU, in bf16 mixed precision with Adam:
   tensors). See :func:`layer_activation_bytes`. With gradient checkpointing, each layer's bf16
   input plus one layer's activations while it is recomputed.
 * **logits and loss**: the vocabulary-parallel bf16 logits, the fused CE + SMMD loss's one fp32
-  ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns.
+  ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns; with ``--fused_linear``
+  (``smmd_scale.linear_smmd_cross_entropy``) no logits at all: one block of them (fp32, and its
+  bf16 copy) and the fp32 gradient of the head's input, a few hundred MiB instead of several GiB
+  at a 128k vocabulary. The report gives the largest micro batch that fits with and without it.
 
 The total is a sum of these (a slight over-estimate with gradient checkpointing, where the
 recomputed layer and the logits are not alive at once). It leaves out the CUDA context, NCCL
@@ -36,6 +39,8 @@ import contextlib
 import json
 import sys
 from typing import Optional
+
+from smmd_scale.fused_linear import default_chunk_size
 
 from .presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
@@ -96,11 +101,19 @@ def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, g
     return config.num_hidden_layers * layer + final_norm
 
 
-def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1) -> int:
-    """Bytes of the loss's working set on one GPU: bf16 logits ``[tokens, V/T]`` (2 B), the fused
-    loss's fp32 buffer (4 B, the softmax turned into the gradient in place) and the bf16 logits
-    gradient it returns (2 B); SMMD's ``[P, N]`` numeric part is negligible."""
-    return seq_len * micro_batch * (vocab_size // tp_size) * (2 + 4 + 2)
+def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1,
+                          fused_linear: bool = False, hidden_size: int = 0) -> int:
+    """Bytes of the loss's working set on one GPU; SMMD's ``[P, N]`` numeric part is negligible.
+
+    Materialized: bf16 logits ``[tokens, V/T]`` (2 B), the fused loss's fp32 buffer (4 B, the
+    softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B).
+    ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
+    per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state)."""
+    tokens, rows = seq_len * micro_batch, vocab_size // tp_size
+    if not fused_linear:
+        return tokens * rows * (2 + 4 + 2)
+    block = tokens * default_chunk_size(tokens, hidden_size, rows)
+    return block * (4 + 2) + tokens * hidden_size * 4
 
 
 def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False) -> dict:
@@ -130,7 +143,7 @@ def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memor
 
 def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, offload: bool = False,
              seq_len: int = 4096, micro_batch: int = 1, gradient_checkpointing: bool = False,
-             flash_attention: bool = True, gpu_memory_gib: float = 80.0) -> dict:
+             flash_attention: bool = True, gpu_memory_gib: float = 80.0, fused_linear: bool = False) -> dict:
     """Memory per GPU (and CPU per node) for training ``config`` (a ``LlamaConfig``) on ``nodes``
     x ``gpus_per_node`` GPUs with ZeRO-3 over world / ``tp_size`` data-parallel ranks.
 
@@ -143,10 +156,11 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
     _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib)
     setup = dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, offload=offload, seq_len=seq_len,
                  micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
-                 flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib)
+                 flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib, fused_linear=fused_linear)
     states = model_states_bytes(config, nodes, gpus_per_node, tp_size, offload)
     activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention)
-    logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size)
+    logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size, fused_linear,
+                                   config.hidden_size)
     total = states["gpu_bytes"] + activations + logits
     gpu_bytes = gpu_memory_gib * GIB
     verdict = ("fits" if total <= (1 - HEADROOM_FRACTION) * gpu_bytes else
@@ -158,10 +172,27 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
             "logits_and_loss_bytes": logits, "total_gpu_bytes": total, "verdict": verdict}
 
 
+def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
+    """The most sequences per micro batch whose estimate "fits" with ``setup`` (0 if not even one)."""
+    def fits(micro_batch):
+        return estimate(config, **{**setup, "micro_batch": micro_batch})["verdict"] == "fits"
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def _options(config, setup: dict) -> list:
-    """Every setup reachable from ``setup`` by the changes this estimate knows: a smaller micro
-    batch (halving; gradient accumulation keeps the global batch), gradient checkpointing, more TP
-    (doubling, inside the node, while the model's heads and widths split evenly), CPU offload."""
+    """Every setup reachable from ``setup`` by the changes this estimate knows: the fused linear
+    head, a smaller micro batch (halving; gradient accumulation keeps the global batch), gradient
+    checkpointing, more TP (doubling, inside the node, while the model's heads and widths split
+    evenly), CPU offload."""
     micro_batches = [setup["micro_batch"]]
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
@@ -173,16 +204,19 @@ def _options(config, setup: dict) -> list:
             break
         tp_sizes.append(2 * tp_sizes[-1])
     return [{**setup, "micro_batch": micro_batch, "gradient_checkpointing": checkpointing, "tp_size": tp_size,
-             "offload": offload}
+             "offload": offload, "fused_linear": fused}
             for micro_batch in micro_batches for checkpointing in {setup["gradient_checkpointing"], True}
-            for tp_size in tp_sizes for offload in {setup["offload"], True}]
+            for tp_size in tp_sizes for offload in {setup["offload"], True}
+            for fused in {setup["fused_linear"], True}]
 
 
 def _cost(setup: dict) -> tuple:
     """Order of preference among setups that fit: offload is the slowest (every step moves the
     model through PCIe); then more TP (an all-reduce per layer on the critical path, smaller
-    GEMMs); then recomputation (~1/3 more compute); a smaller micro batch costs least."""
-    return setup["offload"], setup["tp_size"], setup["gradient_checkpointing"], -setup["micro_batch"]
+    GEMMs); then recomputation (~1/3 more compute); then a smaller micro batch; the fused linear
+    head costs least (one more pass of the head's GEMM, no other change)."""
+    return (setup["offload"], setup["tp_size"], setup["gradient_checkpointing"], -setup["micro_batch"],
+            setup["fused_linear"])
 
 
 def _cheapest_fit(config, setup: dict, offload: bool = True) -> Optional[dict]:
@@ -235,6 +269,8 @@ def _flags(old: dict, new: dict) -> list:
         flags.append(f"--tp {new['tp_size']}")
     if new["offload"] and not old["offload"]:
         flags.append("--offload")
+    if new["fused_linear"] and not old["fused_linear"]:
+        flags.append("--fused_linear")
     return flags
 
 
@@ -278,12 +314,14 @@ def _describe(setup: dict, vocab_size: int) -> str:
     return (f"{nodes} node{'s' * (nodes > 1)} x {gpus} GPUs, TP {tp} x DP {nodes * gpus // tp}, ZeRO-3"
             f"{' with CPU offload' if setup['offload'] else ''}; seq {setup['seq_len']}, micro batch "
             f"{setup['micro_batch']}, vocab {vocab_size}, {'SDPA' if setup['flash_attention'] else 'eager'} attention"
-            f"{', gradient checkpointing' if setup['gradient_checkpointing'] else ''}; "
+            f"{', gradient checkpointing' if setup['gradient_checkpointing'] else ''}"
+            f"{', fused linear head' if setup['fused_linear'] else ''}; "
             f"{setup['gpu_memory_gib']:g} GiB GPUs")
 
 
-def format_report(name: str, config, result: dict, steps: Optional[dict]) -> str:
-    """The readable table for one preset."""
+def format_report(name: str, config, result: dict, steps: Optional[dict], largest: dict) -> str:
+    """The readable table for one preset; ``largest``: the largest micro batch that fits, materialized
+    and with the fused linear head (:func:`largest_micro_batch`)."""
     setup = result["setup"]
     rows = [("model states / GPU (ZeRO-3, DeepSpeed estimator)", result["model_states_gpu_bytes"]),
             ("activations / GPU", result["activation_bytes"]),
@@ -296,6 +334,10 @@ def format_report(name: str, config, result: dict, steps: Optional[dict]) -> str
     lines += [f"{label:<50}{_gib(value):>8}" for label, value in rows]
     lines += ["", f"verdict: {result['verdict']} in {setup['gpu_memory_gib']:g} GiB"
               + (f"; {_advice(steps)}" if steps else "")]
+    tokens = {key: value * setup["seq_len"] for key, value in largest.items()}
+    lines.append(f"largest micro batch that fits: {largest['materialized']} sequences ({tokens['materialized']:,} "
+                 f"tokens) with materialized logits, {largest['fused_linear']} ({tokens['fused_linear']:,} tokens) "
+                 "with --fused_linear")
     return "\n".join(lines)
 
 
@@ -326,6 +368,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per micro step")
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--fused_linear", action="store_true", help="CE + SMMD without materialized logits "
+                        "(train.py --fused_linear)")
     parser.add_argument("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
                         help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
                              "a*s*s attention scores)")
@@ -339,18 +383,22 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     setup = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp_size=args.tp, offload=args.offload,
                  seq_len=args.seq_len, micro_batch=args.micro_batch, gradient_checkpointing=args.gradient_checkpointing,
-                 flash_attention=args.flash_attention, gpu_memory_gib=args.gpu_memory_gib)
+                 flash_attention=args.flash_attention, gpu_memory_gib=args.gpu_memory_gib,
+                 fused_linear=args.fused_linear)
     results = []
     for name in (TABLE_PRESETS if args.all else [args.model]):
         try:
             config = preset_config(name, vocab_size=args.vocab_size)
-            results.append((name, config, estimate(config, **setup), next_steps(config, **setup)))
+            largest = {key: largest_micro_batch(config, **{**setup, "fused_linear": key == "fused_linear"})
+                       for key in ("materialized", "fused_linear")}
+            results.append((name, config, estimate(config, **setup), next_steps(config, **setup), largest))
         except ValueError as error:  # a layout or TP size that does not fit this model
             raise SystemExit(f"estimate.py: {name}: {error}") from None
     if args.json:
-        records = [with_gib({"model": name, **result, "next_steps": steps}) for name, _, result, steps in results]
+        records = [with_gib({"model": name, **result, "next_steps": steps, "largest_micro_batch": largest})
+                   for name, _, result, steps, largest in results]
         print(json.dumps(records if args.all else records[0], indent=2))
     elif args.all:
-        print(format_markdown([(name, result, steps) for name, _, result, steps in results], args.vocab_size))
+        print(format_markdown([(name, result, steps) for name, _, result, steps, _ in results], args.vocab_size))
     else:
         print(format_report(*results[0]))
