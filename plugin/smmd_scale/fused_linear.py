@@ -147,11 +147,14 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                                        accumulate=True)
             grad_logits = grad_logits.to(hidden.dtype)
             if needs_weight:
-                grad_weight[start:end] = grad_logits.T @ hidden
+                torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
             if needs_bias:
                 grad_bias[start:end] = grad_logits.sum(dim=0)
             if needs_hidden:
-                grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
+                if hidden.dtype == compute_dtype:
+                    grad_hidden.addmm_(grad_logits, head_rows)
+                else:
+                    grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
 
         if needs_hidden:
             if plan.tp_state is not None:
