@@ -38,8 +38,7 @@ from smmd_train.export import export_hf
 from smmd_train.guard import NonFiniteGuard, NonFiniteLossError
 from smmd_train.model import build_model, flops_per_token, zero_init_config
 from smmd_train.monitor import TrainingMonitor
-from smmd_train.ntl_contender import install_ntl
-from smmd_train.plan import plan_run
+from smmd_train.plan import numeric_loss, plan_run
 
 
 def seed_everything(seed: int) -> None:
@@ -119,16 +118,15 @@ def main(argv=None) -> None:
     accumulation = engine.gradient_accumulation_steps()
     batches = PackedBatches(train_blocks, micro_batch_size, dp_rank, topology.dp_size, args.seed)
 
-    # 5. The loss: CE + weight * SMMD on the LM head's (vocabulary-parallel) logits.
+    # 5. The loss: CE + weight * SMMD (or --numeric_loss) on the LM head's (vocabulary-parallel) logits,
+    # or from its input without logits (--fused_linear).
     vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.smmd_policy,
                                                    max_value=args.smmd_max_value,
                                                    vocab_size=model.config.vocab_size)
     installed = None
     if not args.framework_loss:
         installed = smmd_scale.install(engine, vocab, weight=args.smmd_weight, fused_linear=args.fused_linear,
-                                       mode=args.smmd_mode, kernel=args.smmd_kernel, sigmas=tuple(args.smmd_sigmas))
-        if args.ntl_weight:
-            install_ntl(installed, tokenizer, args.ntl_weight)
+                                       numeric_loss=numeric_loss(args, vocab))
     log(f"loss: {installed!r} ({'vocab-parallel' if installed.vocab_parallel else 'full logits'})"
         if installed else f"loss: the model's own ({type(engine.module.loss_function).__name__}), no SMMD")
 
@@ -176,8 +174,7 @@ def main(argv=None) -> None:
                                    skipped_steps=guard.total_skips)
         guard.raise_if_exhausted(last_checkpoint)
         progress.update(1)
-        progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", smmd=f"{metrics['loss/smmd']:.4f}",
-                             tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
+        progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
         if eval_blocks is not None and installed is not None and args.eval_steps and step % args.eval_steps == 0:
             monitor.write_eval(step, held_out_metrics(engine, installed, eval_blocks, micro_batch_size,
                                                       args.eval_batches, dp_rank, topology.dp_size, dp_group))

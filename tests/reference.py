@@ -113,3 +113,34 @@ def fp32_ce_errors(per_token_ce, offset: float, seed: int, tokens: int = 96, voc
     assert ce.dtype == torch.float32
     return ((ce.double() - reference).abs().max().item(),
             (shard.grad.double() - reference_logits.grad[:, start:end]).abs().max().item())
+
+
+def reference_ntl(logits, targets, token_ids, values, kind="was", reweigh=True, squash_factor=None, ignore_index=-100):
+    """Mean NTL (the ntloss package's definitions) over numeric-target positions of ``logits [..., V]``
+    (float64, autograd, one position at a time)."""
+    token_ids = [int(t) for t in token_ids]
+    values = torch.as_tensor(values, dtype=torch.float64)
+    distances = (values[:, None] - values[None, :]).abs()
+    nonzero = distances[distances > 0]
+    if squash_factor is not None and nonzero.max() > nonzero.min():  # one non-zero distance: nothing to map
+        low, high = nonzero.min(), nonzero.max()
+        distances = torch.where(distances > 0, 1 + (distances - low) * (squash_factor - 1) / (high - low), distances)
+    max_distance = distances.max() if kind == "was" else (values.max() - values.min()) ** 2
+    flat_logits = logits.reshape(-1, logits.shape[-1]).double()
+    per_position = []
+    for row, target in enumerate(targets.reshape(-1).tolist()):
+        if target == ignore_index or target not in token_ids:
+            continue
+        index = token_ids.index(target)
+        q = torch.softmax(flat_logits[row][token_ids], dim=0)
+        if kind == "was":
+            value = (distances[index] * q).sum()
+        else:
+            value = ((q * values).sum() - values[index]) ** 2
+        if reweigh:
+            mass = torch.softmax(flat_logits[row], dim=0)[token_ids].sum()
+            value = value * mass + 1.01 * max_distance * (1 - mass)
+        per_position.append(value)
+    if not per_position:
+        return flat_logits.sum() * 0.0
+    return torch.stack(per_position).mean()

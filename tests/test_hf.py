@@ -135,9 +135,10 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
     assert installed.last_stats["numeric_tokens"] > 0 and 0 <= installed.last_stats["numeric_accuracy"] <= 1
 
 
-def test_ntl_hook_is_ce_plus_ntloss(generator):
-    """The comparison hook used by the evidence study: our CE plus the ntloss package's NTL-WAS."""
-    from ntloss import NTLoss
+def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
+    """install(..., numeric_loss=NTLoss(vocab)) trains on CE + weight x NTL-WAS: the same value as the
+    ntloss package's NTL-WAS on the model's logits (its float32 distance table: parity near 1e-7)."""
+    from ntloss import NTLoss as PackageNTLoss
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -149,15 +150,18 @@ def test_ntl_hook_is_ce_plus_ntloss(generator):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
 
-    from smmd_train.ntl_contender import install_ntl
     ids, labels = batch(generator)
     model = tiny_llama().double()
-    installed = smmd_scale.install(model, NumericVocab.from_tokenizer(tokenizer, vocab_size=VOCAB_SIZE), weight=0.0)
-    install_ntl(installed, tokenizer, weight=0.4)
+    numeric_vocab = NumericVocab.from_tokenizer(tokenizer, vocab_size=VOCAB_SIZE)
+    installed = smmd_scale.install(model, numeric_vocab, weight=0.4,
+                                   numeric_loss=smmd_scale.NTLoss(numeric_vocab, squash_factor=9.0))
     output = model(input_ids=ids, labels=labels)
     shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
     ce = torch.nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB_SIZE), shifted.reshape(-1))
-    ntl = NTLoss(tokenizer, vocab_size=VOCAB_SIZE, digit_level=False, squash_factor=9.0)(output.logits, shifted)
-    assert output.loss.item() == pytest.approx((ce + 0.4 * ntl).item(), rel=1e-9)
-    assert installed.hook.last_losses[2].item() == pytest.approx(ntl.item(), rel=1e-9) and ntl.item() > 0
+    ntl = PackageNTLoss(tokenizer, vocab_size=VOCAB_SIZE, digit_level=False, squash_factor=9.0)(output.logits, shifted)
+    assert output.loss.item() == pytest.approx((ce + 0.4 * ntl).item(), rel=1e-6)
+    assert installed.hook.last_losses[2].item() == pytest.approx(ntl.item(), rel=1e-6) and ntl.item() > 0
     assert installed.last_stats["numeric_tokens"] > 0
+    assert installed.last_stats["ntl_was"] == pytest.approx(ntl.item(), rel=1e-6)
+    with pytest.raises(TypeError, match=r"pass SMMD options \(\['mode'\]\) to SMMDLoss inside numeric_loss"):
+        smmd_scale.install(model, numeric_vocab, numeric_loss=smmd_scale.NTLoss(numeric_vocab), mode="mmd")

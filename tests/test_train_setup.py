@@ -70,6 +70,37 @@ def test_train_command_launchers(tmp_path):
         train_command(launcher="python", processes=2)
 
 
+def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
+    import smmd_scale
+    from smmd_train.plan import numeric_loss
+
+    vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 20)
+    base = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path)
+    default = parse_args(train_flags(**base))
+    assert default.numeric_loss == [("smmd", 1.0)] and isinstance(numeric_loss(default, vocab), smmd_scale.SMMDLoss)
+    ntl = parse_args(train_flags(**base, numeric_loss=["ntl-mse"], ntl_reweigh=False))
+    assert "--no-ntl_reweigh" in train_flags(ntl_reweigh=False) and "--ntl_reweigh" in train_flags(ntl_reweigh=True)
+    built = numeric_loss(ntl, vocab)
+    assert isinstance(built, smmd_scale.NTLoss) and built.kind == "mse" and not built.reweigh
+    mixed = parse_args(train_flags(**base, numeric_loss=["smmd", "ntl-was:0.3"], ntl_squash_factor=9.0))
+    built = numeric_loss(mixed, vocab)
+    assert [(term.name, weight) for term, weight in built.weighted_terms()] == [("smmd", 1.0), ("ntl_was", 0.3)]
+    assert built.weighted_terms()[1][0].squash_factor == 9.0
+
+
+@pytest.mark.parametrize("entries, message", [
+    (["smd"], r"'smd' is not one of smmd, ntl-was, ntl-mse"),
+    (["ntl-was:abc"], r"the weight after ':' must be a number"),
+    (["smmd:-1"], r"must be a finite number >= 0"),
+    (["smmd", "smmd:2"], r"names each loss once"),
+])
+def test_bad_numeric_loss_flags_are_named(tmp_path, capsys, entries, message):
+    with pytest.raises(SystemExit):
+        parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1,
+                               output_dir=tmp_path, numeric_loss=entries))
+    assert re.search(message, capsys.readouterr().err)
+
+
 def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", data=["x.jsonl"], max_steps=1,

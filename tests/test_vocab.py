@@ -172,10 +172,15 @@ def tokenizers_by_style():
 
 
 def reference_integers(tokenizer, max_value=999) -> dict[int, float]:
-    """Algorithm 1 for policy "integers", written differently: str methods and an int round trip."""
+    """Algorithm 1 for policy "integers", written differently: str methods and an int round trip; a
+    sentencepiece byte-fallback token of a digit ("<0x35>") counts as that digit."""
     never = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     numeric = {}
     for token, token_id in tokenizer.get_vocab().items():
+        if token_id not in never and len(token) == 6 and token[:3] == "<0x" and token[-1] == ">" \
+                and 0x30 <= int(token[3:5], 16) <= 0x39:
+            numeric[token_id] = float(chr(int(token[3:5], 16)))
+            continue
         body = token[1:] if token[:1] in ("Ġ", "▁", " ") else token
         if token_id in never or not (body.isascii() and body.isdigit()) or str(int(body)) != body:
             continue
@@ -215,12 +220,18 @@ def test_gpt2_style_has_marked_and_bare_numbers(tokenizers_by_style):
         **{str(d): float(d) for d in range(10)}, **{f"Ġ{d}": float(d) for d in range(10)}}
 
 
-def test_llama2_style_is_exactly_the_ten_digits(tokenizers_by_style):
+def test_llama2_style_is_the_ten_digits_and_their_byte_fallback_tokens(tokenizers_by_style):
+    """A sentencepiece tokenizer with byte fallback (Llama-2, Mistral) spells each digit twice: the
+    piece "5" and the byte token "<0x35>", which decodes to "5". Both are numeric with value 5."""
     tokenizer = tokenizers_by_style["llama2_style"]
     digit_ids = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
+    byte_ids = tokenizer.convert_tokens_to_ids([f"<0x{0x30 + d:02X}>" for d in range(10)])
+    assert tokenizer.decode(byte_ids) == "0123456789"
+    expected = {**{token_id: float(d) for d, token_id in enumerate(digit_ids)},
+                **{token_id: float(d) for d, token_id in enumerate(byte_ids)}}
     for policy in ("integers", "digits", "floats"):
         vocab = NumericVocab.from_tokenizer(tokenizer, policy=policy)
-        assert as_dict(vocab) == {token_id: float(d) for d, token_id in enumerate(digit_ids)}, policy
+        assert as_dict(vocab) == expected and len(vocab) == 20, policy
     vocab_tokens = tokenizer.get_vocab()
     assert vocab_tokens["<0x31>"] == 3 + ord("1") and vocab_tokens["▁"] > 258  # byte fallback, lone marker
     assert tokenizer.tokenize(" 42") == ["▁", "4", "2"]

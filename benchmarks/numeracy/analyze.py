@@ -185,7 +185,7 @@ def collect_run(run_dir: Path, record: dict) -> dict:
     train = {"steps": len(steps), "global_batch": global_batch, "world_size": config["world_size"],
              "tokens_seen": global_batch * args["seq_len"] * args["max_steps"],
              "vocab_size": config["model_config"]["vocab_size"],
-             "final_loss_ce": steps[-1]["loss/ce"], "final_loss_aux": steps[-1]["loss/smmd"],
+             "final_loss_ce": steps[-1]["loss/ce"], "final_loss_aux": steps[-1].get("loss/numeric"),
              "eval_ce": evals[-1]["eval/ce"] if evals else None,
              "tokens_per_second": statistics.median(entry["perf/tokens_per_second"] for entry in steps[1:] or steps)}
     return {"method": record["method"], "seed": record["seed"], "run_dir": run_dir.name, "flags": record["flags"],

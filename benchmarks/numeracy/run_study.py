@@ -54,7 +54,11 @@ METHODS = {
     "smooth_only": {"smmd_weight": 1, "smmd_mode": "smooth"},
     "random_kernel": {"smmd_weight": 1, "smmd_kernel": "random"},
     "shuffled_kernel": {"smmd_weight": 1, "smmd_kernel": "shuffled"},
-    "ntl": {"smmd_weight": 0, "ntl_weight": 1.0},
+    # The Number Token Loss, the plugin's own (same exchange as SMMD): NTL-WAS with the distances
+    # squashed like SMMD's (factor 9); NTL-MSE's squared errors of values up to 999 reach 1e6, hence
+    # its weight.
+    "ntl_was": {"smmd_weight": 1, "numeric_loss": ["ntl-was"], "ntl_squash_factor": 9.0},
+    "ntl_mse": {"smmd_weight": 1e-4, "numeric_loss": ["ntl-mse"]},
 }
 
 
@@ -82,7 +86,7 @@ class Preset:
 # cover the three loss paths CE, SMMD and NTL, 2 seeds, a few steps); full: a GPU box.
 PRESETS = {
     "smoke": Preset(model="tiny", steps=12, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=600,
-                    test_per_task=40, eval_batches=2, methods=("ce", "smmd", "ntl"), seeds=(0, 1),
+                    test_per_task=40, eval_batches=2, methods=("ce", "smmd", "ntl_was"), seeds=(0, 1),
                     deepspeed_config="ds_configs/zero3.json"),
     "quick": Preset(model="tiny", steps=400, seq_len=128, micro_batch_size=16, lr=3e-3, train_per_task=10_000,
                     test_per_task=200, eval_batches=8, methods=tuple(METHODS), seeds=(0, 1, 2),

@@ -8,11 +8,12 @@
 from .fused_linear import linear_smmd_cross_entropy
 from .integrations import install, vocab_parallel_smmd_cross_entropy
 from .loss import SMMDOutput, smmd_cross_entropy
-from .numeric_loss import NumericLoss
+from .ntl import NTLoss
+from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .smmd import SMMDLoss
 from .vocab import NumericVocab
 
 __version__ = "0.1.0"
 
-__all__ = ["NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "install", "linear_smmd_cross_entropy",
-           "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy", "__version__"]
+__all__ = ["NTLoss", "NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "WeightedNumericLosses", "install",
+           "linear_smmd_cross_entropy", "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy", "__version__"]

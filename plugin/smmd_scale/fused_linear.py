@@ -104,7 +104,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
         ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), plan.valid)
         step = numeric_step(plan, numeric_logits, lse)
-        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value)
+        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value.to(ce.dtype))
         record_stats(plan, step, comm_calls, comm_bytes)
 
         ctx.consumed = False

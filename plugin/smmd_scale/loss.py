@@ -170,21 +170,27 @@ def numeric_step(plan: ForwardPlan, numeric_logits: torch.Tensor,
     softmax over the numeric tokens. ``mass``, the full softmax's probability on the numeric tokens,
     is ``exp(logsumexp(numeric logits) - lse)`` at the numeric positions (needs ``lse``), and its
     gradient reaches every column: ``d mass / d z_k = p_k [k numeric] - mass p_k``.
+
+    Everything here is O(P N), so it runs in float64 whatever the logits' dtype (the chain through
+    the softmax subtracts nearly equal numbers); a loss's own heavier work (SMMD's ``[P, N] x [N, N]``
+    product) runs in the compute dtype. The gradient comes back in the compute dtype.
     """
-    logits = numeric_logits.to(plan.compute_dtype)
+    logits = numeric_logits.double()
     q = torch.softmax(logits, dim=-1)
     mass = None
     if plan.loss.needs_mass:
         positions = plan.positions
-        mass = torch.exp((torch.logsumexp(logits, dim=-1) - lse.shift[positions]) - lse.log_sum[positions])
-    terms = plan.loss.numeric_terms(q, plan.numeric_targets, mass)
-    grad = q * (terms.grad_q - (q * terms.grad_q).sum(dim=-1, keepdim=True))
+        mass = torch.exp((torch.logsumexp(logits, dim=-1) - lse.shift[positions].double())
+                         - lse.log_sum[positions].double())
+    terms = plan.loss.numeric_terms(q, plan.numeric_targets, mass, plan.compute_dtype)
+    grad_q = terms.grad_q.double()
+    grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
     row_coefficient = None
     if terms.grad_mass is not None:
         grad = grad + (terms.grad_mass * mass)[:, None] * q
-        row_coefficient = -terms.grad_mass * mass
-    values = plan.tensors.values
-    return NumericStep(terms=terms, grad=grad, row_coefficient=row_coefficient,
+        row_coefficient = (-terms.grad_mass * mass).to(plan.compute_dtype)
+    values = plan.loss.vocab_tensors(q.device, torch.float64).values
+    return NumericStep(terms=terms, grad=grad.to(plan.compute_dtype), row_coefficient=row_coefficient,
                        correct=q.argmax(dim=-1) == plan.numeric_targets,
                        abs_error=(q @ values - values[plan.numeric_targets]).abs())
 
@@ -228,7 +234,7 @@ class _FusedCrossEntropyNumeric(torch.autograd.Function):
             plan, numeric_logits, local_lse, target_logits)
         ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), plan.valid)
         step = numeric_step(plan, numeric_logits, lse)
-        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value)
+        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value.to(ce.dtype))
         record_stats(plan, step, comm_calls, comm_bytes)
 
         ctx.consumed = False
@@ -270,7 +276,7 @@ class _NumericLossOnly(torch.autograd.Function):
         record_stats(plan, step, comm_calls, comm_bytes)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
         ctx.plan, ctx.numeric_grad = plan, step.grad
-        return step.terms.value
+        return step.terms.value.to(plan.compute_dtype)
 
     @staticmethod
     def backward(ctx, grad_value):

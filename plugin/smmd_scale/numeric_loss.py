@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -129,14 +130,20 @@ class NumericLoss:
 
     # -- what subclasses provide --------------------------------------------------------------
 
+    @property
+    def name(self) -> str:
+        """The loss's name in statistics and TensorBoard (``smmd``, ``ntl_was``, ...)."""
+        raise NotImplementedError
+
     def options(self) -> tuple:
         """The options that change the loss (they enter the fingerprint ranks compare)."""
         raise NotImplementedError
 
-    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor,
-                      mass: Optional[torch.Tensor]) -> NumericTerms:
-        """The loss at P positions from ``q [P, N]``, ``numeric_targets [P]`` and (if :attr:`needs_mass`)
-        ``mass [P]``, in q's dtype on q's device."""
+    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
+                      compute_dtype: torch.dtype) -> NumericTerms:
+        """The loss at P positions from ``q [P, N]`` and (if :attr:`needs_mass`) ``mass [P]``, both
+        float64, and ``numeric_targets [P]``; work that is O(P N) can stay in float64, heavier work
+        runs in ``compute_dtype`` (the logits' precision, at least float32)."""
         raise NotImplementedError
 
     # -- shared machinery ---------------------------------------------------------------------
@@ -226,3 +233,78 @@ class NumericLoss:
         from .loss import numeric_loss_alone
 
         return numeric_loss_alone(self, logits, targets, tp_group, vocab_start_index)
+
+    # -- composition: ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)`` --------------------------------
+
+    def weighted_terms(self) -> list:
+        """``[(loss, weight)]``: this loss with weight 1 (a :class:`WeightedNumericLosses` lists its terms)."""
+        return [(self, 1.0)]
+
+    def __mul__(self, weight) -> "WeightedNumericLosses":
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise ValueError(f"a numeric loss can be scaled by a finite number >= 0, not {weight!r}")
+        return WeightedNumericLosses([(term, term_weight * float(weight))
+                                      for term, term_weight in self.weighted_terms()])
+
+    __rmul__ = __mul__
+
+    def __add__(self, other) -> "WeightedNumericLosses":
+        if not isinstance(other, NumericLoss):
+            return NotImplemented
+        return WeightedNumericLosses(self.weighted_terms() + other.weighted_terms())
+
+
+class WeightedNumericLosses(NumericLoss):
+    """Several numeric losses on one vocabulary as one: ``sum_i weight_i * loss_i`` at each position.
+
+    Built with arithmetic, ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``, and accepted wherever a numeric
+    loss is. The terms share the exchanged numeric slice (still one collective); each term's value
+    is a statistic of its own (``smmd``, ``ntl_was``, ...), so the terms must have distinct names.
+    """
+
+    def __init__(self, terms: list):
+        if not terms:
+            raise ValueError("a weighted sum of numeric losses needs at least one term")
+        first = terms[0][0]
+        super().__init__(first.vocab, first.ignore_index)
+        for term, weight in terms:
+            if term.vocab.fingerprint != first.vocab.fingerprint or term.ignore_index != first.ignore_index:
+                raise ValueError(f"numeric losses combined in one sum must share their NumericVocab and ignore_index; "
+                                 f"{term!r} differs from {first!r}")
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"weight {weight!r} of {term!r} must be a finite number >= 0")
+        names = [term.name for term, _ in terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"the terms of a weighted sum need distinct names, got {names}; combine different losses "
+                             "(SMMD, NTL-WAS, NTL-MSE), or one loss with one weight")
+        self.terms = list(terms)
+
+    @property
+    def name(self) -> str:
+        return "+".join(term.name for term, _ in self.terms)
+
+    @property
+    def needs_mass(self) -> bool:
+        return any(term.needs_mass for term, _ in self.terms)
+
+    def weighted_terms(self) -> list:
+        return list(self.terms)
+
+    def options(self) -> tuple:
+        return tuple((type(term).__name__, term.options(), weight) for term, weight in self.terms)
+
+    def __repr__(self):
+        return " + ".join(f"{weight:g} * {term!r}" for term, weight in self.terms)
+
+    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
+                      compute_dtype: torch.dtype) -> NumericTerms:
+        value = grad_q = grad_mass = None
+        parts = {}
+        for term, weight in self.terms:
+            terms = term.numeric_terms(q, numeric_targets, mass, compute_dtype)
+            value = weight * terms.value.double() if value is None else value + weight * terms.value.double()
+            grad_q = weight * terms.grad_q.double() if grad_q is None else grad_q + weight * terms.grad_q.double()
+            if terms.grad_mass is not None:
+                grad_mass = weight * terms.grad_mass if grad_mass is None else grad_mass + weight * terms.grad_mass
+            parts.update(terms.parts)
+        return NumericTerms(value=value, grad_q=grad_q, grad_mass=grad_mass, parts=parts)

@@ -50,6 +50,10 @@ class SMMDLoss(NumericLoss):
                 f"squash_factor={self.squash_factor}, alpha={self.alpha:.6g}, ignore_index={self.ignore_index}, "
                 f"vocab={self.vocab!r})")
 
+    @property
+    def name(self) -> str:
+        return "smmd"
+
     def options(self) -> tuple:
         return self.mode, self.kernel, self.sigmas, self.squash_factor, self.alpha, self.seed
 
@@ -60,14 +64,15 @@ class SMMDLoss(NumericLoss):
                                    self.degree.to(device=device, dtype=dtype))
         return self._matrices[key]
 
-    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor,
-                      mass: Optional[torch.Tensor]) -> NumericTerms:
+    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
+                      compute_dtype: torch.dtype) -> NumericTerms:
         """The paper's objective at P positions, with its gradient w.r.t. q.
 
         ``r = q - onehot(target)``. One ``[P, N] x [N, N]`` product gives everything: ``Kr``;
         ``r^T K r``; ``r^T L r = sum(deg * r^2) - r^T K r`` (L = D - K); and ``d/dq = 2 M r`` with
         ``M r = Kr`` (mmd), ``alpha (deg*r - Kr)`` (smooth) or their sum (smmd).
         """
+        q = q.to(compute_dtype)  # the [P, N] x [N, N] product runs in the logits' precision
         kernel, degree = self._kernel_and_degree(q.device, q.dtype)
         rows = torch.arange(q.shape[0], device=q.device)
         residual = q.index_put((rows, numeric_targets), torch.tensor(-1.0, dtype=q.dtype, device=q.device),
@@ -84,5 +89,6 @@ class SMMDLoss(NumericLoss):
             value, metric_residual = mmd + smooth, kernel_residual + self.alpha * laplacian_residual
         # relu guards float error; its derivative is 0 where the value is <= 0, as torch.relu's.
         grad_q = 2.0 * metric_residual * (value > 0).to(value.dtype)[:, None]
-        return NumericTerms(value=torch.relu(value), grad_q=grad_q, grad_mass=None,
-                            parts={"mmd": mmd, "smooth": smooth})
+        value = torch.relu(value)
+        return NumericTerms(value=value, grad_q=grad_q, grad_mass=None,
+                            parts={self.name: value, "mmd": mmd, "smooth": smooth})

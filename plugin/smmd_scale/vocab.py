@@ -39,6 +39,9 @@ _NUMBER_PATTERNS = {
     "floats": re.compile(r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?|\.[0-9]+"),
 }
 
+# Sentencepiece byte-fallback tokens of the ASCII digits (Llama-2, Mistral): "<0x30>" decodes to "0".
+_BYTE_FALLBACK_DIGIT = re.compile(r"<0x3([0-9])>")
+
 # Error messages list at most this many offending values.
 _MAX_LISTED = 5
 
@@ -148,11 +151,14 @@ class NumericVocab:
                     Models often pad their embeddings (e.g. to a multiple of 64), so it may be larger.
 
         A token may carry one space marker (``Ġ``, ``▁`` or a space) in front; it maps to the value of
-        the bare token. Special tokens are never numeric. Added tokens appended beyond the model's own
-        vocabulary (``tokenizer.add_tokens(["4242"])``) are excluded too: they are matched before the
-        pre-tokenizer runs, so text is not split into them the way the model splits numbers, and their
-        embeddings are new. An added token that only re-registers a token of the model's own vocabulary
-        (same string, same id) stays: the model emits that id for that text anyway.
+        the bare token. Sentencepiece byte-fallback tokens of the digits (``<0x30>`` .. ``<0x39>``, in
+        Llama-2 and Mistral) decode to a digit, so they are numeric with that value under every policy:
+        probability on them is probability on that digit. Special tokens are never numeric. Added tokens
+        appended beyond the model's own vocabulary (``tokenizer.add_tokens(["4242"])``) are excluded
+        too: they are matched before the pre-tokenizer runs, so text is not split into them the way the
+        model splits numbers, and their embeddings are new. An added token that only re-registers a
+        token of the model's own vocabulary (same string, same id) stays: the model emits that id for
+        that text anyway.
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
@@ -189,6 +195,9 @@ class NumericVocab:
 
 def _parse_numeric_token(token: str, policy: str) -> Optional[float]:
     """The value of one token string under ``policy``, or ``None`` if it is not numeric (no max_value)."""
+    byte = _BYTE_FALLBACK_DIGIT.fullmatch(token)
+    if byte is not None:  # a digit in every policy
+        return float(byte.group(1))
     for marker in SPACE_MARKERS:
         if token.startswith(marker):
             token = token[len(marker):]

@@ -8,14 +8,15 @@ that the demo, the benchmarks, the numeracy study and the tests use.
 
 The builder takes train.py options as keyword arguments named like the flags, checks every name
 against the parser (a typo fails here, not after a launch), and writes them the way argparse reads
-them back: ``True`` is a bare switch, ``False``/``None`` leave the flag out, a list or tuple gives
-several values after one flag.
+them back: ``True`` is a bare switch, ``False``/``None`` leave the flag out (``False`` gives
+``--no-<flag>`` for a ``--flag/--no-flag`` pair), a list or tuple gives several values after one flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import shutil
 import socket
 import sys
@@ -27,6 +28,7 @@ from .presets import PRESETS
 # The repository this package is installed from (an editable install of a source checkout).
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "launch" / "train.py"
+NUMERIC_LOSSES = ("smmd", "ntl-was", "ntl-mse")
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
@@ -72,9 +74,15 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                        help="stop after this many consecutive steps with a NaN/inf loss (each is skipped on every "
                        "rank)")
 
-    smmd = parser.add_argument_group("SMMD loss")
-    smmd.add_argument("--smmd_weight", type=float, default=1.0, help="0 = CE only (numeric metrics still logged)")
-    smmd.add_argument("--smmd_policy", default="integers", choices=["integers", "digits", "floats"])
+    smmd = parser.add_argument_group("numeric loss")
+    smmd.add_argument("--numeric_loss", nargs="+", default=["smmd"], metavar="NAME[:WEIGHT]",
+                      help=f"the numeric loss, or a weighted sum of several: {', '.join(NUMERIC_LOSSES)}, each with "
+                      "an optional weight (default 1), e.g. --numeric_loss smmd ntl-was:0.3")
+    smmd.add_argument("--smmd_weight", type=float, default=1.0,
+                      help="weight of the numeric loss term in CE + weight x numeric; 0 = CE only (numeric metrics "
+                      "still logged)")
+    smmd.add_argument("--smmd_policy", default="integers", choices=["integers", "digits", "floats"],
+                      help="which tokens are numeric (NumericVocab.from_tokenizer), for every numeric loss")
     smmd.add_argument("--smmd_max_value", type=float, default=999)
     smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
     smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
@@ -82,8 +90,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + SMMD from the LM head's input without materializing the logits "
                       "(Llama, Mistral, Qwen2, Qwen3); evaluation still uses logits")
-    smmd.add_argument("--ntl_weight", type=float, default=0.0,
-                      help="for comparisons: CE + this x NTL-WAS (ntloss package) instead of SMMD; full logits only")
+    smmd.add_argument("--ntl_reweigh", action=argparse.BooleanOptionalAction, default=True,
+                      help="NTL: scale by the probability mass on number tokens (ntloss's default)")
+    smmd.add_argument("--ntl_squash_factor", type=float, default=None,
+                      help="NTL-WAS: map value distances onto [1, this] (default: raw distances, as ntloss)")
     smmd.add_argument("--framework_loss", action="store_true",
                       help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
                       "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
@@ -103,16 +113,35 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error(f"--model {args.model} is a preset (training from scratch): pass --tokenizer DIR")
     if args.tp is not None and args.tp < 1:
         parser.error(f"--tp {args.tp} must be >= 1")
-    if args.ntl_weight and args.smmd_weight:
-        parser.error("--ntl_weight replaces SMMD: pass --smmd_weight 0 with it")
-    if args.framework_loss and args.ntl_weight:
-        parser.error("--framework_loss trains with the model's own loss: it cannot add --ntl_weight")
-    if args.fused_linear and (args.framework_loss or args.ntl_weight):
-        parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with "
-                     + ("--framework_loss" if args.framework_loss else "--ntl_weight"))
+    try:
+        args.numeric_loss = numeric_loss_terms(args.numeric_loss)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.fused_linear and args.framework_loss:
+        parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with --framework_loss")
     args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
+
+
+def numeric_loss_terms(entries: Sequence[str]) -> list:
+    """``["smmd", "ntl-was:0.3"]`` -> ``[("smmd", 1.0), ("ntl-was", 0.3)]``; raises ValueError naming a bad entry."""
+    terms = []
+    for entry in entries:
+        name, _, weight = entry.partition(":")
+        if name not in NUMERIC_LOSSES:
+            raise ValueError(f"--numeric_loss {entry!r}: {name!r} is not one of {', '.join(NUMERIC_LOSSES)}")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--numeric_loss {entry!r}: the weight after ':' must be a number") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--numeric_loss {entry!r}: the weight must be a finite number >= 0")
+        terms.append((name, value))
+    names = [name for name, _ in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--numeric_loss names each loss once; got {names}")
+    return terms
 
 
 def train_flags(**options) -> list:
@@ -125,6 +154,9 @@ def train_flags(**options) -> list:
             close = difflib.get_close_matches(name, actions, n=3)
             raise ValueError(f"train.py has no option --{name}" + (f"; did you mean {close}?" if close else ""))
         flag = f"--{name}"
+        if isinstance(action, argparse.BooleanOptionalAction) and value is not None:
+            flags.append(flag if value else f"--no-{name}")
+            continue
         if value is None or value is False:
             continue
         if value is True:

@@ -3,16 +3,20 @@ wandb or comet monitors get them too) and to ``metrics.jsonl`` on rank 0.
 
 Names are a contract (what dashboards key on):
 
-    loss/total  loss/ce  loss/smmd  loss/mmd  loss/smooth
+    loss/total  loss/ce  loss/numeric
+    loss/smmd  loss/mmd  loss/smooth  loss/ntl_was  loss/ntl_mse   (the numeric losses of the run)
     numeric/accuracy  numeric/mae  numeric/tokens
     perf/tokens_per_second  perf/tokens_per_second_per_device  perf/tflops_per_device
-    perf/step_seconds  memory/peak_gib  comm/loss_bytes  train/lr  train/grad_norm
-    train/skipped_steps  run/world_size  run/tp_size  run/dp_size
+    perf/step_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
+    train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
 
-Losses and numeric statistics are summed over the step's micro-batches and the data-parallel
-replicas (one small all-reduce per step) and then averaged: token-weighted for CE, numeric-
-position-weighted for the SMMD parts. ``comm/loss_bytes`` is what this rank's loss calls carried
-in the step. The x axis is the optimizer step.
+``loss/total = loss/ce + weight x loss/numeric``: means over the step's micro-batches. The numeric
+losses' own values (SMMD and its two terms, NTL-WAS, NTL-MSE) and the numeric statistics are
+means over the step's numeric-target positions. Everything is summed over the micro-batches and
+the data-parallel replicas (one small all-reduce per step) before it is averaged.
+``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
+``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
+the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# The per-position statistics the numeric losses report (SMMDOutput.stats), logged as loss/<name>.
+NUMERIC_PARTS = ("smmd", "mmd", "smooth", "ntl_was", "ntl_mse")
 # Sums kept per step, in this order, reduced over the data-parallel group.
-_SUMS = ("total", "ce", "smmd", "mmd", "smooth", "numeric_tokens", "correct", "abs_error", "tokens", "micro_batches")
+_SUMS = ("total", "ce", "numeric", *NUMERIC_PARTS, "numeric_tokens", "correct", "abs_error", "tokens",
+         "micro_batches")
 
 
 def peak_memory_gib() -> float:
@@ -53,25 +60,29 @@ class TrainingMonitor:
 
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_SUMS, 0.0)
-        self._loss_bytes = 0
+        self._loss_bytes = self._loss_backward_bytes = 0
+        self._parts = set()
 
     def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
-        """``losses``: detached (total, ce, smmd) of one micro-batch; ``stats``: its SMMDOutput.stats
-        (None when the run trains with the model's own loss: no numeric statistics)."""
-        total, ce, smmd = (float(value) for value in losses)
+        """``losses``: detached (total, ce, numeric term) of one micro-batch; ``stats``: its
+        SMMDOutput.stats (None when the run trains with the model's own loss: no numeric statistics)."""
+        total, ce, numeric_term = (float(value) for value in losses)
+        self._sums["total"] += total
+        self._sums["ce"] += ce
+        self._sums["micro_batches"] += 1
         if stats is None:
-            self._sums["total"] += total
-            self._sums["ce"] += ce
-            self._sums["micro_batches"] += 1
             return
         numeric = stats["numeric_tokens"]
-        for key, value in (("total", total), ("ce", ce), ("smmd", smmd), ("mmd", stats["mmd"] * numeric),
-                           ("smooth", stats["smooth"] * numeric), ("numeric_tokens", numeric),
-                           ("correct", stats["numeric_accuracy"] * numeric),
-                           ("abs_error", stats["numeric_mae"] * numeric), ("tokens", stats["tokens"]),
-                           ("micro_batches", 1)):
+        self._sums["numeric"] += numeric_term
+        for name in NUMERIC_PARTS:
+            if name in stats:
+                self._parts.add(name)
+                self._sums[name] += stats[name] * numeric
+        for key, value in (("numeric_tokens", numeric), ("correct", stats["numeric_accuracy"] * numeric),
+                           ("abs_error", stats["numeric_mae"] * numeric), ("tokens", stats["tokens"])):
             self._sums[key] += value
         self._loss_bytes += stats["comm_bytes"]
+        self._loss_backward_bytes += stats.get("backward_comm_bytes", 0)
 
     def log_run_shape(self) -> None:
         self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
@@ -93,29 +104,28 @@ class TrainingMonitor:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         totals = dict(zip(_SUMS, sums.tolist()))
         micro_batches = max(totals["micro_batches"], 1)
-        # Averages over no numeric position (e.g. a run on the model's own loss) are undefined.
-        numeric = totals["numeric_tokens"] or float("nan")
         grad_norm = self.engine.get_global_grad_norm()
         tokens_per_second = tokens_in_step / step_seconds if step_seconds > 0 else 0.0
-        metrics = {
-            "loss/total": totals["total"] / micro_batches,
-            "loss/ce": totals["ce"] / micro_batches,
-            "loss/smmd": totals["smmd"] / micro_batches,
-            "loss/mmd": totals["mmd"] / numeric,
-            "loss/smooth": totals["smooth"] / numeric,
-            "numeric/accuracy": totals["correct"] / numeric,
-            "numeric/mae": totals["abs_error"] / numeric,
-            "numeric/tokens": totals["numeric_tokens"],
+        metrics = {"loss/total": totals["total"] / micro_batches, "loss/ce": totals["ce"] / micro_batches}
+        if self._parts:  # a run on the model's own loss has no numeric statistics: none are written
+            # Averages over no numeric position are undefined (NaN): a step without numeric targets.
+            numeric = totals["numeric_tokens"] or float("nan")
+            metrics["loss/numeric"] = totals["numeric"] / micro_batches
+            metrics.update({f"loss/{name}": totals[name] / numeric for name in NUMERIC_PARTS if name in self._parts})
+            metrics.update({"numeric/accuracy": totals["correct"] / numeric,
+                            "numeric/mae": totals["abs_error"] / numeric, "numeric/tokens": totals["numeric_tokens"]})
+        metrics.update({
             "perf/tokens_per_second": tokens_per_second,
             "perf/tokens_per_second_per_device": tokens_per_second / self.world_size,
             "perf/tflops_per_device": tokens_per_second * self.flops_per_token / self.world_size / 1e12,
             "perf/step_seconds": step_seconds,
             "memory/peak_gib": peak.item(),
             "comm/loss_bytes": float(self._loss_bytes),
+            "comm/loss_backward_bytes": float(self._loss_backward_bytes),
             "train/lr": float(learning_rate),
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/skipped_steps": float(skipped_steps),
-        }
+        })
         self._write(list(metrics.items()), step)
         self._reset()
         return metrics

@@ -29,6 +29,24 @@ class RunPlan:
     warnings: list = field(default_factory=list)
 
 
+def numeric_loss(args, vocab):
+    """The run's numeric loss from ``--numeric_loss`` (and the SMMD / NTL options), on ``vocab``:
+    one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``)."""
+    import smmd_scale
+
+    def build(name):
+        if name == "smmd":
+            return smmd_scale.SMMDLoss(vocab, mode=args.smmd_mode, kernel=args.smmd_kernel,
+                                       sigmas=tuple(args.smmd_sigmas))
+        return smmd_scale.NTLoss(vocab, kind=name.split("-")[1], reweigh=args.ntl_reweigh,
+                                 squash_factor=args.ntl_squash_factor)
+
+    terms = [(build(name), weight) for name, weight in args.numeric_loss]
+    if len(terms) == 1 and terms[0][1] == 1.0:
+        return terms[0][0]
+    return smmd_scale.WeightedNumericLosses(terms)
+
+
 def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
     """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""

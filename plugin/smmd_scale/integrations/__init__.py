@@ -3,6 +3,9 @@ Megatron-core (``megatron``). :func:`install` is the one entry point for HF mode
 
 from __future__ import annotations
 
+from typing import Optional
+
+from ..numeric_loss import NumericLoss
 from ..smmd import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
@@ -11,9 +14,10 @@ from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function
 from .megatron import vocab_parallel_smmd_cross_entropy
 
 
-def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, fused_linear: bool = False,
-            **smmd_options) -> InstalledLoss:
-    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * SMMD.
+def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeric_loss: Optional[NumericLoss] = None,
+            fused_linear: bool = False, **smmd_options) -> InstalledLoss:
+    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * SMMD
+    (or another numeric loss: ``numeric_loss=NTLoss(vocab)``, ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``).
 
     Replaces ``model.loss_function``. If DeepSpeed AutoTP made the LM head vocabulary-parallel,
     the hook computes on this rank's logits shard with the head's ``mp_group`` and
@@ -21,12 +25,21 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, fused_
     ``fused_linear=True`` also replaces this model's ``forward`` so that a training forward with
     labels never computes the logits (``integrations/fused_forward.py``; Llama, Mistral, Qwen2 and
     Qwen3 families); evaluation and generation still return logits. ``smmd_options`` go to
-    :class:`SMMDLoss`. Returns an :class:`InstalledLoss` with ``last_stats`` and ``restore()``.
+    :class:`SMMDLoss` when no ``numeric_loss`` is given. Returns an :class:`InstalledLoss` with
+    ``last_stats`` and ``restore()``.
     """
     model = unwrap_model(model_or_engine)
     if fused_linear:
         check_fused_support(model)
-    smmd = SMMDLoss(vocab, **smmd_options)
+    if numeric_loss is None:
+        smmd = SMMDLoss(vocab, **smmd_options)
+    elif smmd_options:
+        raise TypeError(f"pass SMMD options ({sorted(smmd_options)}) to SMMDLoss inside numeric_loss, not to install")
+    elif not isinstance(numeric_loss, NumericLoss) or numeric_loss.vocab.fingerprint != vocab.fingerprint:
+        raise ValueError(f"numeric_loss must be a smmd_scale numeric loss built on the vocab passed to install; got "
+                         f"{numeric_loss!r}")
+    else:
+        smmd = numeric_loss
     head = find_vocab_parallel_head(model)
     if head is not None:
         if head.vocab_size != vocab.vocab_size:
