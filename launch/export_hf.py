@@ -57,12 +57,11 @@ def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
 
 def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     import deepspeed
-    import torch.distributed as dist
     from deepspeed.utils import groups
     from transformers import AutoTokenizer
 
     from smmd_scale import compat
-    from smmd_train.distributed import init_distributed
+    from smmd_train.distributed import destroy_at_shutdown, init_distributed
     from smmd_train.export import export_hf
     from smmd_train.model import build_model, config_from_dict, zero_init_config
 
@@ -78,13 +77,13 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     model, zero_init = build_model(config, zero_init_config(ds_config))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            mpu=groups)
+    destroy_at_shutdown(engine)
     del zero_init
     load_path, _ = engine.load_checkpoint(str(run_dir), tag=tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {run_dir}")
     arguments = run["args"]
     export_hf(engine, target, AutoTokenizer.from_pretrained(arguments["tokenizer"] or arguments["model"]))
-    dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
@@ -104,4 +103,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from smmd_train.distributed import shutdown_distributed
+
+    try:
+        sys.exit(main())
+    finally:
+        shutdown_distributed()  # ordered, on every exit path (see there)

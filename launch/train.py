@@ -33,7 +33,7 @@ from smmd_scale import compat
 from smmd_train import checkpoint
 from smmd_train.arguments import parse_args
 from smmd_train.data import PackedBatches, eval_batches, pack_files
-from smmd_train.distributed import init_distributed, rank_zero_first
+from smmd_train.distributed import destroy_at_shutdown, init_distributed, rank_zero_first, shutdown_distributed
 from smmd_train.export import export_hf
 from smmd_train.guard import NonFiniteGuard, NonFiniteLossError
 from smmd_train.model import build_model, flops_per_token, zero_init_config
@@ -111,6 +111,7 @@ def main(argv=None) -> None:
     # modules, in module order (launch/export_hf.py rebuilds the engine the same way to load it).
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            mpu=groups if topology.tp_size > 1 else None)
+    destroy_at_shutdown(engine)
     del zero_init
     dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank()
     dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
@@ -192,13 +193,18 @@ def main(argv=None) -> None:
     if args.export_hf:
         export_hf(engine, args.export_hf, tokenizer)
         log(f"exported a Hugging Face model to {args.export_hf}")
-    dist.barrier()
-    dist.destroy_process_group()  # gloo can abort at interpreter exit otherwise
 
 
 if __name__ == "__main__":
+    exit_code = 0
     try:
-        sys.exit(main())
-    except NonFiniteLossError as error:
+        main()
+    except NonFiniteLossError as error:  # raised on every rank at the same step
         print(f"[train] stopped: {error}", file=sys.stderr, flush=True)
-        sys.exit(3)
+        exit_code = 3
+    finally:
+        # On every exit path: a barrier (unless an error is in flight), then the engine and every
+        # process group go, with their gloo threads, before interpreter shutdown; else a rank can
+        # abort at exit after a job that did its work (see shutdown_distributed).
+        shutdown_distributed()
+    sys.exit(exit_code)

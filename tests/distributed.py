@@ -44,7 +44,8 @@ def _worker(rank, world_size, port, pg_timeout, fn, args, results):
     except BaseException as error:  # reported to the parent, which fails the test
         results.put(Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have shut it down itself
+            dist.destroy_process_group()
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: float = 60) -> list:

@@ -81,6 +81,9 @@ def test_deepspeed_private_apis_exist():
     assert "tensor_model_parallel_size" in inspect.signature(groups._init_tp_mesh_device).parameters
     for name in ("_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict"):
         assert callable(getattr(DeepSpeedEngine, name)), name
+    # What the ordered shutdown releases: ZeRO-3's module stack is a module-level list.
+    from deepspeed.runtime.zero import parameter_offload
+    assert isinstance(parameter_offload.FWD_MODULE_STACK, list)
 
 
 def test_cpu_allreduce_segment_is_named_as_deepspeed_names_it(monkeypatch):

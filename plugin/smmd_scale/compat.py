@@ -104,3 +104,33 @@ def cpu_allreduce_segment(rank: int) -> str:
     op names it from the user id, MASTER_ADDR and MASTER_PORT, and never unlinks it)."""
     return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
             f"{os.environ.get('MASTER_PORT')}_{rank}")
+
+
+def release_deepspeed_process_groups() -> None:
+    """Drop what DeepSpeed keeps at module level that (indirectly) holds process groups, so that the
+    groups, and their gloo threads, can go before interpreter shutdown: ``deepspeed.utils.groups``'
+    groups and TP mesh (which also lets ``_init_tp_mesh_device`` make new ones after a re-init),
+    ZeRO-3's forward-module stack ``parameter_offload.FWD_MODULE_STACK`` (it keeps the model), and
+    DeepSpeed's ``functools.lru_cache``-memoized methods
+    (``PartitionedParameterCoordinator.__params_to_release`` caches ``self``, hence every
+    partitioned parameter and its ``ds_process_group``). ``engine.destroy()`` clears none of them."""
+    import functools
+    import gc
+    import sys
+
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    for name, value in list(vars(groups).items()) if groups is not None else []:
+        if isinstance(value, (ProcessGroup, DeviceMesh)):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(item, (ProcessGroup, DeviceMesh)) for item in value.values()):
+            value.clear()
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        stack = _private(offload, "FWD_MODULE_STACK", "deepspeed", "release ZeRO-3's module stack at shutdown")
+        stack.clear()
+    for cache in gc.get_objects():  # type(), not isinstance(): some objects warn on any attribute access
+        if type(cache) is functools._lru_cache_wrapper and str(cache.__module__).startswith("deepspeed."):
+            cache.cache_clear()

@@ -1,6 +1,6 @@
 """Process-group start-up for every launcher users run: the deepspeed launcher (or torchrun),
 mpirun (ranks learn rank, size and the master address through mpi4py), Slurm's srun, or a
-single plain ``python`` process.
+single plain ``python`` process; and the matching ordered shutdown (``shutdown_distributed``).
 
 DeepSpeed's own MPI discovery takes the master address from ``hostname -I`` (the first network
 card) and overwrites MASTER_ADDR/MASTER_PORT; here the address is whatever the user or launcher
@@ -13,8 +13,9 @@ import builtins
 import datetime
 import os
 import socket
+import warnings
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -111,6 +112,85 @@ def release_cpu_allreduce_segment() -> None:
         os.unlink(os.path.join("/dev/shm", compat.cpu_allreduce_segment(dist.get_rank())))
     except FileNotFoundError:  # not a CPU run, or ranks on several hosts (DeepSpeed makes none)
         pass
+
+
+# DeepSpeed engines that shutdown_distributed() destroys before the process groups (see there).
+_ENGINES: list = []
+
+
+def destroy_at_shutdown(engine):
+    """Have ``shutdown_distributed()`` call ``engine.destroy()`` (and forget the engine) before it
+    destroys the process groups, on every exit path; returns ``engine``. ZeRO-3's module hooks
+    otherwise keep the model, and through it the groups, alive until the interpreter exits."""
+    _ENGINES.append(engine)
+    return engine
+
+
+def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
+    """Leave the job in order: wait for every rank, destroy the registered DeepSpeed engines and
+    every process group, and let the groups' native threads stop, all before the interpreter starts
+    to shut down. Returns how many groups are still referenced afterwards (0 expected; a warning
+    names the risk otherwise).
+
+    Use ``try: main() finally: shutdown_distributed()`` with ``destroy_at_shutdown(engine)`` after
+    ``deepspeed.initialize``. When an exception is propagating (called from ``finally``/``except``)
+    it does not wait for the other ranks (one may be inside a collective that a barrier would be
+    mismatched with), it clears the locals of the exception's frames (they hold the engine), and a
+    teardown error becomes a warning rather than hiding the first error. ``wait_for_peers``
+    overrides the first choice.
+
+    Why: after a collective completes, its gloo worker thread (``pt_gloo_runloop``) still holds the
+    work for a moment. If Python dropped the collective's tensors meanwhile, that thread needs the
+    GIL to free them; once the interpreter is finalizing, Python 3.11 ends a thread that asks for
+    the GIL with ``pthread_exit``, whose unwind meets gloo's noexcept work destructor: ``terminate
+    called without an active exception``, SIGABRT (rare: the worker must be late by the whole of
+    the script's end). ``dist.destroy_process_group()`` alone does not prevent it: it only
+    unregisters the groups, while DeepSpeed (engine, ZeRO-3 hooks and caches, parameters'
+    ``ds_process_group``, AutoTP layers' ``mp_group``, ``deepspeed.utils.groups``) keeps the
+    ProcessGroup objects, and their threads, alive into finalization. A group's destructor joins
+    its threads (with the GIL released, the interpreter still whole) only when its last reference
+    goes, hence the steps below.
+    """
+    import gc
+    import sys
+    import traceback
+    import weakref
+
+    import torch.distributed as dist
+
+    error = sys.exc_info()[1]
+    failing = error is not None and not (isinstance(error, SystemExit) and error.code in (None, 0))
+    if not dist.is_initialized() and not _ENGINES:
+        return 0
+    chained = error
+    while chained is not None:  # the error and those it was raised while handling
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__context__
+    try:
+        groups = []
+        if dist.is_initialized():
+            if (not failing if wait_for_peers is None else wait_for_peers) and dist.get_world_size() > 1:
+                dist.barrier()  # no rank leaves (rank 0 hosts the TCPStore) while another still communicates
+            groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+        while _ENGINES:
+            _ENGINES.pop().destroy()
+        if groups:
+            dist.destroy_process_group()  # every group c10d made: DeviceMesh's and DeepSpeed's sub-groups too
+        compat.release_deepspeed_process_groups()
+        gc.collect()  # engines and models are full of reference cycles
+    except Exception as teardown_error:
+        if not failing:
+            raise
+        warnings.warn(f"shutdown_distributed() failed ({teardown_error!r}) while handling {error!r}", RuntimeWarning,
+                      stacklevel=2)
+        return -1
+    alive = sum(group() is not None for group in groups)
+    if alive:
+        warnings.warn(f"{alive} process group(s) are still referenced after shutdown_distributed(); their gloo "
+                      "threads run into interpreter shutdown, where the process can abort ('terminate called "
+                      "without an active exception'). Register engines with destroy_at_shutdown() and drop "
+                      "whatever else holds a group first.", RuntimeWarning, stacklevel=2)
+    return alive
 
 
 Result = TypeVar("Result")

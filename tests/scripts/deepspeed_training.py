@@ -5,7 +5,8 @@ ZeRO-3 with and without parameter and optimizer offload), in one process: a tiny
 from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with a vocabulary-parallel LM head when
 ``--tp`` > 1, ``smmd_scale.install`` on the engine and a few optimizer steps on fixed batches. Rank 0
 writes, per variant, the per-step losses, the installed loss's statistics and, for a fused variant, the
-largest relative difference of its final weights to its materialized twin's.
+largest relative difference of its final weights to its materialized twin's. The ordered shutdown at
+the end must leave no process group alive (else the rank exits 1).
 """
 
 import argparse
@@ -20,7 +21,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 import smmd_scale
 from smmd_scale import compat
-from smmd_train.distributed import init_distributed
+from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -30,22 +31,7 @@ parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choic
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
-
-init_distributed(timeout_minutes=5)
 VOCAB, BATCH, LENGTH = 2048, 4, 24
-if args.tp > 1:
-    compat.init_tensor_parallel_groups(args.tp)
-
-# Numeric tokens on both sides of the TP=2 split at 1024: ids 100..119 and 1100..1109.
-vocab = smmd_scale.NumericVocab(list(range(100, 120)) + list(range(1100, 1110)), list(range(20)) + list(range(10)),
-                                VOCAB)
-generator = torch.Generator().manual_seed(1)
-batches = []
-for _ in range(args.steps):
-    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
-    numeric = torch.rand(BATCH, LENGTH, generator=generator) < 0.4
-    ids[numeric] = vocab.token_ids[torch.randint(0, len(vocab), (int(numeric.sum()), ), generator=generator)]
-    batches.append(ids)
 
 
 def build_engine(tied: bool, offload: bool):
@@ -64,59 +50,84 @@ def build_engine(tied: bool, offload: bool):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                            mpu=groups if args.tp > 1 else None)
     del zero_init
-    return engine
+    return destroy_at_shutdown(engine)
 
 
-result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "variants": {}}
-materialized_weights = {}
-for offload in ((False, True) if args.offload else (False, )):
-    for tied in (embedding == "tied" for embedding in args.embeddings):
-        for fused in (False, True):
-            name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
-            engine = build_engine(tied, offload)
-            variant = {}
-            if args.tp > 1 and not fused:
-                # DeepSpeed installed its own CE-only vocab-parallel loss; ours with weight 0 must agree with it.
-                with torch.no_grad():
-                    deepspeed_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
-                variant["deepspeed_loss_function"] = type(engine.module.loss_function).__name__
-                probe = smmd_scale.install(engine, vocab, weight=0.0)
-                with torch.no_grad():
-                    ours_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
-                variant["ce_ours_vs_deepspeed"] = [ours_ce, deepspeed_ce]
-                probe.restore()
-            installed = smmd_scale.install(engine, vocab, weight=1.0, fused_linear=fused)
-            variant["fused_linear"] = installed.fused_linear
-            variant["vocab_parallel"] = installed.vocab_parallel
-            variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,
-                                                                    installed.head.vocab_end_index]
-            losses, stats = [], []
-            for ids in batches:
-                output = engine(input_ids=ids, labels=ids)
-                variant.setdefault("training_logits", output.logits is not None)
-                engine.backward(output.loss)
-                engine.step()
-                losses.append(output.loss.item())
-                stats.append(installed.last_stats)
-            variant.update(losses=losses, stats=stats)
-            heads = [None] * dist.get_world_size()
-            dist.all_gather_object(heads, variant["head"])
-            variant["heads"] = heads
-            weights = compat.consolidated_state_dict(engine)  # a collective: every rank calls it
-            if dist.get_rank() == 0:
-                twin = name.replace("-fused", "")
-                if fused:
-                    reference = materialized_weights[twin]
-                    # per tensor: |w_fused - w_materialized| / |w_materialized| (Frobenius norms)
-                    variant["weights_relative_difference"] = max(
-                        ((weights[key] - reference[key]).norm() / reference[key].norm()).item() for key in reference)
-                else:
-                    materialized_weights[name] = {key: value.clone() for key, value in weights.items()}
-            result["variants"][name] = variant
-            installed.restore()
-            del engine
+def main() -> None:
+    init_distributed(timeout_minutes=5)
+    if args.tp > 1:
+        compat.init_tensor_parallel_groups(args.tp)
 
-if dist.get_rank() == 0:
-    with open(args.out, "w") as handle:
-        json.dump(result, handle)
-dist.destroy_process_group()
+    # Numeric tokens on both sides of the TP=2 split at 1024: ids 100..119 and 1100..1109.
+    vocab = smmd_scale.NumericVocab(list(range(100, 120)) + list(range(1100, 1110)), list(range(20)) + list(range(10)),
+                                    VOCAB)
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+        numeric = torch.rand(BATCH, LENGTH, generator=generator) < 0.4
+        ids[numeric] = vocab.token_ids[torch.randint(0, len(vocab), (int(numeric.sum()), ), generator=generator)]
+        batches.append(ids)
+
+    result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "variants": {}}
+    materialized_weights = {}
+    for offload in ((False, True) if args.offload else (False, )):
+        for tied in (embedding == "tied" for embedding in args.embeddings):
+            for fused in (False, True):
+                name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
+                engine = build_engine(tied, offload)
+                variant = {}
+                if args.tp > 1 and not fused:
+                    # DeepSpeed installed its own CE-only vocab-parallel loss; ours with weight 0 must agree with it.
+                    with torch.no_grad():
+                        deepspeed_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
+                    variant["deepspeed_loss_function"] = type(engine.module.loss_function).__name__
+                    probe = smmd_scale.install(engine, vocab, weight=0.0)
+                    with torch.no_grad():
+                        ours_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
+                    variant["ce_ours_vs_deepspeed"] = [ours_ce, deepspeed_ce]
+                    probe.restore()
+                installed = smmd_scale.install(engine, vocab, weight=1.0, fused_linear=fused)
+                variant["fused_linear"] = installed.fused_linear
+                variant["vocab_parallel"] = installed.vocab_parallel
+                variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,
+                                                                        installed.head.vocab_end_index]
+                losses, stats = [], []
+                for ids in batches:
+                    output = engine(input_ids=ids, labels=ids)
+                    variant.setdefault("training_logits", output.logits is not None)
+                    engine.backward(output.loss)
+                    engine.step()
+                    losses.append(output.loss.item())
+                    stats.append(installed.last_stats)
+                variant.update(losses=losses, stats=stats)
+                heads = [None] * dist.get_world_size()
+                dist.all_gather_object(heads, variant["head"])
+                variant["heads"] = heads
+                weights = compat.consolidated_state_dict(engine)  # a collective: every rank calls it
+                if dist.get_rank() == 0:
+                    twin = name.replace("-fused", "")
+                    if fused:
+                        reference = materialized_weights[twin]
+                        # per tensor: |w_fused - w_materialized| / |w_materialized| (Frobenius norms)
+                        variant["weights_relative_difference"] = max(
+                            ((weights[key] - reference[key]).norm() / reference[key].norm()).item()
+                            for key in reference)
+                    else:
+                        materialized_weights[name] = {key: value.clone() for key, value in weights.items()}
+                result["variants"][name] = variant
+                installed.restore()
+                del engine
+
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        # Every group must be gone before interpreter shutdown; one still held fails the run.
+        leftover = shutdown_distributed()
+    assert leftover == 0, f"{leftover} process group(s) outlived the shutdown"
