@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.common import markdown_table, write_results
 from smmd_train.arguments import REPO, train_command
+from smmd_train.tensorboard import write_experiment
 
 WARMUP_STEPS = 3
 
@@ -124,6 +125,7 @@ def main():
     worst = min(r["throughput_vs_ce"] for r in smmd_rows)
     print(f"target: throughput with SMMD >= 0.97x CE only; worst measured {worst:.3f} "
           f"({'pass' if worst >= 0.97 else 'fail'})")
+    write_experiment(str(work / "tensorboard"))
     print(f"TensorBoard (all scales together): tensorboard --logdir {work / 'tensorboard'}")
     print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, results_dir=args.results_dir,
                                  model=args.model,

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
+from smmd_train.tensorboard import write_experiment
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +82,8 @@ def training_summary(output_dir: Path) -> dict:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss/total" in r]
     evals = [r for r in records if "eval/ce" in r]
-    return {"tokens_per_second": statistics.median(r["perf/tokens_per_second"] for r in steps[1:] or steps),
+    return {"tokens_per_second": statistics.median(r["perf/tokens_per_second"] for r in steps
+                                                   if "perf/tokens_per_second" in r),
             "final_ce": steps[-1]["loss/ce"], "eval_ce": evals[-1]["eval/ce"] if evals else float("nan"),
             "eval_numeric_accuracy": evals[-1]["eval/numeric_accuracy"] if evals else float("nan")}
 
@@ -169,6 +171,8 @@ def main(argv=None) -> None:
     (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
                                                         "seconds": time.monotonic() - began}, indent=1))
     print(f"\nper-task reports: {work}/*/hf/numeric_eval.json; everything: {work}/demo_results.json")
+    # The HParams dashboard's columns for the three runs: what differs between them first.
+    write_experiment(str(work / "tensorboard"), differs=("numeric_weight", "model", "max_steps", "lr"))
     print(f"TensorBoard:  tensorboard --logdir {work / 'tensorboard'}")
     print(f"total {time.monotonic() - began:.0f} s")
 

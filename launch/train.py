@@ -39,6 +39,8 @@ from smmd_train.guard import NonFiniteGuard, NonFiniteLossError
 from smmd_train.model import build_model, flops_per_token, zero_init_config
 from smmd_train.monitor import TrainingMonitor
 from smmd_train.plan import numeric_loss, plan_run
+from smmd_train.schedule import warmup_cosine
+from smmd_train.tensorboard import run_hparams
 
 
 def seed_everything(seed: int) -> None:
@@ -110,6 +112,8 @@ def main(argv=None) -> None:
     # model.parameters() stays lazy so the optimizer sees the parameters after AutoTP replaced the
     # modules, in module order (launch/export_hf.py rebuilds the engine the same way to load it).
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps,
+                                                                      args.min_lr_ratio),
                                            mpu=groups if topology.tp_size > 1 else None)
     destroy_at_shutdown(engine)
     del zero_init
@@ -144,7 +148,9 @@ def main(argv=None) -> None:
 
     monitor = TrainingMonitor(engine, world_size=topology.world_size, tp_size=topology.tp_size,
                               dp_size=topology.dp_size, dp_group=dp_group, flops_per_token=model_flops_per_token,
-                              metrics_path=str(Path(args.output_dir, "metrics.jsonl")))
+                              metrics_path=str(Path(args.output_dir, "metrics.jsonl")),
+                              tensorboard_dir=args.tensorboard_dir if plan.tensorboard else None,
+                              hparams=run_hparams(args, plan, launch.launcher, installed is None))
     if dist.get_rank() == 0:
         Path(args.output_dir, "run_config.json").write_text(json.dumps(
             {"args": vars(args), "deepspeed_config": ds_config, "world_size": topology.world_size,
@@ -154,6 +160,7 @@ def main(argv=None) -> None:
         monitor.log_run_shape()
 
     # 7. Train. A step whose loss is NaN/inf on any rank is skipped on every rank (NonFiniteGuard).
+    evaluation = None
     guard = NonFiniteGuard(args.max_skipped_steps, total_skips=skipped_steps)
     last_checkpoint = resume_tag
     tokens_per_step = micro_batch_size * accumulation * topology.dp_size * args.seq_len
@@ -176,20 +183,24 @@ def main(argv=None) -> None:
         guard.raise_if_exhausted(last_checkpoint)
         progress.update(1)
         progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
+        evaluation = None  # the held-out metrics, when this step evaluates
         if eval_blocks is not None and installed is not None and args.eval_steps and step % args.eval_steps == 0:
-            monitor.write_eval(step, held_out_metrics(engine, installed, eval_blocks, micro_batch_size,
-                                                      args.eval_batches, dp_rank, topology.dp_size, dp_group))
+            evaluation = held_out_metrics(engine, installed, eval_blocks, micro_batch_size, args.eval_batches,
+                                          dp_rank, topology.dp_size, dp_group)
+            monitor.write_eval(step, evaluation)
         if args.save_steps and (step % args.save_steps == 0 or step == args.max_steps):
             last_checkpoint = checkpoint.save(engine, args.output_dir, step, {"data": batches.state_dict(),
                                                                               "skipped_steps": guard.total_skips})
     progress.close()
 
-    # 8. Final evaluation and export.
+    # 8. Final evaluation (unless the last step just ran one), the run's summary, export.
     if eval_blocks is not None and installed is not None:
-        final = held_out_metrics(engine, installed, eval_blocks, micro_batch_size, args.eval_batches, dp_rank,
-                                 topology.dp_size, dp_group)
-        monitor.write_eval(args.max_steps, final)
-        log("eval " + " ".join(f"{key}={value:.4g}" for key, value in final.items()))
+        if evaluation is None:
+            evaluation = held_out_metrics(engine, installed, eval_blocks, micro_batch_size, args.eval_batches,
+                                          dp_rank, topology.dp_size, dp_group)
+            monitor.write_eval(args.max_steps, evaluation)
+        log("eval " + " ".join(f"{key}={value:.4g}" for key, value in evaluation.items()))
+    monitor.finish(args.max_steps)
     if args.export_hf:
         export_hf(engine, args.export_hf, tokenizer)
         log(f"exported a Hugging Face model to {args.export_hf}")

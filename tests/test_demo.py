@@ -30,3 +30,4 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
                     for name in ("ce", "smmd")]
     assert smmd_weights == [0.0, 1.0]
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
+    assert len(list((work / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the HParams experiment, once

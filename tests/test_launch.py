@@ -23,7 +23,7 @@ CONTRACT_SCALARS = {"loss/total", "loss/ce", "loss/numeric", "loss/smmd", "loss/
                     "comm/loss_backward_bytes", "numeric/accuracy",
                     "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_device",
                     "perf/tflops_per_device", "perf/step_seconds", "memory/peak_gib", "comm/loss_bytes", "train/lr",
-                    "train/grad_norm", "run/world_size", "run/tp_size", "run/dp_size"}
+                    "train/grad_norm", "train/skipped_steps", "summary/tokens_per_second", "summary/peak_memory_gib"}
 SEQ_LEN, EVAL_BATCHES = 48, 3
 
 
@@ -80,14 +80,19 @@ def eval_ce_of_hf_model(model_dir, corpus) -> float:
     return total / count
 
 
-def tensorboard_scalars(output_dir) -> set:
+def tensorboard_run(output_dir) -> tuple:
+    """(scalar tags, HParams session values) of the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
 
     event_files = list(Path(output_dir, "tensorboard").rglob("events.out.tfevents.*"))
     assert len(event_files) == 1, event_files  # rank 0 writes, once
     accumulator = EventAccumulator(str(event_files[0]))
     accumulator.Reload()
-    return set(accumulator.Tags()["scalars"])
+    session = plugin_data_pb2.HParamsPluginData.FromString(
+        accumulator.SummaryMetadata("_hparams_/session_start_info").plugin_data.content).session_start_info
+    hparams = {name: getattr(value, value.WhichOneof("kind")) for name, value in session.hparams.items()}
+    return set(accumulator.Tags()["scalars"]), hparams
 
 
 def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
@@ -102,7 +107,10 @@ def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
     assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/numeric"], rel=1e-5)
     assert first["numeric/tokens"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
     assert last["loss/ce"] < first["loss/ce"]
-    assert CONTRACT_SCALARS <= tensorboard_scalars(output)
+    scalars, hparams = tensorboard_run(output)
+    assert CONTRACT_SCALARS <= scalars
+    assert (hparams["world_size"], hparams["tp_size"], hparams["dp_size"], hparams["launcher"]) == \
+        (2, 1, 2, "deepspeed/torchrun")
     # The exported model scores the eval data exactly as the trained engine did.
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
 

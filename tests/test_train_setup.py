@@ -12,6 +12,7 @@ from smmd_train.arguments import parse_args
 from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
 from smmd_train.data import pack_files
 from smmd_train.plan import plan_run
+from smmd_train.tensorboard import RUN_HPARAMS, run_hparams
 
 from corpora import write_corpus
 from launching import REPO, TRAIN, train_command, train_flags
@@ -115,8 +116,7 @@ def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
 
 def resolve(config, world_size=2, accelerator="cpu", **overrides):
     values = dict(world_size=world_size, micro_batch_size=2, gradient_accumulation_steps=3, learning_rate=1e-3,
-                  weight_decay=0.1, warmup_steps=10, max_steps=100, tensorboard_dir="tb", job_name="run",
-                  bf16_supported=True, hidden_size=64, accelerator=accelerator)
+                  weight_decay=0.1, bf16_supported=True, hidden_size=64, accelerator=accelerator)
     values.update(overrides)
     return resolve_config(config, **values)
 
@@ -218,16 +218,22 @@ BAD_SETUPS = {
     "dataset_smaller_than_one_block": (
         lambda tmp, tok: {"data": [write_corpus(tmp / "tiny.jsonl", 1)]}, r"too small|fewer"),
     "non_utf8_line": (lambda tmp, tok: {"data": [_non_utf8(tmp / "bad.jsonl")]}, r"bad.jsonl.*line 3.*UTF-8"),
+    "scheduler_section": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(scheduler={"type": "WarmupLR"}))},
+        r"has a \"scheduler\" section, but train.py schedules the learning rate itself"),
+    "tp_does_not_divide_the_heads": (lambda tmp, tok: {"tp": 4, "world_size": 4},
+                                     r"--tp 4 does not divide the model's num_key_value_heads=2"),
 }
 
 
 @pytest.mark.parametrize("setup", sorted(BAD_SETUPS))
 def test_bad_configs_and_data_fail_before_training(tmp_path, tokenizer_dir, setup):
     make, pattern = BAD_SETUPS[setup]
-    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
-                     **make(tmp_path, tokenizer_dir))
+    options = make(tmp_path, tokenizer_dir)
+    world_size = options.pop("world_size", 1)
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", **options)
     with pytest.raises((ValueError, FileNotFoundError)) as failure:
-        prepare_like_train_py(arguments)
+        prepare_like_train_py(arguments, world_size=world_size)
     assert re.search(pattern, str(failure.value)), str(failure.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was trained
 
@@ -239,3 +245,47 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     assert plan.model_config.vocab_size % (64 * 2) == 0 and plan.model_config.vocab_size >= len(plan.tokenizer)
     assert plan.ds_config["train_batch_size"] == 2 * 2 and plan.warnings == []
     assert plan.ds_config["optimizer"]["params"]["lr"] == args.lr
+    # train.py writes TensorBoard and schedules the rate itself: DeepSpeed's writer and scheduler stay off.
+    assert plan.tensorboard is True and "tensorboard" not in plan.ds_config and "scheduler" not in plan.ds_config
+    assert plan.warmup_steps == 1  # the default 100, capped at 10% of --max_steps 2 (rounded up), silently
+    # What the run records for TensorBoard's HParams view: the experiment's columns, from the plan.
+    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    assert tuple(hparams) == RUN_HPARAMS and hparams["numeric_loss"] == "1 smmd"
+    assert (hparams["world_size"], hparams["tp_size"], hparams["global_batch"], hparams["warmup_steps"]) == (4, 2, 4, 1)
+
+
+def test_an_explicit_warmup_longer_than_a_tenth_of_the_run_is_capped_with_a_warning(tmp_path, tokenizer_dir):
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", max_steps=50,
+                     warmup_steps=20)
+    _, plan = prepare_like_train_py(arguments)
+    assert plan.warmup_steps == 5
+    assert plan.warnings == ["--warmup_steps 20 -> 5: warmup is at least one step and at most 10% of --max_steps 50"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The learning-rate schedule train.py hands to deepspeed.initialize
+# ------------------------------------------------------------------------------------------------
+
+
+def test_schedule_trains_from_the_first_step_warms_up_linearly_then_decays_to_the_floor():
+    import torch
+
+    from smmd_train.schedule import lr_factor, warmup_cosine
+
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.5)
+    scheduler = warmup_cosine(4, 20, 0.1)(optimizer)
+    used = []
+    for step in range(1, 21):  # the rate each optimizer step uses, read before it as train.py does
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        if step == 10:  # a resumed run continues the schedule from the checkpointed state
+            state = scheduler.state_dict()
+            scheduler = warmup_cosine(4, 20, 0.1)(optimizer)
+            scheduler.load_state_dict(state)
+            optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0]
+    assert used[:4] == pytest.approx([0.125, 0.25, 0.375, 0.5])
+    assert lr_factor(12, 4, 20, 0.1) == pytest.approx(0.55) and used[11] == pytest.approx(0.5 * 0.55)
+    assert used[-1] == pytest.approx(0.05)
+    assert all(earlier > later for earlier, later in zip(used[3:], used[4:]))

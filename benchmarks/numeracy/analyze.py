@@ -187,7 +187,8 @@ def collect_run(run_dir: Path, record: dict) -> dict:
              "vocab_size": config["model_config"]["vocab_size"],
              "final_loss_ce": steps[-1]["loss/ce"], "final_loss_aux": steps[-1].get("loss/numeric"),
              "eval_ce": evals[-1]["eval/ce"] if evals else None,
-             "tokens_per_second": statistics.median(entry["perf/tokens_per_second"] for entry in steps[1:] or steps)}
+             "tokens_per_second": statistics.median(entry["perf/tokens_per_second"] for entry in steps
+                                                    if "perf/tokens_per_second" in entry)}  # after warm-up
     return {"method": record["method"], "seed": record["seed"], "run_dir": run_dir.name, "flags": record["flags"],
             "metrics": metrics, "train": train, "train_seconds": record["train_seconds"],
             "eval_seconds": record["eval_seconds"]}

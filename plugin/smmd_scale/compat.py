@@ -1,4 +1,4 @@
-"""Every private DeepSpeed / transformers / tokenizers API the project relies on, in one place.
+"""Every private DeepSpeed / transformers / tokenizers / torch API the project relies on, in one place.
 
 Upstream can change these without notice. Each function below names what it reaches for, imports
 lazily (``import smmd_scale`` needs neither DeepSpeed nor transformers), and raises
@@ -97,6 +97,12 @@ def consolidated_state_dict(engine) -> dict:
         return _private(engine, "_zero3_consolidated_16bit_state_dict", "deepspeed",
                         "gather a ZeRO-3 model for export")()
     return _private(engine, "_consolidated_16bit_state_dict", "deepspeed", "gather an AutoTP model for export")()
+
+
+def tensorboard_file_writer(writer):
+    """The event-file writer of a ``torch.utils.tensorboard.SummaryWriter`` (``_get_file_writer``), to
+    write summary protos into the run itself (``add_hparams`` would open a sub-run per call)."""
+    return _private(writer, "_get_file_writer", "torch", "write HParams into a TensorBoard run's own file")()
 
 
 def cpu_allreduce_segment(rank: int) -> str:

@@ -59,7 +59,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument("--lr", type=float, default=3e-4)
     train.add_argument("--weight_decay", type=float, default=0.1)
-    train.add_argument("--warmup_steps", type=int, default=100)
+    train.add_argument("--warmup_steps", type=int,
+                       help="linear warmup steps, then cosine decay (default 100; at most 10%% of --max_steps; "
+                       "step 1 already trains at lr / warmup_steps)")
+    train.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay to this fraction of --lr")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--gradient_checkpointing", action="store_true")
     train.add_argument("--output_dir", required=True)
@@ -113,6 +116,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error(f"--model {args.model} is a preset (training from scratch): pass --tokenizer DIR")
     if args.tp is not None and args.tp < 1:
         parser.error(f"--tp {args.tp} must be >= 1")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error(f"--warmup_steps {args.warmup_steps} must be >= 0")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        parser.error(f"--min_lr_ratio {args.min_lr_ratio} must be in [0, 1]")
     try:
         args.numeric_loss = numeric_loss_terms(args.numeric_loss)
     except ValueError as error:
@@ -183,10 +190,13 @@ def deepspeed_launcher() -> str:
 
 
 def launch_command(script, *script_args, processes: int = 1, launcher="deepspeed",
-                   master_port: Optional[int] = None, master_addr: str = "127.0.0.1") -> list:
-    """How to start ``script`` on this machine: ``launcher="deepspeed"`` (``processes`` ranks on
-    ``master_addr:master_port``, a free port by default), ``"python"`` (one plain process), or a
-    list that starts the script as given (e.g. ``["torchrun", "--nproc_per_node", "8"]``)."""
+                   master_port: Optional[int] = None, master_addr: str = "127.0.0.1", nodes: int = 1,
+                   hostfile: Optional[str] = None) -> list:
+    """How to start ``script``: ``launcher="deepspeed"`` (``processes`` ranks on this machine, on
+    ``master_addr:master_port``, a free port by default; with ``hostfile``, ``processes`` ranks on
+    each of the file's first ``nodes`` hosts, the first host being the master), ``"python"`` (one
+    plain process), or a list that starts the script as given (e.g. ``["torchrun",
+    "--nproc_per_node", "8"]``)."""
     if isinstance(launcher, (list, tuple)):
         return [*map(str, launcher), str(script), *map(str, script_args)]
     if launcher == "python":
@@ -195,8 +205,14 @@ def launch_command(script, *script_args, processes: int = 1, launcher="deepspeed
         return [sys.executable, str(script), *map(str, script_args)]
     if launcher != "deepspeed":
         raise ValueError(f"launcher={launcher!r} must be 'deepspeed' or 'python'")
-    return [deepspeed_launcher(), "--num_gpus", str(processes), "--master_addr", master_addr, "--master_port",
-            str(master_port or free_port()), str(script), *map(str, script_args)]
+    if hostfile:
+        placement = ["--hostfile", str(hostfile), "--num_nodes", str(nodes), "--num_gpus", str(processes)]
+    elif nodes != 1:
+        raise ValueError(f"nodes={nodes} needs a hostfile naming them")
+    else:
+        placement = ["--num_gpus", str(processes), "--master_addr", master_addr]
+    return [deepspeed_launcher(), *placement, "--master_port", str(master_port or free_port()), str(script),
+            *map(str, script_args)]
 
 
 def train_command(*, processes: int = 1, launcher="deepspeed", master_port: Optional[int] = None,

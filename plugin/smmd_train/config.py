@@ -81,15 +81,23 @@ def _resolve_auto(section: dict, key: str, value) -> None:
 
 
 def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
-                   learning_rate: float, weight_decay: float, warmup_steps: int, max_steps: int,
-                   tensorboard_dir: str, job_name: str, bf16_supported: bool, hidden_size: int,
+                   learning_rate: float, weight_decay: float, bf16_supported: bool, hidden_size: int,
                    accelerator: str = "cuda") -> tuple:
     """Return (resolved copy of ``config``, :class:`Topology`); raise ValueError on bad combinations.
 
     ``hidden_size`` sizes the ZeRO-3 buckets left "auto" as the HF integration does (hidden^2 for
-    reduce, 0.9 hidden^2 for prefetch, 10 hidden for the persistence threshold).
+    reduce, 0.9 hidden^2 for prefetch, 10 hidden for the persistence threshold). The copy has no
+    ``tensorboard`` section: train.py writes TensorBoard itself (``smmd_train.monitor``), and
+    DeepSpeed's own writer would add a second set of scalars (``Train/Samples/*``) to the same run.
+    The learning-rate schedule is train.py's too (``smmd_train.schedule``), so a ``scheduler``
+    section is refused.
     """
     config = copy.deepcopy(config)
+    if "scheduler" in config:
+        raise ValueError("the DeepSpeed config has a \"scheduler\" section, but train.py schedules the learning rate "
+                         "itself (--lr, --warmup_steps, --min_lr_ratio: linear warmup whose first step already trains, "
+                         "then cosine); remove the section")
+    config.pop("tensorboard", None)
     tensor_parallel = config.get("tensor_parallel") or {}
     tp_size = tensor_parallel_size(config)
     if tp_size < 1 or world_size % tp_size:
@@ -116,12 +124,6 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
         params = optimizer.setdefault("params", {})
         _resolve(params, "lr", learning_rate)
         _resolve(params, "weight_decay", weight_decay)
-    scheduler = config.get("scheduler")
-    if scheduler is not None:
-        params = scheduler.setdefault("params", {})
-        _resolve_auto(params, "warmup_num_steps", min(warmup_steps, max(max_steps - 1, 0)))
-        _resolve_auto(params, "total_num_steps", max_steps)
-        _resolve_auto(params, "warmup_max_lr", learning_rate)
     if accelerator == "cpu":
         for path, key, value in CPU_SETTINGS:
             section = config
@@ -139,9 +141,6 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = 1.0
 
-    if "tensorboard" in config:
-        config["tensorboard"]["output_path"] = tensorboard_dir
-        config["tensorboard"]["job_name"] = job_name
 
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)

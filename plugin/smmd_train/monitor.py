@@ -1,5 +1,6 @@
-"""Per-step training metrics to TensorBoard through DeepSpeed's monitor (so the config's csv,
-wandb or comet monitors get them too) and to ``metrics.jsonl`` on rank 0.
+"""Per-step training metrics to the run's TensorBoard directory, to DeepSpeed's monitor (so the
+config's csv, wandb or comet monitors get them too) and to ``metrics.jsonl``, on rank 0; HParams,
+the Custom Scalars layout and an end-of-run summary (``summary/*``) for comparing runs.
 
 Names are a contract (what dashboards key on):
 
@@ -17,17 +18,23 @@ the data-parallel replicas (one small all-reduce per step) before it is averaged
 ``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
 ``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
 the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
+``perf/*`` and ``memory/*`` start after the process's first step (its warm-up: lazy
+initialisation, allocator growth). At the end, ``summary/*`` hold one value per run (medians over
+the steps after warm-up, the final losses), which the HParams dashboard compares across runs.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import statistics
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from . import tensorboard
 
 # The per-position statistics the numeric losses report (SMMDOutput.stats), logged as loss/<name>.
 NUMERIC_PARTS = ("smmd", "mmd", "smooth", "ntl_was", "ntl_mse")
@@ -47,21 +54,39 @@ class TrainingMonitor:
     """Accumulate a step's loss statistics and write the contract scalars once per step.
 
     ``flops_per_token``: model FLOPs per trained token for forward + backward (6 x parameters
-    plus attention), used for ``perf/tflops_per_device``.
+    plus attention), used for ``perf/tflops_per_device``. ``tensorboard_dir``: where rank 0 writes
+    the run's events (None: no TensorBoard); ``hparams``: the run's settings for the HParams view.
     """
 
     def __init__(self, engine, *, world_size: int, tp_size: int, dp_size: int, dp_group, flops_per_token: float,
-                 metrics_path: Optional[str] = None):
+                 metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 hparams: Optional[dict] = None):
         self.engine = engine
         self.world_size, self.tp_size, self.dp_size, self.dp_group = world_size, tp_size, dp_size, dp_group
         self.flops_per_token = flops_per_token
-        self.metrics_path = Path(metrics_path) if metrics_path and dist.get_rank() == 0 else None
+        rank_zero = dist.get_rank() == 0
+        self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
+        self.writer = None
+        if tensorboard_dir and rank_zero:
+            self.writer = tensorboard.open_writer(tensorboard_dir)
+            tensorboard.write_layout(self.writer)
+            if hparams:
+                tensorboard.write_hparams(self.writer, hparams, description=Path(tensorboard_dir).name)
+                self.writer.add_text("run/settings", "\n".join(f"* {key}: {value}" for key, value in hparams.items()))
+        self._steps_seen = 0
+        self._after_warmup = []  # per step after warm-up: (tokens/s, peak GiB, loss bytes)
+        self._last = {}
         self._reset()
 
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_SUMS, 0.0)
         self._loss_bytes = self._loss_backward_bytes = 0
         self._parts = set()
+
+    def log_run_shape(self) -> None:
+        """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
+        self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
+                     ("run/dp_size", self.dp_size)], step=0, tensorboard=False)
 
     def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
         """``losses``: detached (total, ce, numeric term) of one micro-batch; ``stats``: its
@@ -83,10 +108,6 @@ class TrainingMonitor:
             self._sums[key] += value
         self._loss_bytes += stats["comm_bytes"]
         self._loss_backward_bytes += stats.get("backward_comm_bytes", 0)
-
-    def log_run_shape(self) -> None:
-        self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
-                     ("run/dp_size", self.dp_size)], step=0)
 
     def end_step(self, step: int, step_seconds: float, tokens_in_step: int, learning_rate: float,
                  skipped_steps: int = 0) -> dict:
@@ -126,15 +147,50 @@ class TrainingMonitor:
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/skipped_steps": float(skipped_steps),
         })
-        self._write(list(metrics.items()), step)
+        self._steps_seen += 1
+        written = metrics
+        if self._steps_seen == 1:  # the process's warm-up step: its time and memory are not the run's
+            written = {key: value for key, value in metrics.items() if not key.startswith(("perf/", "memory/"))}
+        else:
+            self._after_warmup.append((tokens_per_second, metrics["memory/peak_gib"], metrics["comm/loss_bytes"]))
+        self._write(list(written.items()), step)
+        self._last = dict(metrics)
         self._reset()
         return metrics
 
     def write_eval(self, step: int, metrics: dict) -> None:
         self._write(list(metrics.items()), step)
+        self._last.update(metrics)
 
-    def _write(self, items: list, step: int) -> None:
+    def finish(self, step: int) -> dict:
+        """Write the end-of-run ``summary/*`` scalars at ``step`` (medians over the steps after warm-up,
+        the last losses and evaluation) and close the TensorBoard writer; returns the summary."""
+        summary = {}
+        if self._after_warmup:
+            rates, peaks, loss_bytes = zip(*self._after_warmup)
+            tokens_per_second = statistics.median(rates)
+            summary.update({"summary/tokens_per_second": tokens_per_second,
+                            "summary/tokens_per_second_per_rank": tokens_per_second / self.world_size,
+                            "summary/tflops_per_rank": tokens_per_second * self.flops_per_token / self.world_size
+                            / 1e12,
+                            "summary/peak_memory_gib": max(peaks),
+                            "summary/loss_bytes_per_step": statistics.median(loss_bytes)})
+        for key, tag in (("loss/total", "final_loss_total"), ("loss/ce", "final_loss_ce"),
+                         ("loss/numeric", "final_loss_numeric"), ("eval/ce", "final_eval_ce")):
+            if key in self._last:
+                summary[f"summary/{tag}"] = self._last[key]
+        self._write(list(summary.items()), step)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        return summary
+
+    def _write(self, items: list, step: int, tensorboard: bool = True) -> None:
         self.engine.monitor.write_events([(name, float(value), step) for name, value in items])
+        if self.writer is not None and tensorboard:
+            for name, value in items:
+                self.writer.add_scalar(name, float(value), step)
+            self.writer.flush()
         if self.metrics_path is not None:
             with open(self.metrics_path, "a") as handle:
                 handle.write(json.dumps({"step": step, **{name: value for name, value in items}}) + "\n")

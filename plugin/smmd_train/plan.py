@@ -10,13 +10,13 @@ the model is built, and it can be checked in a single process without a launcher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from .config import Topology, load_config, resolve_config, set_tensor_parallel, tensor_parallel_size
 from .data import check_tokenizer_fits_model
 from .model import model_config
 from .presets import PRESETS
+from .schedule import MAX_WARMUP_FRACTION, warmup_steps_for
 
 
 @dataclass
@@ -26,6 +26,8 @@ class RunPlan:
     ds_config: dict  # resolved: no "auto" left
     topology: Topology
     pretrained_dir: Optional[str]  # None: a preset trained from scratch
+    tensorboard: bool  # the config's tensorboard.enabled: train.py writes the run's TensorBoard events
+    warmup_steps: int  # the warmup actually used (smmd_train.schedule.warmup_steps_for)
     warnings: list = field(default_factory=list)
 
 
@@ -47,6 +49,17 @@ def numeric_loss(args, vocab):
     return smmd_scale.WeightedNumericLosses(terms)
 
 
+def check_heads_split(config, tp_size: int) -> None:
+    """AutoTP gives each rank whole attention heads: refuse a TP degree that does not divide the
+    query heads and the key/value heads (a ValueError naming the model's counts)."""
+    heads = getattr(config, "num_attention_heads", None)
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads",
+                                                         getattr(config, "num_key_value_heads", None) or heads)):
+        if tp_size > 1 and count and count % tp_size:
+            raise ValueError(f"--tp {tp_size} does not divide the model's {name}={count}: AutoTP gives each rank "
+                             f"whole heads; use a TP degree that divides {count}")
+
+
 def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
     """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
@@ -56,13 +69,18 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     raw_config = set_tensor_parallel(load_config(args.deepspeed_config), args.tp)
     config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
                           args.trust_remote_code)
-    warning = check_tokenizer_fits_model(tokenizer, config.vocab_size)
+    check_heads_split(config, tensor_parallel_size(raw_config))
+    warnings = [check_tokenizer_fits_model(tokenizer, config.vocab_size)]
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
-        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
-        tensorboard_dir=args.tensorboard_dir, job_name=Path(args.output_dir).name, bf16_supported=bf16_supported,
-        hidden_size=config.hidden_size, accelerator=accelerator)
+        weight_decay=args.weight_decay, bf16_supported=bf16_supported, hidden_size=config.hidden_size,
+        accelerator=accelerator)
+    warmup_steps = warmup_steps_for(args.warmup_steps, args.max_steps)
+    if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
+        warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
+                        f"most {MAX_WARMUP_FRACTION:.0%} of --max_steps {args.max_steps}")
     return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if args.model in PRESETS else args.model,
-                   warnings=[warning] if warning else [])
+                   tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
+                   warmup_steps=warmup_steps, warnings=[warning for warning in warnings if warning])

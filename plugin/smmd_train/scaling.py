@@ -1,0 +1,352 @@
+"""Scaling sweeps: one training run per (world size, TP degree), each launched as users launch
+train.py, then the scaling view in TensorBoard (throughput, per-rank throughput, efficiency and
+peak memory against world size) and a table.
+
+    python launch/scaling.py --world_sizes 8 16 32 --tp 1 2 --hostfile launch/hostfile \
+        --output_dir sweeps/7b -- --deepspeed_config ds_configs/zero3.json --model 7b \
+        --tokenizer /data/tokenizer --data /data/corpus.jsonl --seq_len 4096 --max_steps 30
+    tensorboard --logdir sweeps/7b/tensorboard
+
+``--mode strong`` (default) keeps the global batch fixed (``--global_batch`` sequences per
+optimizer step: each configuration gets gradient accumulation global / (data-parallel size x
+micro batch)); ``--mode weak`` keeps each data-parallel replica's batch fixed (micro batch x
+accumulation from the train.py options), so the global batch grows with the replicas. In both,
+*efficiency* is tokens/s per rank over the baseline's (the fastest run of the smallest world
+size): 1.0 is linear scaling, and it equals speed-up / ideal speed-up. Every TP degree is measured
+against the same baseline, so TP and data parallelism compare at a given world size.
+
+Every configuration is planned in this process before anything is launched (the train.py options
+through train.py's own parser and plan: tokenizer, model, DeepSpeed config, TP against the
+world size, the heads and the vocabulary), so a bad sweep fails in seconds, not after the first
+runs. A run that fails is reported (exit code, log) and the sweep goes on; finished runs are kept,
+and a sweep re-run in the same directory (same settings) only runs what has not finished.
+
+Layout of ``--output_dir``: ``sweep.json`` (the settings), ``runs/<name>/`` (each run's
+output_dir: metrics.jsonl, run_config.json), ``logs/<name>.log``, ``tensorboard/<name>/`` (each
+run's own scalars, HParams and the Custom Scalars layout), ``tensorboard/scaling-tp<T>/`` (one
+point per world size: x = world size) and ``scaling.json`` (the table). Run names are
+``ws<world size>-tp<TP>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import tensorboard
+from .arguments import TRAIN_SCRIPT, launch_command, train_flags
+from .arguments import parse_args as parse_train_args
+
+# train.py options that the sweep sets per run.
+SWEEP_OWNED = ("output_dir", "tensorboard_dir", "tp", "resume", "local_rank")
+# What each scaling-tp<T> TensorBoard run holds, as scaling/<name> at x = world size.
+SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank", "efficiency",
+                   "speedup", "peak_memory_gib", "loss_bytes_per_step")
+SUMMARY_KEYS = ("tokens_per_second", "tokens_per_second_per_rank", "tflops_per_rank", "peak_memory_gib",
+                "loss_bytes_per_step", "final_loss_total")
+
+
+@dataclass(frozen=True)
+class Config:
+    world_size: int
+    tp: int
+    nodes: int  # nodes the run spans (1 without a hostfile)
+    per_node: int  # processes per node
+
+    @property
+    def name(self) -> str:
+        return f"ws{self.world_size}-tp{self.tp}"
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s --world_sizes N [N ...] --output_dir DIR [options] -- "
+                                     "TRAIN.PY OPTIONS")
+    parser.add_argument("--world_sizes", type=int, nargs="+", required=True, help="ranks per run, e.g. 1 2 4 8")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1],
+                        help="AutoTP degrees; every (world size, TP) with TP dividing the world size is a run")
+    parser.add_argument("--mode", choices=["strong", "weak"], default="strong")
+    parser.add_argument("--global_batch", type=int,
+                        help="strong scaling: sequences per optimizer step in every run (default: the largest "
+                        "data-parallel size x --micro_batch_size)")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' lines): a world size above one node's "
+                        "slots spans whole nodes, taken in the file's order")
+    parser.add_argument("--slots", type=int, help="processes one node runs (default: the hostfile's slots, else the "
+                        "visible GPUs, else the CPU cores)")
+    parser.add_argument("--rerun", action="store_true", help="run every configuration again, finished or not")
+    parser.add_argument("--timeout_minutes", type=float, default=120.0, help="per run")
+    return parser
+
+
+def read_hostfile(path: str) -> list:
+    """[(host, slots), ...] from a DeepSpeed hostfile; raises ValueError naming a bad line."""
+    hosts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(" slots=")
+        if not slots.strip().isdigit() or not host.strip():
+            raise ValueError(f"{path}:{number}: expected '<host> slots=<N>', got {line!r}")
+        hosts.append((host.strip(), int(slots)))
+    if not hosts:
+        raise ValueError(f"{path} names no hosts")
+    return hosts
+
+
+def local_slots(accelerator: str) -> int:
+    if accelerator == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def plan_sweep(sweep, accelerator: str) -> tuple:
+    """(configurations, warnings) for the sweep's arguments; raises ValueError on a sweep that
+    cannot run as asked."""
+    if any(size < 1 for size in sweep.world_sizes) or any(tp < 1 for tp in sweep.tp):
+        raise ValueError(f"--world_sizes {sweep.world_sizes} and --tp {sweep.tp} must be >= 1")
+    hosts = read_hostfile(sweep.hostfile) if sweep.hostfile else None
+    slots = sweep.slots or (min(s for _, s in hosts) if hosts else local_slots(accelerator))
+    nodes_available = len(hosts) if hosts else 1
+    configs, warnings = [], []
+    for world_size in sorted(set(sweep.world_sizes)):
+        if world_size <= slots:
+            nodes, per_node = 1, world_size
+        elif world_size % slots == 0 and world_size // slots <= nodes_available:
+            nodes, per_node = world_size // slots, slots
+        elif accelerator == "cpu" and not hosts:
+            nodes, per_node = 1, world_size
+            warnings.append(f"world size {world_size} > {slots} CPU cores: its ranks share cores, so its tokens/s "
+                            "per rank measure contention as much as scaling")
+        else:
+            raise ValueError(f"world size {world_size} does not fit: {nodes_available} node(s) of {slots} slots "
+                             f"({'--hostfile ' + sweep.hostfile if hosts else 'this machine'}); a run larger than one "
+                             "node must fill whole nodes")
+        for tp in sorted(set(sweep.tp)):
+            if world_size % tp == 0:
+                configs.append(Config(world_size, tp, nodes, per_node))
+            else:
+                warnings.append(f"skipping world size {world_size} with TP {tp}: TP must divide the world size")
+    if not configs:
+        raise ValueError(f"no (world size, TP) pair of --world_sizes {sweep.world_sizes} and --tp {sweep.tp} has TP "
+                         "dividing the world size")
+    return configs, warnings
+
+
+def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
+    """train.py options (``train_flags`` keywords) for one run of the sweep."""
+    options = {"output_dir": str(output_dir / "runs" / config.name),
+               "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp,
+               "cache_dir": train_args.cache_dir}  # the runs share one tokenized, packed copy of the data
+    if sweep.mode == "strong":
+        per_step = config.dp * train_args.micro_batch_size
+        if sweep.global_batch % per_step:
+            raise ValueError(f"--global_batch {sweep.global_batch} is not a multiple of data-parallel size "
+                             f"{config.dp} x micro batch {train_args.micro_batch_size} ({config.name})")
+        options["gradient_accumulation_steps"] = sweep.global_batch // per_step
+    return options
+
+
+def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
+    """train.py's own parse of the options the sweep passes through; refuses those the sweep sets."""
+    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in train_argv if arg.startswith("--")}
+    owned = sorted(given & set(SWEEP_OWNED))
+    if owned:
+        raise ValueError(f"the sweep sets {', '.join('--' + name for name in owned)} for each run; leave "
+                         f"{'it' if len(owned) == 1 else 'them'} out of the train.py options")
+    if sweep.mode == "strong" and "gradient_accumulation_steps" in given:
+        raise ValueError("--mode strong sets --gradient_accumulation_steps per run from --global_batch; leave it out "
+                         "(or use --mode weak to keep each replica's batch fixed)")
+    if sweep.mode == "weak" and sweep.global_batch is not None:
+        raise ValueError("--global_batch is for --mode strong (weak scaling keeps each replica's batch fixed)")
+    return parse_train_args([*train_argv, "--output_dir", sweep.output_dir])
+
+
+def run_state(output_dir: Path, config: Config) -> Optional[dict]:
+    """The finished run's summary (its summary/* record), or None if it has not finished."""
+    metrics = output_dir / "runs" / config.name / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    summaries = [record for record in map(json.loads, metrics.read_text().splitlines())
+                 if "summary/tokens_per_second" in record]
+    return summaries[-1] if summaries else None
+
+
+def scaling_table(configs: Sequence[Config], results: dict) -> list:
+    """One row per configuration: the run's summary and, against the baseline (the fastest finished
+    run of the smallest world size, whatever its TP), speed-up and efficiency, so the TP degrees'
+    lines are on one scale."""
+    rows = []
+    for config in configs:
+        summary = results.get(config.name, {}).get("summary")
+        row = {"name": config.name, "world_size": config.world_size, "tp": config.tp, "dp": config.dp,
+               "nodes": config.nodes, "status": results.get(config.name, {}).get("status", "not run")}
+        if summary:
+            row.update({key: summary[f"summary/{key}"] for key in SUMMARY_KEYS if f"summary/{key}" in summary})
+        rows.append(row)
+    finished = [row for row in rows if "tokens_per_second" in row]
+    if not finished:
+        return rows
+    smallest = min(row["world_size"] for row in finished)
+    base = max((row for row in finished if row["world_size"] == smallest), key=lambda row: row["tokens_per_second"])
+    for row in finished:
+        row["baseline"] = base["name"]
+        row["ideal_tokens_per_second"] = base["tokens_per_second"] * row["world_size"] / base["world_size"]
+        row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+        row["efficiency"] = row["tokens_per_second_per_rank"] / base["tokens_per_second_per_rank"]
+    return rows
+
+
+def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> list:
+    """One TensorBoard run per TP degree (``scaling-tp<T>``), x = world size; returns their dirs."""
+    written = []
+    for tp in sorted({row["tp"] for row in rows}):
+        points = [row for row in rows if row["tp"] == tp and "efficiency" in row]
+        if not points:
+            continue
+        run_dir = tensorboard_dir / f"scaling-tp{tp}"
+        if run_dir.exists():  # a re-run replaces the view rather than adding a second set of points
+            for old in run_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        writer = tensorboard.open_writer(str(run_dir))
+        tensorboard.write_layout(writer)
+        writer.add_text("sweep/settings", f"{sweep.mode} scaling, TP {tp}, x = world size"
+                        + (f", {sweep.global_batch} sequences per step" if sweep.mode == "strong" else ""))
+        for row in sorted(points, key=lambda row: row["world_size"]):
+            for key in SCALING_SCALARS:
+                if key in row:
+                    writer.add_scalar(f"scaling/{key}", float(row[key]), row["world_size"])
+        writer.close()
+        written.append(run_dir)
+    return written
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    lines = ["| run | ranks | TP x DP | nodes | tokens/s | per rank | speed-up | efficiency | peak GiB | status |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        def cell(key, fmt):
+            return format(row[key], fmt) if key in row else "-"
+
+        lines.append(f"| {row['name']} | {row['world_size']} | {row['tp']} x {row['dp']} | {row['nodes']} | "
+                     f"{cell('tokens_per_second', '.0f')} | {cell('tokens_per_second_per_rank', '.0f')} | "
+                     f"{cell('speedup', '.2f')} | {cell('efficiency', '.2f')} | {cell('peak_memory_gib', '.2f')} | "
+                     f"{row['status']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = build_parser()
+    sweep = parser.parse_args(argv[:split])
+    train_argv = argv[split + 1:]
+    if not train_argv:
+        parser.error("pass train.py's options after '--' (at least --deepspeed_config, --model, --data, --max_steps)")
+
+    from deepspeed.accelerator import get_accelerator
+
+    from .plan import plan_run
+
+    accelerator = get_accelerator()
+    output_dir = Path(sweep.output_dir)
+    try:
+        train_args = check_train_options(train_argv, sweep)
+        if sweep.mode == "strong" and sweep.global_batch is None:
+            sweep.global_batch = max(size // min(sweep.tp) for size in sweep.world_sizes) * train_args.micro_batch_size
+        configs, warnings = plan_sweep(sweep, accelerator.device_name())
+        options = {config.name: run_options(sweep, train_args, config, output_dir) for config in configs}
+        for config in configs:  # train.py's own plan for each run, before any is launched
+            run_args = parse_train_args([*train_argv, *train_flags(**options[config.name])])
+            try:
+                plan = plan_run(run_args, config.world_size, accelerator.device_name(),
+                                accelerator.is_bf16_supported())
+            except ValueError as error:
+                raise ValueError(f"{config.name}: {error}") from None
+            warnings += [f"{config.name}: {warning}" for warning in plan.warnings]
+        settings = {"world_sizes": sorted(set(sweep.world_sizes)), "tp": sorted(set(sweep.tp)), "mode": sweep.mode,
+                    "global_batch": sweep.global_batch, "train_options": train_argv}
+        recorded = output_dir / "sweep.json"
+        if recorded.is_file() and json.loads(recorded.read_text()) != settings:
+            raise ValueError(f"{output_dir} holds a sweep with other settings ({recorded}); use another --output_dir")
+    except ValueError as error:
+        print(f"scaling: {error}", file=sys.stderr)
+        return 2
+    output_dir.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(json.dumps(settings, indent=1))
+    for warning in warnings:
+        print(f"scaling: warning: {warning}", flush=True)
+    print(f"scaling: {len(configs)} runs ({sweep.mode} scaling"
+          + (f", {sweep.global_batch} sequences per step" if sweep.mode == "strong" else "") + "): "
+          + ", ".join(config.name for config in configs), flush=True)
+
+    results = {}
+    (output_dir / "logs").mkdir(exist_ok=True)
+    for config in configs:
+        summary = None if sweep.rerun else run_state(output_dir, config)
+        if summary is not None:
+            results[config.name] = {"status": "ok (earlier)", "summary": summary}
+            continue
+        run_dir = output_dir / "runs" / config.name
+        if run_dir.exists():  # an unfinished or re-run configuration starts clean
+            for stale in ("metrics.jsonl", "run_config.json"):
+                (run_dir / stale).unlink(missing_ok=True)
+        for old in (output_dir / "tensorboard" / config.name).glob("events.out.tfevents.*"):
+            old.unlink()
+        command = launch_command(TRAIN_SCRIPT, *train_argv, *train_flags(**options[config.name]),
+                                 processes=config.per_node, nodes=config.nodes, hostfile=sweep.hostfile)
+        log_path = output_dir / "logs" / f"{config.name}.log"
+        print(f"scaling: {config.name}: {' '.join(command)}  (log: {log_path})", flush=True)
+        began = time.monotonic()
+        with open(log_path, "w") as log:
+            try:
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=sweep.timeout_minutes * 60).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        summary = run_state(output_dir, config)
+        if code == 0 and summary is not None:
+            status = "ok"
+        else:
+            status = (f"timed out after {sweep.timeout_minutes:g} min" if code is None else
+                      f"failed (exit {code})" if code else "no summary written")
+        results[config.name] = {"status": status, "summary": summary if code == 0 else None}
+        print(f"scaling: {config.name}: {status} in {time.monotonic() - began:.0f} s", flush=True)
+
+    rows = scaling_table(configs, results)
+    varying = {"world_size": {c.world_size for c in configs}, "tp_size": {c.tp for c in configs},
+               "dp_size": {c.dp for c in configs}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
+                                                                 for c in configs},
+               "global_batch": {c.dp for c in configs} if sweep.mode == "weak" else set()}
+    tensorboard.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
+                                 differs=[name for name, values in varying.items() if len(values) > 1])
+    views = write_scaling_view(output_dir / "tensorboard", rows, sweep)
+    (output_dir / "scaling.json").write_text(json.dumps(
+        {"settings": settings, "configs": [asdict(config) for config in configs], "rows": rows}, indent=1))
+    print(format_table(rows))
+    views = ", ".join(view.name for view in views) or "no scaling view: no run finished"
+    print(f"scaling: table {output_dir / 'scaling.json'}; TensorBoard: tensorboard --logdir "
+          f"{output_dir / 'tensorboard'} ({views})")
+    failed = [row["name"] for row in rows if not row["status"].startswith("ok")]
+    if failed:
+        print(f"scaling: {len(failed)} run(s) did not finish: {', '.join(failed)} (see {output_dir / 'logs'})",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The learning-rate schedule of a training run: linear warmup, then cosine decay.
+
+Optimizer step k (1-based) uses ``lr * k / W`` for k <= W, so the first step already trains
+(``lr / W``, as Hugging Face's linear warmup), then ``lr`` decays along a cosine to
+``min_ratio * lr`` at the last step. The warmup is never longer than :data:`MAX_WARMUP_FRACTION` of
+the run, so a short run (a pipeline check, a 2-step smoke test) trains at full rate instead of
+spending all its steps below it. (DeepSpeed's own ``WarmupCosineLR`` starts from 0, and its first
+step, taken before the scheduler has stepped, always has learning rate 0.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+MAX_WARMUP_FRACTION = 0.1
+
+
+DEFAULT_WARMUP_STEPS = 100
+
+
+def warmup_steps_for(requested: Optional[int], max_steps: int) -> int:
+    """The warmup actually used: ``requested`` (None: :data:`DEFAULT_WARMUP_STEPS`), at most
+    :data:`MAX_WARMUP_FRACTION` of ``max_steps`` (rounded up), at least 1 step."""
+    if requested is not None and requested < 0:
+        raise ValueError(f"--warmup_steps {requested} must be >= 0")
+    wanted = DEFAULT_WARMUP_STEPS if requested is None else requested
+    return max(1, min(wanted, math.ceil(MAX_WARMUP_FRACTION * max_steps)))
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """The multiplier of the base learning rate at optimizer step ``step`` (1-based)."""
+    if step <= warmup_steps:
+        return step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float):
+    """A ``deepspeed.initialize(lr_scheduler=...)`` callable: a LambdaLR on the engine's optimizer. The
+    scheduler has stepped s times before optimizer step s + 1, so the lambda sees ``s`` and gives the
+    factor of step ``s + 1``."""
+    def build(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda stepped: lr_factor(stepped + 1, warmup_steps, max_steps, min_ratio))
+
+    return build

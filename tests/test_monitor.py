@@ -1,0 +1,123 @@
+"""The training monitor on real gloo ranks: per-step scalars reduced over the data-parallel
+replicas, the warm-up step kept out of the throughput and memory charts, the end-of-run summary,
+and what rank 0 writes for TensorBoard (scalars, HParams, the Custom Scalars layout) and
+metrics.jsonl, read back with TensorBoard's own readers."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distributed import run_ranks, values_or_raise
+
+pytestmark = pytest.mark.gloo
+STEP_SECONDS = {1: 5.0, 2: 1.0, 3: 2.0}  # step 1 is the warm-up
+HPARAMS = {"world_size": 2, "tp_size": 1, "numeric_loss": "1 smmd", "fused_linear": False, "lr": 1e-3}
+
+
+class RecordingEngine:
+    """The part of a DeepSpeed engine the monitor uses; its monitor records what it is given."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.events = []
+        self.monitor = SimpleNamespace(write_events=self.events.extend)
+
+    def get_global_grad_norm(self):
+        return 1.5
+
+
+def _three_steps(rank, world_size, directory):
+    from smmd_train.monitor import TrainingMonitor
+
+    engine = RecordingEngine()
+    monitor = TrainingMonitor(engine, world_size=world_size, tp_size=1, dp_size=world_size, dp_group=None,
+                              flops_per_token=6e6, metrics_path=f"{directory}/metrics.jsonl",
+                              tensorboard_dir=f"{directory}/tensorboard", hparams=HPARAMS)
+    monitor.log_run_shape()
+    # Rank r: 4 (r + 1) numeric positions with SMMD 0.5 + r, losses (2 + r, 1.5 + r, 0.5).
+    stats = {"numeric_tokens": 4 * (rank + 1), "smmd": 0.5 + rank, "mmd": 0.25 + rank, "smooth": 0.25,
+             "numeric_accuracy": 0.5, "numeric_mae": 3.0 + rank, "tokens": 100, "comm_bytes": 64}
+    returned = []
+    for step, seconds in STEP_SECONDS.items():
+        monitor.record_micro_batch((2.0 + rank, 1.5 + rank, 0.5), stats)
+        returned.append(monitor.end_step(step, seconds, tokens_in_step=1000, learning_rate=1e-3 * step))
+    monitor.write_eval(3, {"eval/ce": 1.25})
+    return returned, monitor.finish(3), engine.events
+
+
+def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from smmd_train import tensorboard
+    from smmd_train.scaling import SCALING_SCALARS
+
+    (steps0, summary0, events0), (steps1, summary1, events1) = values_or_raise(run_ranks(_three_steps, 2, tmp_path))
+    assert steps0 == steps1 and summary0 == summary1  # every rank sees the reduced values
+    first = steps0[0]
+    assert first["loss/total"] == pytest.approx(2.5) and first["loss/ce"] == pytest.approx(2.0)
+    assert first["loss/smmd"] == pytest.approx((0.5 * 4 + 1.5 * 8) / 12)  # per numeric position, over replicas
+    assert first["numeric/mae"] == pytest.approx((3.0 * 4 + 4.0 * 8) / 12) and first["numeric/tokens"] == 12
+    assert [step["train/lr"] for step in steps0] == pytest.approx([1e-3, 2e-3, 3e-3])
+    # The summary: throughput medians over the steps after the warm-up (1000 tokens in 1 s and 2 s).
+    assert summary0["summary/tokens_per_second"] == pytest.approx(750.0)
+    assert summary0["summary/tokens_per_second_per_rank"] == pytest.approx(375.0)
+    assert summary0["summary/final_eval_ce"] == 1.25 and summary0["summary/final_loss_total"] == pytest.approx(2.5)
+
+    # DeepSpeed's monitor (csv, wandb, ...) gets everything on every rank, the run's layout included.
+    assert ("run/world_size", 2.0, 0) in events0 and ("loss/total", pytest.approx(2.5), 1) in events1
+
+    # metrics.jsonl (rank 0 only): step 1 has no perf/ or memory/ values, the later steps have.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0] == {"step": 0, "run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
+    by_step = {record["step"]: record for record in records if "loss/total" in record}
+    assert not any(key.startswith(("perf/", "memory/")) for key in by_step[1])
+    assert by_step[2]["perf/tokens_per_second"] == 1000.0 and "memory/peak_gib" in by_step[3]
+
+    # TensorBoard: one event file, from rank 0.
+    event_files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(event_files) == 1
+    run = EventAccumulator(str(event_files[0]), size_guidance={"tensors": 0})
+    run.Reload()
+    scalars = set(run.Tags()["scalars"])
+    assert {"loss/total", "loss/smmd", "numeric/accuracy", "eval/ce", "summary/tokens_per_second"} <= scalars
+    assert not {tag for tag in scalars if tag.startswith("run/")}  # the layout is in the HParams instead
+    assert [event.step for event in run.Scalars("perf/tokens_per_second")] == [2, 3]
+    assert [event.value for event in run.Scalars("summary/tokens_per_second")] == [750.0]
+
+    # HParams: the run's settings as its session (the experiment's columns are written once per log
+    # root, by whoever gathers runs: a sweep, the demo).
+    def plugin_data(accumulator, tag):
+        content = accumulator.SummaryMetadata(tag).plugin_data.content
+        return plugin_data_pb2.HParamsPluginData.FromString(content)
+
+    assert "_hparams_/experiment" not in run.Tags()["tensors"]
+    values = plugin_data(run, "_hparams_/session_start_info").session_start_info.hparams
+    assert values["world_size"].number_value == 2 and values["numeric_loss"].string_value == "1 smmd"
+    assert values["fused_linear"].bool_value is False
+    tensorboard.write_experiment(str(tmp_path / "root"), differs=("world_size", "tp_size"))
+    (experiment_file, ) = (tmp_path / "root").glob("events.out.tfevents.*")
+    root = EventAccumulator(str(experiment_file), size_guidance={"tensors": 0})
+    root.Reload()
+    experiment = plugin_data(root, "_hparams_/experiment").experiment
+    assert [info.name for info in experiment.hparam_infos] == list(tensorboard.RUN_HPARAMS)
+    assert [info.name for info in experiment.hparam_infos if info.differs] == ["world_size", "tp_size"]
+    assert {info.name.tag for info in experiment.metric_infos} == set(tensorboard.SUMMARY_METRICS)
+    assert set(tensorboard.SUMMARY_METRICS) <= set(summary0)  # every column has its value in the run
+
+    # The Custom Scalars layout: as written, and every chart matches a scalar that train.py or a
+    # scaling sweep writes (no chart left empty by a renamed tag).
+    (layout_event, ) = run.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(layout_event.tensor_proto.string_val[0])
+    assert [category.title for category in layout.category] == list(tensorboard.LAYOUT)
+    known = scalars | {"eval/numeric_accuracy", "eval/numeric_mae", "loss/ntl_was", "loss/ntl_mse",
+                       "comm/loss_backward_bytes"} | {f"scaling/{name}" for name in SCALING_SCALARS}
+    for category in layout.category:
+        for chart in category.chart:
+            for pattern in chart.multiline.tag:
+                assert any(re.search(pattern, tag) for tag in known), (chart.title, pattern)

@@ -1,0 +1,223 @@
+"""Scaling sweeps: planning and validation in process (bad sweeps fail before any launch), the
+table's arithmetic, the launcher command for a multi-node world size; and one real sweep (world
+sizes 1 and 2 under the deepspeed launcher) read back through a served TensorBoard's HTTP API,
+as the browser reads it."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from argparse import Namespace
+
+import pytest
+
+from smmd_train.arguments import launch_command
+from smmd_train.scaling import Config, format_table, main, plan_sweep, read_hostfile, scaling_table, write_scaling_view
+
+from corpora import write_corpus
+from distributed import free_port
+from launching import REPO, environment, run
+
+ZERO3 = REPO / "ds_configs" / "zero3.json"
+
+
+def sweep(**values):
+    defaults = dict(world_sizes=[1, 2, 4], tp=[1], mode="strong", global_batch=None, output_dir="out", hostfile=None,
+                    slots=None, rerun=False, timeout_minutes=1.0)
+    return Namespace(**{**defaults, **values})
+
+
+def train_options(tokenizer_dir, corpus, **extra):
+    options = ["--deepspeed_config", str(ZERO3), "--model", "tiny", "--tokenizer", str(tokenizer_dir), "--data",
+               str(corpus), "--seq_len", "48", "--max_steps", "3"]
+    for name, value in extra.items():
+        options += [f"--{name}", str(value)]
+    return options
+
+
+def test_placement_on_one_machine_and_across_a_hostfile(tmp_path):
+    configs, warnings = plan_sweep(sweep(world_sizes=[1, 2, 4], tp=[1, 2], slots=4), "cuda")
+    assert [(c.name, c.nodes, c.per_node) for c in configs] == [
+        ("ws1-tp1", 1, 1), ("ws2-tp1", 1, 2), ("ws2-tp2", 1, 2), ("ws4-tp1", 1, 4), ("ws4-tp2", 1, 4)]
+    assert warnings == ["skipping world size 1 with TP 2: TP must divide the world size"]
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-a slots=4\nnode-b slots=4  # same size\n")
+    assert read_hostfile(str(hostfile)) == [("node-a", 4), ("node-b", 4)]
+    configs, _ = plan_sweep(sweep(world_sizes=[2, 4, 8], hostfile=str(hostfile)), "cuda")
+    assert [(c.world_size, c.nodes, c.per_node) for c in configs] == [(2, 1, 2), (4, 1, 4), (8, 2, 4)]
+    command = launch_command("train.py", "--x", processes=4, nodes=2, hostfile=str(hostfile), master_port=1234)
+    assert command[1:] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "4", "--master_port",
+                           "1234", "train.py", "--x"]
+    # More ranks than this machine's cores: allowed on CPU, with a warning about what it measures.
+    _, warnings = plan_sweep(sweep(world_sizes=[1, 64], slots=2), "cpu")
+    assert warnings == ["world size 64 > 2 CPU cores: its ranks share cores, so its tokens/s per rank measure "
+                        "contention as much as scaling"]
+
+
+@pytest.mark.parametrize("case, pattern", [
+    (dict(world_sizes=[16], slots=8), r"world size 16 does not fit: 1 node\(s\) of 8 slots \(this machine\)"),
+    (dict(world_sizes=[12], hostfile="HOSTFILE"), r"world size 12 does not fit: 2 node\(s\) of 8 slots .*whole nodes"),
+    (dict(world_sizes=[24], hostfile="HOSTFILE"), r"world size 24 does not fit: 2 node\(s\)"),
+    (dict(world_sizes=[1, 3], tp=[2], slots=8), r"no \(world size, TP\) pair .* has TP dividing the world size"),
+    (dict(world_sizes=[0], slots=8), r"must be >= 1"),
+])
+def test_sweeps_that_cannot_be_placed_are_refused(tmp_path, case, pattern):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=8\nb slots=8\n")
+    if case.get("hostfile"):
+        case = {**case, "hostfile": str(hostfile)}
+    with pytest.raises(ValueError, match=pattern):
+        plan_sweep(sweep(**case), "cuda")
+
+
+def test_a_bad_hostfile_line_is_named(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=8\nb slots=eight\n")
+    with pytest.raises(ValueError, match=r"hostfile:2: expected '<host> slots=<N>', got 'b slots=eight'"):
+        read_hostfile(str(hostfile))
+
+
+def test_table_speedup_and_efficiency_against_the_smallest_world_size():
+    configs = [Config(1, 1, 1, 1), Config(2, 1, 1, 2), Config(2, 2, 1, 2), Config(4, 1, 1, 4), Config(4, 2, 1, 4)]
+
+    def finished(tokens_per_second, world_size):
+        return {"status": "ok", "summary": {"summary/tokens_per_second": tokens_per_second,
+                                            "summary/tokens_per_second_per_rank": tokens_per_second / world_size,
+                                            "summary/peak_memory_gib": 1.0}}
+
+    results = {"ws1-tp1": finished(100.0, 1), "ws2-tp1": finished(180.0, 2), "ws2-tp2": finished(120.0, 2),
+               "ws4-tp1": {"status": "failed (exit 1)", "summary": None}, "ws4-tp2": finished(200.0, 4)}
+    rows = {row["name"]: row for row in scaling_table(configs, results)}
+    assert rows["ws2-tp1"]["speedup"] == pytest.approx(1.8) and rows["ws2-tp1"]["efficiency"] == pytest.approx(0.9)
+    assert rows["ws2-tp2"]["efficiency"] == pytest.approx(0.6)  # TP is measured against the same baseline
+    assert rows["ws4-tp2"]["ideal_tokens_per_second"] == pytest.approx(400.0)
+    assert rows["ws4-tp2"]["efficiency"] == pytest.approx(0.5) and rows["ws1-tp1"]["efficiency"] == 1.0
+    assert "efficiency" not in rows["ws4-tp1"] and rows["ws4-tp1"]["status"] == "failed (exit 1)"
+    table = format_table(list(rows.values()))
+    assert "| ws2-tp1 | 2 | 1 x 2 | 1 | 180 | 90 | 1.80 | 0.90 | 1.00 | ok |" in table
+    assert "| ws4-tp1 | 4 | 1 x 4 | 1 | - | - | - | - | - | failed (exit 1) |" in table
+
+
+def test_the_scaling_view_has_one_point_per_world_size(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    configs = [Config(1, 1, 1, 1), Config(2, 1, 1, 2), Config(4, 1, 1, 4)]
+    results = {config.name: {"status": "ok", "summary": {
+        "summary/tokens_per_second": 100.0 * config.world_size ** 0.5,
+        "summary/tokens_per_second_per_rank": 100.0 / config.world_size ** 0.5}} for config in configs}
+    (run_dir, ) = write_scaling_view(tmp_path, scaling_table(configs, results), sweep())
+    assert run_dir.name == "scaling-tp1"
+    view = EventAccumulator(str(run_dir))
+    view.Reload()
+    efficiency = view.Scalars("scaling/efficiency")
+    assert [event.step for event in efficiency] == [1, 2, 4]
+    assert [event.value for event in efficiency] == pytest.approx([1.0, 2 ** -0.5, 0.5])
+    assert [event.value for event in view.Scalars("scaling/ideal_tokens_per_second")] == pytest.approx([100, 200, 400])
+
+
+def test_bad_sweeps_fail_before_anything_is_launched(tmp_path, tokenizer_dir, capsys):
+    corpus = write_corpus(tmp_path / "train.jsonl", 100)
+    out = tmp_path / "sweep"
+    bad = {
+        # train.py's own checks, per configuration: TP 4 does not divide the tiny model's 2 KV heads.
+        "heads": (["--world_sizes", "4", "--tp", "4", "--slots", "4"], [],
+                  r"ws4-tp4: --tp 4 does not divide the model's num_key_value_heads=2"),
+        "owned": (["--world_sizes", "1"], ["--output_dir", "x"], r"the sweep sets --output_dir for each run"),
+        "accumulation": (["--world_sizes", "1"], ["--gradient_accumulation_steps", "2"],
+                         r"--mode strong sets --gradient_accumulation_steps per run"),
+        "global_batch": (["--world_sizes", "1", "2", "--global_batch", "3"], [],
+                         r"--global_batch 3 is not a multiple of data-parallel size 2 x micro batch 1 \(ws2-tp1\)"),
+        "weak_with_global_batch": (["--world_sizes", "1", "--mode", "weak", "--global_batch", "4"], [],
+                                   r"--global_batch is for --mode strong"),
+        "scheduler": (["--world_sizes", "1"], ["--deepspeed_config", str(tmp_path / "scheduled.json")],
+                      r"ws1-tp1: the DeepSpeed config has a \"scheduler\" section"),
+    }
+    (tmp_path / "scheduled.json").write_text(json.dumps({**json.loads(ZERO3.read_text()), "scheduler": {}}))
+    for name, (sweep_flags, extra, pattern) in bad.items():
+        code = main([*sweep_flags, "--output_dir", str(out), "--", *train_options(tokenizer_dir, corpus), *extra])
+        error = capsys.readouterr().err
+        assert code == 2 and re.search(pattern, error), (name, error)
+        assert not out.exists(), name  # nothing launched, nothing written
+    # A different sweep in a directory that holds one is refused too.
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"world_sizes": [8]}))
+    assert main(["--world_sizes", "1", "--output_dir", str(out), "--", *train_options(tokenizer_dir, corpus)]) == 2
+    assert "holds a sweep with other settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # train.py's parser names an unknown option
+        main(["--world_sizes", "1", "--output_dir", str(out), "--", *train_options(tokenizer_dir, corpus),
+              "--no_such_flag"])
+    assert "unrecognized arguments: --no_such_flag" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "train.jsonl", 300)
+    out = tmp_path / "sweep"
+    command = [sys.executable, REPO / "launch" / "scaling.py", "--world_sizes", "1", "2", "--output_dir", out, "--",
+               *train_options(tokenizer_dir, corpus, micro_batch_size=2, lr=3e-3)]
+    completed = run(command, timeout=600)
+    assert "| ws2-tp1 | 2 | 1 x 2 | 1 |" in completed.stdout
+    table = json.loads((out / "scaling.json").read_text())
+    rows = {row["name"]: row for row in table["rows"]}
+    assert table["settings"]["global_batch"] == 4  # the largest data-parallel size x micro batch 2
+    assert [rows[name]["status"] for name in ("ws1-tp1", "ws2-tp1")] == ["ok", "ok"]
+    # Strong scaling: both runs trained 4 sequences per step (2 x 2 accumulated on one rank, 2 x 1 x 2 ranks).
+    configs = {name: json.loads((out / "runs" / name / "run_config.json").read_text()) for name in rows}
+    assert [configs[name]["deepspeed_config"]["train_batch_size"] for name in ("ws1-tp1", "ws2-tp1")] == [4, 4]
+    assert [configs[name]["deepspeed_config"]["gradient_accumulation_steps"] for name in ("ws1-tp1", "ws2-tp1")] \
+        == [2, 1]
+    # The learning rate is non-zero from the first step, and the runs trained.
+    for name in rows:
+        records = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [record for record in records if "loss/total" in record]
+        assert steps[0]["train/lr"] > 0 and steps[-1]["loss/ce"] < steps[0]["loss/ce"]
+
+    # A re-run of the same sweep launches nothing: both runs have finished.
+    again = run(command, timeout=300)
+    assert again.stdout.count("ok (earlier)") == 2 and "deepspeed" not in again.stdout.split("|")[0]
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(out / "tensorboard"),
+                               "--host", "127.0.0.1", "--port", str(port)], env=environment(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def get(path, body=None):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                             headers={"Content-Type": "application/json"} if body else {})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                runs = get("/data/runs")
+                if {"ws1-tp1", "ws2-tp1", "scaling-tp1"} <= set(runs):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "TensorBoard did not serve the sweep"
+            time.sleep(1)
+        # The scaling view: one point per world size, x = world size.
+        points = get("/data/plugin/scalars/scalars?run=scaling-tp1&tag=scaling/efficiency")
+        assert [step for _, step, _ in points] == [1, 2] and points[0][2] == 1.0
+        assert points[1][2] == pytest.approx(rows["ws2-tp1"]["efficiency"], rel=1e-6)
+        throughput = get("/data/plugin/scalars/scalars?run=ws2-tp1&tag=perf/tokens_per_second")
+        assert [step for _, step, _ in throughput] == [2, 3]  # the warm-up step is not charted
+        # The Custom Scalars layout and the HParams experiment, as the dashboard requests them.
+        layout = get("/data/plugin/custom_scalars/layout")
+        titles = {chart["title"] for category in layout["category"] for chart in category["chart"]}
+        assert "efficiency (per-rank tokens/s / the smallest world size's)" in titles
+        experiment = get("/data/plugin/hparams/experiment", json.dumps({"experimentName": ""}).encode())
+        assert {info["name"] for info in experiment["hparamInfos"]} >= {"world_size", "tp_size", "fused_linear"}
+        groups = get("/data/plugin/hparams/session_groups", json.dumps({
+            "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"], "colParams": [],
+            "startIndex": 0, "sliceSize": 10}).encode())
+        sessions = {group["name"]: group for group in groups["sessionGroups"]}
+        assert {"ws1-tp1", "ws2-tp1"} <= set(sessions)
+        assert sessions["ws2-tp1"]["hparams"]["world_size"] == 2
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
