@@ -140,7 +140,8 @@ def main(argv=None) -> None:
     resume_tag = checkpoint.find_resume_tag(args.output_dir) if args.resume else None
     if resume_tag is not None:
         client_state = checkpoint.load(engine, args.output_dir, resume_tag)
-        start_step, skipped_steps = client_state["step"], client_state.get("skipped_steps", 0)
+        # (not "skipped_steps": DeepSpeed keeps its own key of that name and drops it from client_state)
+        start_step, skipped_steps = client_state["step"], client_state.get("non_finite_skips", 0)
         batches.load_state_dict(client_state["data"])
         log(f"resumed from {resume_tag} at step {start_step}")
     elif args.resume:
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
             monitor.write_eval(step, evaluation)
         if args.save_steps and (step % args.save_steps == 0 or step == args.max_steps):
             last_checkpoint = checkpoint.save(engine, args.output_dir, step, {"data": batches.state_dict(),
-                                                                              "skipped_steps": guard.total_skips})
+                                                                              "non_finite_skips": guard.total_skips})
     progress.close()
 
     # 8. Final evaluation (unless the last step just ran one), the run's summary, export.

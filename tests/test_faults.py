@@ -1,7 +1,7 @@
 """Launch-level faults of train.py through the deepspeed launcher on 2 CPU ranks: a rank killed
-mid-step ends the job quickly, a crash mid-save never leaves a trusted broken checkpoint, NaN/inf
-steps are skipped together and abort after K in a row with an intact checkpoint, and a data error
-on rank 0 is raised on every rank."""
+mid-step ends the job quickly, NaN/inf steps are skipped together and abort after K in a row with
+an intact checkpoint, and a data error on rank 0 is raised on every rank. (A crash mid-save is in
+test_launch.py, where it reuses the ZeRO-3 run as its reference.)"""
 
 import os
 import signal
@@ -68,25 +68,6 @@ def test_a_rank_killed_mid_step_ends_the_job_quickly(tmp_path, tokenizer_dir):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
-def test_a_crash_mid_save_never_resumes_from_the_broken_checkpoint(tmp_path, tokenizer_dir):
-    data = write_corpus(tmp_path / "train.jsonl", 400)
-    output = tmp_path / "run"
-    run(deepspeed_command(2, *train_command(tokenizer_dir, data, output, save_steps=2)), timeout=600)
-    expected = metrics(output)
-    # What a crash in the middle of saving step 4 leaves: shards half written, no commit marker,
-    # and a "latest" that already names the new tag (DeepSpeed's own save writes it that early).
-    (output / "step00000004" / "commit.json").unlink()
-    shard = next((output / "step00000004").glob("*model_states.pt"))
-    shard.write_bytes(shard.read_bytes()[:100])
-    (output / "latest").write_text("step00000004")
-    completed = run(deepspeed_command(2, *train_command(tokenizer_dir, data, output, save_steps=2, resume=True)),
-                    timeout=600)
-    assert "resumed from step00000002 at step 2" in completed.stdout
-    resumed = metrics(output)
-    for step in (3, 4):
-        assert resumed[step]["loss/total"] == pytest.approx(expected[step]["loss/total"], rel=1e-6)
-
-
 def _model_with_a_nan_embedding_row(directory, tokenizer_dir, token: str):
     """A tiny untied Llama whose *input* embedding of ``token`` is NaN: any sequence containing the
     token gets a NaN loss, sequences without it are unaffected."""
@@ -105,13 +86,22 @@ def _model_with_a_nan_embedding_row(directory, tokenizer_dir, token: str):
     return token_id
 
 
-def test_non_finite_steps_are_skipped_on_every_rank(tmp_path, tokenizer_dir):
-    model_dir = tmp_path / "model"
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory, tokenizer_dir):
+    """10 steps (a checkpoint every 2, an HF export) of a model whose embedding of "777" is NaN, on
+    data where some batches hold 777: (output dir, model dir, the poisoned token id)."""
+    root = tmp_path_factory.mktemp("nan")
+    model_dir = root / "model"
     token_id = _model_with_a_nan_embedding_row(model_dir, tokenizer_dir, "777")
-    data = write_corpus(tmp_path / "train.jsonl", 600, number_share=0.04, number=777)
-    output = tmp_path / "run"
+    data = write_corpus(root / "train.jsonl", 600, number_share=0.04, number=777)
+    output = root / "run"
     run(deepspeed_command(2, *train_command(None, data, output, max_skipped_steps=50, export_hf=output / "hf",
-                                            steps=10, model=model_dir)), timeout=600)
+                                            save_steps=2, steps=10, model=model_dir)), timeout=600)
+    return output, model_dir, token_id
+
+
+def test_non_finite_steps_are_skipped_on_every_rank(nan_run):
+    output, _, token_id = nan_run
     logged = metrics(output)
     skipped = [torch.isnan(torch.tensor(logged[step]["loss/total"])).item() for step in range(1, 11)]
     # Data-parallel ranks see different batches; a NaN on either one skips the step for both.
@@ -130,29 +120,30 @@ def test_non_finite_steps_are_skipped_on_every_rank(tmp_path, tokenizer_dir):
         assert torch.isfinite(tensor).all(), name
 
 
-def test_consecutive_non_finite_steps_abort_with_an_intact_checkpoint(tmp_path, tokenizer_dir):
-    model_dir = tmp_path / "model"
-    _model_with_a_nan_embedding_row(model_dir, tokenizer_dir, "777")
-    clean = write_corpus(tmp_path / "clean.jsonl", 300)
-    output = tmp_path / "run"
-    run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, steps=2, model=model_dir)),
-        timeout=600)
-    # The same documents, but now every one holds the token whose embedding is NaN.
-    poisoned = write_corpus(tmp_path / "poisoned.jsonl", 300, number_share=1.0, number=777)
-    # Steps 3, 4, 5 are skipped; the checkpoint at step 4 still commits (a skipped step leaves the
-    # weights as they were, and its data position is past the poisoned batches).
+def test_consecutive_non_finite_steps_abort_with_an_intact_checkpoint(tmp_path, nan_run):
+    import shutil
+
+    output, model_dir = tmp_path / "run", nan_run[1]
+    shutil.copytree(nan_run[0], output, ignore=shutil.ignore_patterns("hf", "tensorboard"))
+    skipped_before = metrics(output)[10]["train/skipped_steps"]
+    # As many documents as the run's own data (a resume checks the data still packs into as many
+    # blocks): clean ones, and the same documents with the token whose embedding is NaN in each.
+    clean = write_corpus(tmp_path / "clean.jsonl", 600)
+    poisoned = write_corpus(tmp_path / "poisoned.jsonl", 600, number_share=1.0, number=777)
+    # Steps 11, 12, 13 are skipped; the checkpoint at step 12 still commits (a skipped step leaves
+    # the weights as they were, and its data position is past the poisoned batches).
     with pytest.raises(AssertionError, match=r"(?s)exited 3.*3 consecutive optimizer steps had a NaN/inf loss.*"
-                                              r"the last committed checkpoint is step00000004"):
+                                              r"the last committed checkpoint is step00000012"):
         run(deepspeed_command(2, *train_command(None, poisoned, output, save_steps=2, resume=True,
-                                                max_skipped_steps=3, steps=8, model=model_dir)),
+                                                max_skipped_steps=3, steps=16, model=model_dir)),
             timeout=600)
-    assert (output / "latest").read_text() == "step00000004"
-    assert metrics(output)[5]["train/skipped_steps"] == 3 and 6 not in metrics(output)
+    assert (output / "latest").read_text() == "step00000012"
+    assert metrics(output)[13]["train/skipped_steps"] == skipped_before + 3 and 14 not in metrics(output)
     # The checkpoint is intact: a run on clean data resumes from it and finishes.
-    completed = run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, resume=True, steps=6,
+    completed = run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, resume=True, steps=14,
                                                         model=model_dir)), timeout=600)
-    assert "resumed from step00000004 at step 4" in completed.stdout
-    assert all(not torch.isnan(torch.tensor(metrics(output)[step]["loss/total"])) for step in (5, 6))
+    assert "resumed from step00000012 at step 12" in completed.stdout
+    assert all(not torch.isnan(torch.tensor(metrics(output)[step]["loss/total"])) for step in (13, 14))
 
 
 def test_a_data_error_on_rank_zero_is_raised_on_every_rank(tmp_path, tokenizer_dir):

@@ -1,6 +1,7 @@
 """launch/train.py end to end on CPU: the deepspeed launcher (ZeRO-3, ZeRO-3 + AutoTP), continued
-pretraining from a Hugging Face dir, SIGKILL and exact resume, HF export round trips, mpirun and
-a two-node run simulated on loopback. TensorBoard scalars are read back from the event files."""
+pretraining from a Hugging Face dir, SIGKILL and exact resume, a crash mid-save, HF export round
+trips, mpirun and a two-node run simulated on loopback. TensorBoard is read back from the event
+files. Runs are shared where a test only reads one (the ZeRO-3 run is also the resume reference)."""
 
 import json
 import os
@@ -95,15 +96,24 @@ def tensorboard_run(output_dir) -> tuple:
     return set(accumulator.Tags()["scalars"]), hparams
 
 
-def test_zero3_from_scratch_with_smmd(tmp_path, corpus):
-    output, port = tmp_path / "run", free_port()
-    run(deepspeed_command(2, *train_args(corpus, output, export_hf=output / "hf"), port=port), timeout=600)
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, corpus):
+    """One 2-rank ZeRO-3 run from scratch (6 steps, a checkpoint every 2, an HF export at the end):
+    the subject of the ZeRO-3 test and the uninterrupted reference of the resume tests."""
+    output, port = tmp_path_factory.mktemp("zero3") / "run", free_port()
+    run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, export_hf=output / "hf"), port=port),
+        timeout=600)
+    return output, port
+
+
+def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
+    output, port = zero3_run
     # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
-    assert sorted(step for step in logged if step) == [1, 2, 3, 4]
-    first, last = logged[1], logged[4]
+    assert sorted(step for step in logged if step) == [1, 2, 3, 4, 5, 6]
+    first, last = logged[1], logged[6]
     assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/numeric"], rel=1e-5)
     assert first["numeric/tokens"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
     assert last["loss/ce"] < first["loss/ce"]
@@ -130,27 +140,21 @@ def test_autotp_tp2_with_export_round_trips(tmp_path, corpus):
     assert live.keys() == offline.keys() and all(torch.equal(live[k], offline[k]) for k in live)
 
 
-def test_continued_pretraining_from_a_local_hf_checkpoint(tmp_path, corpus):
+def local_hf_checkpoint(directory, corpus):
+    """A small Llama with the corpus tokenizer saved as a Hugging Face dir, as a user's checkpoint."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
     torch.manual_seed(0)
-    start = tmp_path / "start"
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128)).save_pretrained(start)
-    tokenizer.save_pretrained(start)
-    output = tmp_path / "run"
-    # lr 0: the weights must arrive intact through the partitioned load, so the engine's eval
-    # equals the saved model's own.
-    run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=0.0)), timeout=600)
-    assert metrics(output)[2]["eval/ce"] == pytest.approx(eval_ce_of_hf_model(start, corpus), rel=1e-5)
+                                 max_position_embeddings=128)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
-def test_sigkill_and_resume_continue_exactly(tmp_path, corpus):
-    reference = tmp_path / "reference"
-    run(deepspeed_command(2, *train_args(corpus, reference, save_steps=2, steps=6)), timeout=600)
-    expected = metrics(reference)
+def test_sigkill_and_resume_continue_exactly(tmp_path, corpus, zero3_run):
+    expected = metrics(zero3_run[0])  # the same run, uninterrupted
 
     output = tmp_path / "killed"
     command = deepspeed_command(2, *train_args(corpus, output, save_steps=2, resume=True, steps=6))
@@ -169,21 +173,51 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, corpus):
             assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
 
 
+def test_a_crash_mid_save_never_resumes_from_the_broken_checkpoint(tmp_path, corpus, zero3_run):
+    import shutil
+
+    expected = metrics(zero3_run[0])
+    output = tmp_path / "run"
+    shutil.copytree(zero3_run[0], output, ignore=shutil.ignore_patterns("hf", "tensorboard"))
+    # What a crash in the middle of saving step 6 leaves: shards half written, no commit marker,
+    # and a "latest" that already names the new tag (DeepSpeed's own save writes it that early).
+    (output / "step00000006" / "commit.json").unlink()
+    shard = next((output / "step00000006").glob("*model_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    (output / "latest").write_text("step00000006")
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, resume=True)),
+                    timeout=600)
+    assert "resumed from step00000004 at step 4" in completed.stdout
+    resumed = metrics(output)
+    for step in (5, 6):
+        assert resumed[step]["loss/total"] == pytest.approx(expected[step]["loss/total"], rel=1e-6)
+
+
 def test_mpirun_two_ranks(tmp_path, corpus):
     output = tmp_path / "run"
     env = environment(NP="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()),
                       PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    run(["bash", REPO / "launch" / "mpirun.sh", *train_args(corpus, output, steps=2)[1:]], timeout=600, env=env)
+    # Also the launcher-level run of a weighted sum of numeric losses (SMMD + 0.3 NTL-WAS).
+    run(["bash", REPO / "launch" / "mpirun.sh", *train_args(corpus, output, steps=2,
+                                                            numeric_loss=["smmd", "ntl-was:0.3"])[1:]],
+        timeout=600, env=env)
     assert json.loads((output / "run_config.json").read_text())["launcher"] == "mpirun"
     assert metrics(output)[0]["run/world_size"] == 2 and metrics(output)[2]["loss/ce"] > 0
+    step = metrics(output)[2]
+    assert step["loss/smmd"] > 0 and step["loss/ntl_was"] > 0
+    assert step["loss/total"] == pytest.approx(step["loss/ce"] + step["loss/numeric"], rel=1e-5)
 
 
-def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
+def test_two_nodes_simulated_on_loopback_continue_a_local_hf_checkpoint(tmp_path, corpus):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     output, port = tmp_path / "run", free_port()
-    # Also the one run with activation checkpointing under ZeRO-3.
-    launcher = deepspeed_command(1, *train_args(corpus, output, gradient_checkpointing=True, steps=2), port=port)
+    start = local_hf_checkpoint(tmp_path / "start", corpus)
+    # Continued pretraining from a local HF dir, with lr 0: the weights must arrive intact through
+    # the partitioned load, so the engine's eval equals the saved model's own. Also the one run
+    # with activation checkpointing under ZeRO-3.
+    launcher = deepspeed_command(1, *train_args(corpus, output, gradient_checkpointing=True, steps=2, model=start,
+                                                lr=0.0), port=port)
     launcher = [launcher[0], "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port",
                 port] + launcher[launcher.index(str(TRAIN)):]
     nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
@@ -193,6 +227,7 @@ def test_two_nodes_simulated_on_loopback(tmp_path, corpus):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2} and logged[2]["loss/ce"] > 0
+    assert logged[2]["eval/ce"] == pytest.approx(eval_ce_of_hf_model(start, corpus), rel=1e-5)
 
 
 def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
