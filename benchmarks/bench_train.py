@@ -67,8 +67,7 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
                             smmd_weight=1.0 if loss == "ce+smmd" else None, framework_loss=loss == "ce")
     env = dict(os.environ)
     if args.device == "cpu":
-        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR",
-                                                                      str(REPO / ".cache" / "torch_extensions")))
+        env.update(DS_ACCELERATOR="cpu")
     began = time.monotonic()
     completed = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     if completed.returncode != 0:

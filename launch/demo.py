@@ -114,7 +114,6 @@ def table(rows: list) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import smmd_numeracy as numeracy
 

@@ -18,5 +18,4 @@ fi
 python -m pip install -q --disable-pip-version-check -e ".[train]"
 
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 exec python launch/demo.py "$@"

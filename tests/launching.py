@@ -10,13 +10,11 @@ from pathlib import Path
 
 from smmd_train.arguments import REPO, launch_command, train_command, train_flags  # noqa: F401  (re-exported)
 
-# DeepSpeed compiles a small shared-memory op on first use (30-60 s); every test shares one cache.
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 TRAIN = REPO / "launch" / "train.py"
 
 
 def environment(**extra) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=EXTENSIONS, MASTER_ADDR="127.0.0.1",
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)

@@ -206,13 +206,12 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
 def child_environment(threads_per_run: int, on_gpu: bool) -> dict:
     """Environment of train.py and evaluate.py: no inherited rendezvous (a plain process then picks a
     free port, so concurrent runs do not collide), one BLAS pool size per run, DeepSpeed on CPU when
-    there is no GPU, the shared compiled-extension cache."""
+    there is no GPU."""
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS=str(threads_per_run), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if not on_gpu:
         env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     return env
 
 
