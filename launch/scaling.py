@@ -1,11 +1,11 @@
-"""A scaling sweep: train.py at several world sizes (and TP degrees), then throughput, per-rank
-throughput, efficiency and peak memory against world size in TensorBoard and a table.
+"""A scaling sweep (``launch/scaling.sh`` runs this): train.py at several world sizes and TP
+degrees, then throughput, per-rank throughput, efficiency and peak memory against world size in
+TensorBoard and a table.
 
-    python launch/scaling.py --world_sizes 8 16 32 --tp 1 2 --hostfile launch/hostfile \
-        --output_dir sweeps/7b -- --deepspeed_config ds_configs/zero3.json --model 7b ...
-    tensorboard --logdir sweeps/7b/tensorboard
+    python launch/scaling.py --world_sizes 1,2,4 --tp 1,2 --max_steps 20 --output_dir sweeps/tiny \
+        --deepspeed_config ds_configs/zero3.json --model tiny --tokenizer tok --data train.jsonl
 
-Strong (fixed global batch) or weak (fixed batch per replica) scaling: ``smmd_train/scaling.py``.
+Strong (fixed global batch) or weak (``--weak``: fixed batch per replica) scaling: ``smmd_train/scaling.py``.
 """
 
 import sys

@@ -48,13 +48,13 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_args(corpus, output_dir, steps=4, model="tiny", lr=3e-3, **options):
+def train_args(corpus, output_dir, steps=4, model="tiny", lr=3e-3, warmup_steps=1, **options):
     """train.py and its flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
     return [TRAIN, *train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model=model,
                                 tokenizer=corpus / "tokenizer" if model == "tiny" else None,
                                 data=[corpus / "train.jsonl"], eval_data=[corpus / "eval.jsonl"],
                                 eval_batches=EVAL_BATCHES, seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps,
-                                warmup_steps=1, lr=lr, output_dir=output_dir, **options)]
+                                warmup_steps=warmup_steps, lr=lr, output_dir=output_dir, **options)]
 
 
 def deepspeed_command(processes, script, *args, port=None):
@@ -125,19 +125,26 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
 
 
-def test_autotp_tp2_with_export_round_trips(tmp_path, corpus):
+def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_trips(tmp_path, corpus):
+    from safetensors.torch import load_file
+
+    # A 2-step continued-pretraining run of a local HF checkpoint with train.py's default schedule
+    # (no --lr, no --warmup_steps): both steps train at a positive rate, and every weight moves.
+    start = local_hf_checkpoint(tmp_path / "start", corpus)
     output = tmp_path / "run"
-    run(deepspeed_command(2, *train_args(corpus, output, export_hf=output / "hf", save_steps=4, tp=2)), timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=None, warmup_steps=None,
+                                         export_hf=output / "hf", save_steps=2, tp=2)), timeout=600)
     logged = metrics(output)
     assert logged[0]["run/tp_size"] == 2 and logged[0]["run/dp_size"] == 1
-    assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2, 3, 4))  # the vocab-parallel exchange ran
-    assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(logged[4]["eval/ce"], rel=1e-5)
+    assert logged[1]["train/lr"] > 0 and logged[2]["train/lr"] > 0
+    assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2))  # the vocab-parallel exchange ran
+    base, trained = load_file(start / "model.safetensors"), load_file(output / "hf" / "model.safetensors")
+    assert base.keys() == trained.keys() and not [key for key in base if torch.equal(base[key], trained[key])]
+    assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(logged[2]["eval/ce"], rel=1e-5)
     # launch/export_hf.py from the checkpoint gives the same weights as --export_hf from the live engine.
     run(deepspeed_command(2, EXPORT, output, tmp_path / "from_checkpoint"), timeout=600)
-    from safetensors.torch import load_file
-    live, offline = load_file(output / "hf" / "model.safetensors"), \
-        load_file(tmp_path / "from_checkpoint" / "model.safetensors")
-    assert live.keys() == offline.keys() and all(torch.equal(live[k], offline[k]) for k in live)
+    offline = load_file(tmp_path / "from_checkpoint" / "model.safetensors")
+    assert trained.keys() == offline.keys() and all(torch.equal(trained[k], offline[k]) for k in trained)
 
 
 def local_hf_checkpoint(directory, corpus):

@@ -49,15 +49,19 @@ def numeric_loss(args, vocab):
     return smmd_scale.WeightedNumericLosses(terms)
 
 
-def check_heads_split(config, tp_size: int) -> None:
-    """AutoTP gives each rank whole attention heads: refuse a TP degree that does not divide the
-    query heads and the key/value heads (a ValueError naming the model's counts)."""
+def check_tensor_parallel_split(config, tp_size: int) -> None:
+    """AutoTP gives each rank whole attention heads and an equal slice of the vocabulary-parallel
+    head: refuse a TP degree that does not divide the query heads, the key/value heads or the
+    vocabulary (a ValueError naming the model's counts). The presets pad their vocabulary to a
+    multiple of 64 x TP."""
     heads = getattr(config, "num_attention_heads", None)
-    for name, count in (("num_attention_heads", heads), ("num_key_value_heads",
-                                                         getattr(config, "num_key_value_heads", None) or heads)):
+    for name, count, what in (("num_attention_heads", heads, "whole heads"),
+                              ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads,
+                               "whole heads"),
+                              ("vocab_size", getattr(config, "vocab_size", None), "equal vocabulary slices")):
         if tp_size > 1 and count and count % tp_size:
             raise ValueError(f"--tp {tp_size} does not divide the model's {name}={count}: AutoTP gives each rank "
-                             f"whole heads; use a TP degree that divides {count}")
+                             f"{what}; use a TP degree that divides {count}")
 
 
 def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
@@ -69,7 +73,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     raw_config = set_tensor_parallel(load_config(args.deepspeed_config), args.tp)
     config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
                           args.trust_remote_code)
-    check_heads_split(config, tensor_parallel_size(raw_config))
+    check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
     warnings = [check_tokenizer_fits_model(tokenizer, config.vocab_size)]
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,

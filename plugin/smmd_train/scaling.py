@@ -2,30 +2,35 @@
 train.py, then the scaling view in TensorBoard (throughput, per-rank throughput, efficiency and
 peak memory against world size) and a table.
 
-    python launch/scaling.py --world_sizes 8 16 32 --tp 1 2 --hostfile launch/hostfile \
-        --output_dir sweeps/7b -- --deepspeed_config ds_configs/zero3.json --model 7b \
-        --tokenizer /data/tokenizer --data /data/corpus.jsonl --seq_len 4096 --max_steps 30
+    bash launch/scaling.sh --world_sizes 8,16,32 --tp 1,2 --hostfile launch/hostfile --max_steps 30 \
+        --output_dir sweeps/7b --deepspeed_config ds_configs/zero3.json --model 7b \
+        --tokenizer /data/tokenizer --data /data/corpus.jsonl --seq_len 4096
     tensorboard --logdir sweeps/7b/tensorboard
 
-``--mode strong`` (default) keeps the global batch fixed (``--global_batch`` sequences per
-optimizer step: each configuration gets gradient accumulation global / (data-parallel size x
-micro batch)); ``--mode weak`` keeps each data-parallel replica's batch fixed (micro batch x
-accumulation from the train.py options), so the global batch grows with the replicas. In both,
-*efficiency* is tokens/s per rank over the baseline's (the fastest run of the smallest world
-size): 1.0 is linear scaling, and it equals speed-up / ideal speed-up. Every TP degree is measured
-against the same baseline, so TP and data parallelism compare at a given world size.
+Every option the sweep does not own is a train.py option, passed to every run (``--tp`` and
+``--output_dir`` are the sweep's). Strong scaling (default) keeps the global batch fixed
+(``--global_batch`` sequences per optimizer step: each run gets gradient accumulation global /
+(data-parallel size x micro batch)); ``--weak`` keeps each data-parallel replica's batch fixed
+(micro batch x accumulation from the train.py options), so the global batch grows with the
+replicas. In both, *efficiency* is tokens/s per rank over the baseline's (the fastest run of the
+smallest world size): 1.0 is linear scaling, and it equals speed-up / ideal speed-up. Every TP
+degree is measured against the same baseline, so TP and data parallelism compare at a given
+world size.
 
-Every configuration is planned in this process before anything is launched (the train.py options
-through train.py's own parser and plan: tokenizer, model, DeepSpeed config, TP against the
-world size, the heads and the vocabulary), so a bad sweep fails in seconds, not after the first
-runs. A run that fails is reported (exit code, log) and the sweep goes on; finished runs are kept,
-and a sweep re-run in the same directory (same settings) only runs what has not finished.
+Before anything is launched, every configuration is planned in this process through train.py's
+own parser and plan (tokenizer, model, DeepSpeed config, TP against the world size, the heads and
+the vocabulary): one that cannot run is refused with its reason, a sweep that cannot run at all
+(options train.py does not know, a world size the machine or the hostfile cannot place, a
+directory holding another sweep) fails in seconds. A run that fails is reported (exit code, log)
+and the sweep goes on; finished runs are kept, and a sweep re-run in the same directory (same
+settings) only runs what has not finished.
 
 Layout of ``--output_dir``: ``sweep.json`` (the settings), ``runs/<name>/`` (each run's
 output_dir: metrics.jsonl, run_config.json), ``logs/<name>.log``, ``tensorboard/<name>/`` (each
-run's own scalars, HParams and the Custom Scalars layout), ``tensorboard/scaling-tp<T>/`` (one
-point per world size: x = world size) and ``scaling.json`` (the table). Run names are
-``ws<world size>-tp<TP>``.
+run's scalars, HParams session and the Custom Scalars layout), ``tensorboard/scaling-tp<T>/`` (one
+point per world size: x = world size), the HParams experiment in ``tensorboard/`` itself and
+``scaling.json`` (the table). Run names read ``ws<world size>-tp<TP>-zero<stage>-<loss>``
+(``-fused`` with ``--fused_linear``), e.g. ``ws4-tp2-zero3-smmd``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from .arguments import TRAIN_SCRIPT, launch_command, train_flags
 from .arguments import parse_args as parse_train_args
 
 # train.py options that the sweep sets per run.
-SWEEP_OWNED = ("output_dir", "tensorboard_dir", "tp", "resume", "local_rank")
+SWEEP_OWNED = ("tensorboard_dir", "resume", "local_rank")  # and --tp, --output_dir: the sweep's own options
 # What each scaling-tp<T> TensorBoard run holds, as scaling/<name> at x = world size.
 SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank", "efficiency",
                    "speedup", "peak_memory_gib", "loss_bytes_per_step")
@@ -59,24 +64,37 @@ class Config:
     tp: int
     nodes: int  # nodes the run spans (1 without a hostfile)
     per_node: int  # processes per node
+    label: str = ""  # what every run of the sweep trains, e.g. "zero3-smmd"
 
     @property
     def name(self) -> str:
-        return f"ws{self.world_size}-tp{self.tp}"
+        return f"ws{self.world_size}-tp{self.tp}" + (f"-{self.label}" if self.label else "")
 
     @property
     def dp(self) -> int:
         return self.world_size // self.tp
 
 
+def sizes(text: str) -> list:
+    """``"1,2,4"`` -> [1, 2, 4]."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s --world_sizes N [N ...] --output_dir DIR [options] -- "
-                                     "TRAIN.PY OPTIONS")
-    parser.add_argument("--world_sizes", type=int, nargs="+", required=True, help="ranks per run, e.g. 1 2 4 8")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1],
-                        help="AutoTP degrees; every (world size, TP) with TP dividing the world size is a run")
-    parser.add_argument("--mode", choices=["strong", "weak"], default="strong")
+    parser = argparse.ArgumentParser(prog="launch/scaling.sh", description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s --world_sizes 1,2,4 [--tp 1,2] [--weak] --max_steps N "
+                                     "--output_dir DIR [options] [train.py options ...]")
+    parser.add_argument("--world_sizes", type=sizes, required=True, help="ranks per run, e.g. 1,2,4,8")
+    parser.add_argument("--tp", type=sizes, default=[1], help="AutoTP degrees, e.g. 1,2: one run per (world size, TP)")
+    parser.add_argument("--weak", action="store_true", help="weak scaling: each data-parallel replica keeps its batch "
+                        "(default: strong scaling, the global batch is fixed)")
     parser.add_argument("--global_batch", type=int,
                         help="strong scaling: sequences per optimizer step in every run (default: the largest "
                         "data-parallel size x --micro_batch_size)")
@@ -88,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rerun", action="store_true", help="run every configuration again, finished or not")
     parser.add_argument("--timeout_minutes", type=float, default=120.0, help="per run")
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple:
+    """(the sweep's options, train.py's options): everything the sweep does not own goes to train.py."""
+    sweep, train_argv = build_parser().parse_known_args(argv)
+    if train_argv[:1] == ["--"]:
+        train_argv = train_argv[1:]
+    return sweep, list(train_argv)
 
 
 def read_hostfile(path: str) -> list:
@@ -114,15 +140,14 @@ def local_slots(accelerator: str) -> int:
     return os.cpu_count() or 1
 
 
-def plan_sweep(sweep, accelerator: str) -> tuple:
-    """(configurations, warnings) for the sweep's arguments; raises ValueError on a sweep that
-    cannot run as asked."""
-    if any(size < 1 for size in sweep.world_sizes) or any(tp < 1 for tp in sweep.tp):
-        raise ValueError(f"--world_sizes {sweep.world_sizes} and --tp {sweep.tp} must be >= 1")
+def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
+    """(configurations, refused, warnings) for the sweep's arguments: every (world size, TP) pair, and
+    ``refused`` mapping the name of each one that cannot run to the reason. Raises ValueError when a world size cannot
+    be placed on this machine or the hostfile's nodes."""
     hosts = read_hostfile(sweep.hostfile) if sweep.hostfile else None
     slots = sweep.slots or (min(s for _, s in hosts) if hosts else local_slots(accelerator))
     nodes_available = len(hosts) if hosts else 1
-    configs, warnings = [], []
+    configs, refused, warnings = [], {}, []
     for world_size in sorted(set(sweep.world_sizes)):
         if world_size <= slots:
             nodes, per_node = 1, world_size
@@ -137,14 +162,23 @@ def plan_sweep(sweep, accelerator: str) -> tuple:
                              f"({'--hostfile ' + sweep.hostfile if hosts else 'this machine'}); a run larger than one "
                              "node must fill whole nodes")
         for tp in sorted(set(sweep.tp)):
-            if world_size % tp == 0:
-                configs.append(Config(world_size, tp, nodes, per_node))
-            else:
-                warnings.append(f"skipping world size {world_size} with TP {tp}: TP must divide the world size")
-    if not configs:
-        raise ValueError(f"no (world size, TP) pair of --world_sizes {sweep.world_sizes} and --tp {sweep.tp} has TP "
-                         "dividing the world size")
-    return configs, warnings
+            config = Config(world_size, tp, nodes, per_node, label)
+            configs.append(config)
+            if world_size % tp:
+                refused[config.name] = (f"TP {tp} is larger than the world size {world_size}" if tp > world_size else
+                                        f"TP {tp} does not divide the world size {world_size}")
+    return configs, refused, warnings
+
+
+def run_label(train_args) -> str:
+    """What every run of the sweep trains, for its run names: ``zero3-smmd``, ``zero3-smmd+ntl-was-fused``,
+    ``zero3-ce`` (CE only: --framework_loss or a numeric weight of 0)."""
+    from .config import load_config
+
+    stage = (load_config(train_args.deepspeed_config).get("zero_optimization") or {}).get("stage", 0)
+    loss = "ce" if train_args.framework_loss or train_args.smmd_weight == 0 else \
+        "+".join(name for name, _ in train_args.numeric_loss)
+    return f"zero{stage}-{loss}" + ("-fused" if train_args.fused_linear else "")
 
 
 def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
@@ -152,7 +186,7 @@ def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
     options = {"output_dir": str(output_dir / "runs" / config.name),
                "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp,
                "cache_dir": train_args.cache_dir}  # the runs share one tokenized, packed copy of the data
-    if sweep.mode == "strong":
+    if not sweep.weak:
         per_step = config.dp * train_args.micro_batch_size
         if sweep.global_batch % per_step:
             raise ValueError(f"--global_batch {sweep.global_batch} is not a multiple of data-parallel size "
@@ -163,16 +197,16 @@ def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
 
 def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
     """train.py's own parse of the options the sweep passes through; refuses those the sweep sets."""
-    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in train_argv if arg.startswith("--")}
+    given = {arg[2:].split("=", 1)[0] for arg in train_argv if arg.startswith("--")}
     owned = sorted(given & set(SWEEP_OWNED))
     if owned:
         raise ValueError(f"the sweep sets {', '.join('--' + name for name in owned)} for each run; leave "
-                         f"{'it' if len(owned) == 1 else 'them'} out of the train.py options")
-    if sweep.mode == "strong" and "gradient_accumulation_steps" in given:
-        raise ValueError("--mode strong sets --gradient_accumulation_steps per run from --global_batch; leave it out "
-                         "(or use --mode weak to keep each replica's batch fixed)")
-    if sweep.mode == "weak" and sweep.global_batch is not None:
-        raise ValueError("--global_batch is for --mode strong (weak scaling keeps each replica's batch fixed)")
+                         f"{'it' if len(owned) == 1 else 'them'} out")
+    if not sweep.weak and "gradient_accumulation_steps" in given:
+        raise ValueError("strong scaling sets --gradient_accumulation_steps per run from --global_batch; leave it out "
+                         "(or pass --weak to keep each replica's batch fixed)")
+    if sweep.weak and sweep.global_batch is not None:
+        raise ValueError("--global_batch is for strong scaling (--weak keeps each replica's batch fixed)")
     return parse_train_args([*train_argv, "--output_dir", sweep.output_dir])
 
 
@@ -224,8 +258,7 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
                 old.unlink()
         writer = tensorboard.open_writer(str(run_dir))
         tensorboard.write_layout(writer)
-        writer.add_text("sweep/settings", f"{sweep.mode} scaling, TP {tp}, x = world size"
-                        + (f", {sweep.global_batch} sequences per step" if sweep.mode == "strong" else ""))
+        writer.add_text("sweep/settings", f"{mode(sweep)}, TP {tp}, x = world size")
         for row in sorted(points, key=lambda row: row["world_size"]):
             for key in SCALING_SCALARS:
                 if key in row:
@@ -249,15 +282,12 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = build_parser()
-    sweep = parser.parse_args(argv[:split])
-    train_argv = argv[split + 1:]
-    if not train_argv:
-        parser.error("pass train.py's options after '--' (at least --deepspeed_config, --model, --data, --max_steps)")
+def mode(sweep) -> str:
+    return "weak scaling" if sweep.weak else f"strong scaling, {sweep.global_batch} sequences per step"
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    sweep, train_argv = parse_args(list(sys.argv[1:] if argv is None else argv))
     from deepspeed.accelerator import get_accelerator
 
     from .plan import plan_run
@@ -266,37 +296,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     output_dir = Path(sweep.output_dir)
     try:
         train_args = check_train_options(train_argv, sweep)
-        if sweep.mode == "strong" and sweep.global_batch is None:
+        if not sweep.weak and sweep.global_batch is None:
             sweep.global_batch = max(size // min(sweep.tp) for size in sweep.world_sizes) * train_args.micro_batch_size
-        configs, warnings = plan_sweep(sweep, accelerator.device_name())
-        options = {config.name: run_options(sweep, train_args, config, output_dir) for config in configs}
+        configs, refused, warnings = plan_sweep(sweep, accelerator.device_name(), run_label(train_args))
+        options = {}
         for config in configs:  # train.py's own plan for each run, before any is launched
-            run_args = parse_train_args([*train_argv, *train_flags(**options[config.name])])
+            if config.name in refused:
+                continue
+            options[config.name] = run_options(sweep, train_args, config, output_dir)  # a bad batch fails the sweep
             try:
-                plan = plan_run(run_args, config.world_size, accelerator.device_name(),
-                                accelerator.is_bf16_supported())
+                plan = plan_run(parse_train_args([*train_argv, *train_flags(**options[config.name])]),
+                                config.world_size, accelerator.device_name(), accelerator.is_bf16_supported())
             except ValueError as error:
-                raise ValueError(f"{config.name}: {error}") from None
+                refused[config.name] = str(error)
+                continue
             warnings += [f"{config.name}: {warning}" for warning in plan.warnings]
-        settings = {"world_sizes": sorted(set(sweep.world_sizes)), "tp": sorted(set(sweep.tp)), "mode": sweep.mode,
-                    "global_batch": sweep.global_batch, "train_options": train_argv}
+        runnable = [config for config in configs if config.name not in refused]
+        if not runnable:
+            reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+            raise ValueError(f"no configuration can run: {reasons}")
+        settings = {"world_sizes": sorted(set(sweep.world_sizes)), "tp": sorted(set(sweep.tp)),
+                    "weak": sweep.weak, "global_batch": sweep.global_batch, "train_options": train_argv}
         recorded = output_dir / "sweep.json"
         if recorded.is_file() and json.loads(recorded.read_text()) != settings:
             raise ValueError(f"{output_dir} holds a sweep with other settings ({recorded}); use another --output_dir")
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"scaling: {error}", file=sys.stderr)
         return 2
     output_dir.mkdir(parents=True, exist_ok=True)
     recorded.write_text(json.dumps(settings, indent=1))
+    for name, reason in refused.items():
+        print(f"scaling: refused {name}: {reason}", flush=True)
     for warning in warnings:
         print(f"scaling: warning: {warning}", flush=True)
-    print(f"scaling: {len(configs)} runs ({sweep.mode} scaling"
-          + (f", {sweep.global_batch} sequences per step" if sweep.mode == "strong" else "") + "): "
-          + ", ".join(config.name for config in configs), flush=True)
+    print(f"scaling: {len(runnable)} runs ({mode(sweep)}): " + ", ".join(config.name for config in runnable),
+          flush=True)
 
-    results = {}
+    results = {name: {"status": f"refused: {reason}"} for name, reason in refused.items()}
     (output_dir / "logs").mkdir(exist_ok=True)
-    for config in configs:
+    for config in runnable:
         summary = None if sweep.rerun else run_state(output_dir, config)
         if summary is not None:
             results[config.name] = {"status": "ok (earlier)", "summary": summary}
@@ -327,11 +365,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[config.name] = {"status": status, "summary": summary if code == 0 else None}
         print(f"scaling: {config.name}: {status} in {time.monotonic() - began:.0f} s", flush=True)
 
-    rows = scaling_table(configs, results)
-    varying = {"world_size": {c.world_size for c in configs}, "tp_size": {c.tp for c in configs},
-               "dp_size": {c.dp for c in configs}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
-                                                                 for c in configs},
-               "global_batch": {c.dp for c in configs} if sweep.mode == "weak" else set()}
+    rows = scaling_table(configs, results)  # refused configurations keep their row, with the reason
+    varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
+               "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
+                                                                  for c in runnable},
+               "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
     tensorboard.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
                                  differs=[name for name, values in varying.items() if len(values) > 1])
     views = write_scaling_view(output_dir / "tensorboard", rows, sweep)
@@ -341,7 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     views = ", ".join(view.name for view in views) or "no scaling view: no run finished"
     print(f"scaling: table {output_dir / 'scaling.json'}; TensorBoard: tensorboard --logdir "
           f"{output_dir / 'tensorboard'} ({views})")
-    failed = [row["name"] for row in rows if not row["status"].startswith("ok")]
+    failed = [row["name"] for row in rows if not row["status"].startswith(("ok", "refused"))]
     if failed:
         print(f"scaling: {len(failed)} run(s) did not finish: {', '.join(failed)} (see {output_dir / 'logs'})",
               file=sys.stderr)
