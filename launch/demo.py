@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=2, help="processes for the deepspeed launcher")
     parser.add_argument("--tp", type=int, default=2, help="AutoTP degree of every training run")
     parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
+    parser.add_argument("--fused_linear", action="store_true", help="train every run with train.py --fused_linear "
+                        "(CE + SMMD from the LM head's input, no logits)")
     parser.add_argument("--vocab_size", type=int, default=2048, help="tokenizer size")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -67,15 +69,45 @@ def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight
                             micro_batch_size=args.micro_batch_size, max_steps=steps, lr=lr,
                             warmup_steps=max(steps // 10, 1), seed=args.seed, output_dir=output_dir,
                             tensorboard_dir=Path(args.work_dir) / "tensorboard" / name, smmd_weight=smmd_weight,
-                            export_hf=export_dir)
+                            export_hf=export_dir, fused_linear=args.fused_linear)
     log = output_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
-        completed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-    if completed.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {completed.returncode}); see {log}:\n" +
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+        returncode = follow_progress(process, output_dir / "metrics.jsonl", steps, name)
+    if returncode != 0:
+        raise SystemExit(f"{name} failed (exit {returncode}); see {log}:\n" +
                          "".join(log.read_text().splitlines(keepends=True)[-30:]))
     return output_dir
+
+
+def follow_progress(process: subprocess.Popen, metrics_path: Path, steps: int, name: str) -> int:
+    """A progress bar on the terminal for a run whose own output goes to its log file: the steps
+    rank 0 has written to metrics.jsonl, with the last loss and tokens/s. Returns the exit code."""
+    from tqdm import tqdm
+
+    done, position = 0, 0
+    with tqdm(total=steps, desc=f"    {name}", unit="step", dynamic_ncols=True, leave=False) as bar:
+        while True:
+            finished = process.poll() is not None
+            if metrics_path.is_file():
+                with open(metrics_path) as handle:
+                    handle.seek(position)
+                    for line in handle.readlines():
+                        if not line.endswith("\n"):  # a record still being written: read it next time
+                            break
+                        position += len(line)
+                        record = json.loads(line)
+                        if "loss/total" in record and record["step"] > done:
+                            bar.update(record["step"] - done)
+                            done = record["step"]
+                            postfix = {"loss": f"{record['loss/total']:.3f}"}
+                            if "perf/tokens_per_second" in record:
+                                postfix["tok/s"] = f"{record['perf/tokens_per_second']:.0f}"
+                            bar.set_postfix(postfix)
+            if finished:
+                return process.returncode
+            time.sleep(0.5)
 
 
 def training_summary(output_dir: Path) -> dict:
