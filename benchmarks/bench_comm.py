@@ -2,6 +2,9 @@
 
 Contenders on the same logits shard and targets:
   ours          smmd_cross_entropy (CE + SMMD): one packed integer all-reduce per forward
+  ntl_was       the same with NTLoss(vocab, "was") (CE + NTL-WAS): the same exchange
+  ntl_mse       the same with NTLoss(vocab, "mse")
+  smmd+ntl_was  the same with SMMDLoss(vocab) + 0.3 * NTLoss(vocab): two numeric losses, one exchange
   deepspeed_ce  deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy (CE only), with the
                 shard layout resolved once as DeepSpeed's VocabParallelCausalLMLoss does
   allgather     all-gathering the logits (what a naive vocab-parallel SMMD would have to do)
@@ -76,23 +79,42 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
     import deepspeed.comm
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
-    import smmd_scale
     from smmd_train.distributed import release_cpu_allreduce_segment
     deepspeed.comm.init_distributed("gloo", verbose=False)
     release_cpu_allreduce_segment()
+    rows = _measure(rank, world_size, configs, repeats, vocab_parallel_cross_entropy)
+    if rank == 0:
+        Path(out_dir, "rows.json").write_text(json.dumps(rows))
+    dist.barrier()
+    # Leave without interpreter finalization: here a process group stays referenced from outside
+    # Python's reach after shutdown_distributed() (it warns), and a gloo thread that runs into
+    # finalization can abort the process (smmd_train.distributed.shutdown_distributed explains why),
+    # which would make mp.spawn discard the written results.
+    os._exit(0)
+
+
+def _measure(rank, world_size, configs, repeats, vocab_parallel_cross_entropy) -> list:
+    """Rows of every contender at every config on this rank (its locals, groups included, go on return)."""
+    import smmd_scale
+
     group = dist.group.WORLD if world_size > 1 else None
     rows = []
     for tokens, vocab_size, numeric_size, share in configs:
         token_ids, logits, targets = _problem(tokens, vocab_size, numeric_size, share)
         start, end = vocab_size * rank // world_size, vocab_size * (rank + 1) // world_size
         shard_source = logits[:, start:end].contiguous()
-        smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(token_ids.tolist(), list(range(numeric_size)),
-                                                           vocab_size))
+        vocab = smmd_scale.NumericVocab(token_ids.tolist(), list(range(numeric_size)), vocab_size)
+        numeric_losses = {"ours": smmd_scale.SMMDLoss(vocab), "ntl_was": smmd_scale.NTLoss(vocab, kind="was"),
+                          "ntl_mse": smmd_scale.NTLoss(vocab, kind="mse"),
+                          "smmd+ntl_was": smmd_scale.SMMDLoss(vocab) + 0.3 * smmd_scale.NTLoss(vocab, kind="was")}
 
-        def ours():
-            shard = shard_source.clone().requires_grad_(True)
-            out = smmd_scale.smmd_cross_entropy(shard, targets, smmd, tp_group=group, vocab_start_index=start)
-            out.total.backward()
+        def ours_with(numeric_loss):
+            def run():
+                shard = shard_source.clone().requires_grad_(True)
+                out = smmd_scale.smmd_cross_entropy(shard, targets, numeric_loss, tp_group=group,
+                                                    vocab_start_index=start)
+                out.total.backward()
+            return run
 
         def deepspeed_ce():
             shard = shard_source.clone().requires_grad_(True)
@@ -107,7 +129,8 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
                          for k in range(world_size)]
                 dist.all_gather(parts, shard)
 
-        contenders = {"ours": ours, "deepspeed_ce": deepspeed_ce, "allgather": allgather}
+        contenders = {**{name: ours_with(loss) for name, loss in numeric_losses.items()},
+                      "deepspeed_ce": deepspeed_ce, "allgather": allgather}
         counts = {}
         for name, run in contenders.items():
             run()  # warm-up; for ours this also grows the numeric capacity once
@@ -130,13 +153,7 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
                          "spread": spread})
         if rank == 0:
             print(f"TP={world_size} tokens={tokens} V={vocab_size} N={numeric_size} share={share}: done", flush=True)
-    if rank == 0:
-        Path(out_dir, "rows.json").write_text(json.dumps(rows))
-    dist.barrier()
-    # Leave without interpreter teardown: after long runs DeepSpeed's CPU shared-memory comm op has
-    # aborted the process at exit ("terminate called without an active exception"), after the
-    # results were written, which made mp.spawn discard them.
-    os._exit(0)
+    return rows
 
 
 def main():

@@ -10,7 +10,7 @@ import pytest
 
 from launching import REPO
 
-CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours"]
+CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours"]
 RESULTS = {"pass", "fail", "not measured"}
 
 
@@ -40,11 +40,17 @@ def test_bench_loss_quick_writes_rows_and_targets(tmp_path):
     assert rows["deepspeed_ce"]["loss"] == pytest.approx(rows["torch_ce"]["loss"], rel=1e-5)
     assert rows["ours"]["loss"] == pytest.approx(rows["paper_way"]["loss"], rel=1e-4)
     assert rows["ours"]["loss_rel_diff_vs_paper_way"] < 1e-4
+    # CE + NTL-WAS: ours and the ntloss package compute the same objective on the same logits.
+    assert rows["ntl_was"]["loss"] == pytest.approx(rows["ntloss"]["loss"], rel=1e-5)
+    assert rows["ours_ce"]["loss"] == pytest.approx(rows["torch_ce"]["loss"], rel=1e-5)
+    for name in ("ntl_was", "ntl_mse"):
+        for other in ("ours_ce", "ntloss"):
+            assert rows[name][f"time_vs_{other}"] > 0 and rows[name][f"peak_vs_{other}"] > 0, (name, other)
     for other in ("deepspeed_ce", "paper_way"):
         assert rows["ours"][f"time_vs_{other}"] > 0 and rows["ours"][f"peak_vs_{other}"] > 0
 
     targets = results["targets"]
-    assert len(targets) == 6
+    assert len(targets) == 12
     for target in targets:
         assert target["result"] in RESULTS, target
         assert (target["measured"] is None) == (target["result"] == "not measured"), target
