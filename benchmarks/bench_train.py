@@ -1,17 +1,24 @@
-"""Training throughput with CE only vs CE + SMMD, side by side, and how it scales.
+"""Training throughput and peak memory with CE only, CE + SMMD and CE + SMMD through the fused
+linear head, side by side, how it scales, and the largest micro-batch that fits a memory budget.
 
 For each world size (1, 2, 4 processes) and parallelism (ZeRO-3; ZeRO-3 + AutoTP TP=2 with a
 vocabulary-parallel head where the world allows), train the same model on the same data with the
 same config through launch/train.py and the deepspeed launcher, with
-  ce       the model's own loss, what users run today (``--framework_loss``: HF's
-           ForCausalLMLoss, or DeepSpeed's VocabParallelCausalLMLoss under AutoTP);
-  ce+smmd  smmd_scale's fused CE + SMMD (``--smmd_weight 1``).
-Each pair runs ``--repeats`` times in alternating order; a run's throughput is the median
-``perf/tokens_per_second`` over its steps after the first few (warm-up) and a row reports the
-median over its repeats. Every run logs to one TensorBoard logdir, so the curves of all scales sit
-together (the run's world/TP/DP sizes are logged as run/* scalars).
+  ce             the model's own loss, what users run today (``--framework_loss``: HF's
+                 ForCausalLMLoss, or DeepSpeed's VocabParallelCausalLMLoss under AutoTP);
+  ce+smmd        smmd_scale's fused CE + SMMD on the head's logits (``--smmd_weight 1``);
+  ce+smmd fused  the same loss from the head's input, no logits (``--fused_linear``).
+Each set runs ``--repeats`` times in rotating order; a run's throughput is the median
+``perf/tokens_per_second`` over its steps after the first few (warm-up), its peak memory the
+run's ``summary/peak_memory_gib`` (max over ranks: peak RSS on CPU, max allocated on CUDA), and a
+row reports medians over its repeats. ``--vocab_size V`` trains a copy of the preset with a
+V-token head (the tokenizer stays small), which is where the logits' memory shows.
+``--budget_gib B`` then also runs a short job per micro-batch size in ``--budget_micro_batches``
+(world 1) with and without ``--fused_linear`` and reports the largest that stays under B.
+Every run logs to one TensorBoard logdir.
 
     python -m benchmarks.bench_train                         # CPU: tiny Llama, worlds 1 2 4
+    python -m benchmarks.bench_train --vocab_size 32000 --worlds 1 2 --budget_gib 2.5
     python -m benchmarks.bench_train --model 125m --device cuda --worlds 1 2 4 8 --steps 60
 """
 
@@ -29,6 +36,8 @@ from smmd_train.arguments import REPO, train_command
 from smmd_train.tensorboard import write_experiment
 
 WARMUP_STEPS = 3
+LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(smmd_weight=1.0),
+          "ce+smmd fused": dict(smmd_weight=1.0, fused_linear=True)}
 
 
 def parse_args():
@@ -43,6 +52,10 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=2, help="runs per (setting, loss), alternating")
     parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps, one repeat: a smoke run")
     parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=list(LOSSES))
+    parser.add_argument("--vocab_size", type=int, help="train the preset with a head of this many tokens")
+    parser.add_argument("--budget_gib", type=float, help="also find the largest micro-batch under this peak memory")
+    parser.add_argument("--budget_micro_batches", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     return parser.parse_args()
 
 
@@ -56,15 +69,36 @@ def prepare_data(work: Path) -> tuple:
     return corpus["train"], work / "tokenizer"
 
 
-def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str, repeat: int) -> dict:
-    name = f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_{loss}_run{repeat}"
+def model_with_vocabulary(args, work: Path, tokenizer_dir: Path) -> str:
+    """The preset, or (``--vocab_size``) a fresh copy of it with a ``--vocab_size``-token head saved
+    as a Hugging Face dir (the tokenizer's tokens are its first rows)."""
+    if not args.vocab_size:
+        return args.model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from smmd_train.presets import preset_config
+
+    directory = work / f"{args.model}_vocab{args.vocab_size}"
+    if not (directory / "config.json").is_file():
+        AutoModelForCausalLM.from_config(preset_config(args.model, args.vocab_size,
+                                                       max_position_embeddings=max(args.seq_len, 128))
+                                         ).save_pretrained(directory)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    return str(directory)
+
+
+def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str, repeat: int, *,
+        model=None, micro_batch_size=None, steps=None) -> dict:
+    micro_batch_size, steps = micro_batch_size or args.micro_batch_size, steps or args.steps
+    name = (f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_mb{micro_batch_size}_"
+            f"{loss.replace(' ', '_')}_run{repeat}")
     output = work / name
     shutil.rmtree(output, ignore_errors=True)
     command = train_command(processes=world, deepspeed_config=REPO / "ds_configs" / "zero3.json", tp=tp_size,
-                            model=args.model, tokenizer=tokenizer_dir, data=[data], seq_len=args.seq_len,
-                            micro_batch_size=args.micro_batch_size, max_steps=args.steps, warmup_steps=5,
+                            model=model or args.model, tokenizer=tokenizer_dir, data=[data], seq_len=args.seq_len,
+                            micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=5,
                             output_dir=output, cache_dir=work / "cache", tensorboard_dir=work / "tensorboard" / name,
-                            smmd_weight=1.0 if loss == "ce+smmd" else None, framework_loss=loss == "ce")
+                            **LOSSES[loss])
     env = dict(os.environ)
     if args.device == "cpu":
         env.update(DS_ACCELERATOR="cpu")
@@ -75,8 +109,28 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_second" in r and r["step"] > WARMUP_STEPS]
     rates = [r["perf/tokens_per_second"] for r in steps]
+    summary = next(r for r in records if "summary/peak_memory_gib" in r)
     return {"tokens_per_second": statistics.median(rates), "loss_bytes_per_step": steps[-1]["comm/loss_bytes"],
-            "wall_seconds": time.monotonic() - began}
+            "peak_memory_gib": summary["summary/peak_memory_gib"], "wall_seconds": time.monotonic() - began}
+
+
+def largest_micro_batch(args, work: Path, data, tokenizer_dir, model) -> list:
+    """Per loss (materialized, fused): the peak memory of a short world-1 run at each micro-batch
+    size, and the largest size under ``--budget_gib``."""
+    rows = []
+    for loss in ("ce+smmd", "ce+smmd fused"):
+        peaks = {}
+        for micro_batch_size in args.budget_micro_batches:
+            peaks[micro_batch_size] = run(args, work, data, tokenizer_dir, 1, 1, loss, 0, model=model,
+                                          micro_batch_size=micro_batch_size, steps=WARMUP_STEPS + 2)["peak_memory_gib"]
+            print(f"budget: {loss} micro-batch {micro_batch_size}: peak {peaks[micro_batch_size]:.2f} GiB", flush=True)
+            if peaks[micro_batch_size] > args.budget_gib:
+                break
+        fitting = [size for size, peak in peaks.items() if peak <= args.budget_gib]
+        rows.append({"loss": loss, "budget_gib": args.budget_gib, "peak_gib_by_micro_batch": peaks,
+                     "largest_micro_batch": max(fitting) if fitting else None,
+                     "largest_tokens": max(fitting) * args.seq_len if fitting else None})
+    return rows
 
 
 def main():
@@ -87,16 +141,18 @@ def main():
     shutil.rmtree(work / "tensorboard", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     data, tokenizer_dir = prepare_data(work)
+    model = model_with_vocabulary(args, work, tokenizer_dir)
     rows = []
     for world in args.worlds:
         for tp_size in (1, 2):
             if tp_size > 1 and (world < tp_size or world % tp_size):
                 continue
-            runs = {"ce": [], "ce+smmd": []}
-            for repeat in range(args.repeats):  # alternate the order so drift hits both alike
-                order = ("ce", "ce+smmd") if repeat % 2 == 0 else ("ce+smmd", "ce")
+            runs = {loss: [] for loss in args.losses}
+            for repeat in range(args.repeats):  # rotate the order so drift hits every loss alike
+                order = args.losses[repeat % len(args.losses):] + args.losses[:repeat % len(args.losses)]
                 for loss in order:
-                    runs[loss].append(run(args, work, data, tokenizer_dir, world, tp_size, loss, repeat))
+                    runs[loss].append(run(args, work, data, tokenizer_dir, world, tp_size, loss, repeat,
+                                          model=model))
             for loss, measured in runs.items():
                 rates = [m["tokens_per_second"] for m in measured]
                 rows.append({"run": f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}", "world": world,
@@ -105,33 +161,42 @@ def main():
                              "tokens_per_second_per_device": statistics.median(rates) / world,
                              "repeats_tokens_per_second": rates,
                              "spread": (max(rates) - min(rates)) / statistics.median(rates),
-                             "loss_bytes_per_step": measured[-1]["loss_bytes_per_step"]})
+                             "loss_bytes_per_step": measured[-1]["loss_bytes_per_step"],
+                             "peak_memory_gib": statistics.median(m["peak_memory_gib"] for m in measured)})
                 print(f"{rows[-1]['run']} {loss}: {rows[-1]['tokens_per_second']:.0f} tokens/s {rates}", flush=True)
     by_key = {(r["world"], r["tp"], r["loss"]): r for r in rows}
     for row in rows:
-        ce = by_key[(row["world"], row["tp"], "ce")]["tokens_per_second"]
-        row["throughput_vs_ce"] = row["tokens_per_second"] / ce
+        if (row["world"], row["tp"], "ce") in by_key:
+            ce = by_key[(row["world"], row["tp"], "ce")]
+            row["throughput_vs_ce"] = row["tokens_per_second"] / ce["tokens_per_second"]
+            row["peak_vs_ce"] = row["peak_memory_gib"] / ce["peak_memory_gib"]
         single = by_key.get((1, 1, row["loss"]))
         if single:  # tokens/s per device relative to one process of the same loss
             row["scaling_efficiency"] = row["tokens_per_second"] / (row["world"] * single["tokens_per_second"])
     columns = [("run", "run", "s"), ("world", "world", "d"), ("tp", "TP", "d"), ("dp", "DP", "d"),
                ("loss", "loss", "s"), ("tokens_per_second", "tokens/s", ".0f"),
                ("tokens_per_second_per_device", "tokens/s/device", ".0f"), ("throughput_vs_ce", "vs CE", ".3f"),
-               ("scaling_efficiency", "scaling eff.", ".2f"), ("loss_bytes_per_step", "loss bytes/step", ",.0f"),
+               ("scaling_efficiency", "scaling eff.", ".2f"), ("peak_memory_gib", "peak GiB/rank", ".2f"),
+               ("peak_vs_ce", "peak vs CE", ".2f"), ("loss_bytes_per_step", "loss bytes/step", ",.0f"),
                ("spread", "spread over repeats", ".0%")]
     print(markdown_table(rows, columns))
-    smmd_rows = [r for r in rows if r["loss"] == "ce+smmd"]
-    worst = min(r["throughput_vs_ce"] for r in smmd_rows)
-    print(f"target: throughput with SMMD >= 0.97x CE only; worst measured {worst:.3f} "
-          f"({'pass' if worst >= 0.97 else 'fail'})")
+    smmd_rows = [r for r in rows if r["loss"] == "ce+smmd" and "throughput_vs_ce" in r]
+    worst = min((r["throughput_vs_ce"] for r in smmd_rows), default=None)
+    if worst is not None:
+        print(f"target: throughput with SMMD >= 0.97x CE only; worst measured {worst:.3f} "
+              f"({'pass' if worst >= 0.97 else 'fail'})")
+    budget = largest_micro_batch(args, work, data, tokenizer_dir, model) if args.budget_gib else []
+    for row in budget:
+        print(f"largest micro-batch under {row['budget_gib']} GiB with {row['loss']}: {row['largest_micro_batch']} "
+              f"sequences ({row['largest_tokens']} tokens); peaks {row['peak_gib_by_micro_batch']}")
     write_experiment(str(work / "tensorboard"))
     print(f"TensorBoard (all scales together): tensorboard --logdir {work / 'tensorboard'}")
     print("wrote", write_results("bench_train" + ("_quick" if args.quick else ""), rows, results_dir=args.results_dir,
-                                 model=args.model,
+                                 model=args.model, vocab_size=args.vocab_size, budget=budget,
                                  steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                                  repeats=args.repeats,
                                  device=args.device, target={"smmd_throughput_vs_ce_min": worst,
-                                                             "pass": worst >= 0.97}))
+                                                             "pass": worst is not None and worst >= 0.97}))
 
 
 if __name__ == "__main__":
