@@ -262,3 +262,37 @@ def _vocab_parallel_ntl(rank, world_size, seed):
 def test_vocab_parallel_ntl_equals_single_device_with_one_collective(world_size):
     reports = values_or_raise(run_ranks(_vocab_parallel_ntl, world_size, int(torch.randint(0, 2**31, (1, )))))
     assert all(report == reports[0] for report in reports)
+
+
+def _megatron_entry_point_with_ntl(rank, world_size, seed):
+    """Megatron's [s, b, V/T] equal shards: per-token CE and NTL equal one device's; their masked
+    mean is NTLoss's value, and the gradients match."""
+    from smmd_scale import vocab_parallel_smmd_cross_entropy
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size, s, b = 16 * world_size, 7, 3
+    vocab = NumericVocab(torch.randperm(vocab_size, generator=generator)[:9].tolist(), list(range(9)), vocab_size)
+    ntl = NTLoss(vocab, kind="was" if seed % 2 else "mse")
+    logits = torch.randn(s, b, vocab_size, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, vocab_size, (s, b), generator=generator)
+    target[::2] = vocab.token_ids[torch.randint(0, 9, target[::2].shape, generator=generator)]
+    width = vocab_size // world_size
+    shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_(True)
+    ce, ntl_values = vocab_parallel_smmd_cross_entropy(shard, target, ntl, tp_group=dist.group.WORLD)
+    full = logits.clone().requires_grad_(True)
+    ce_full, ntl_full = vocab_parallel_smmd_cross_entropy(full, target, ntl)
+    assert torch.allclose(ce, ce_full, atol=1e-12) and torch.allclose(ntl_values, ntl_full, atol=1e-12)
+    numeric = ntl.numeric_mask(target)
+    assert (ntl_values[~numeric] == 0).all()
+    assert abs(ntl_values[numeric].mean().item() - ntl(logits, target).item()) <= 1e-10
+    mask = (torch.rand(s, b, generator=generator) < 0.7).double()  # a Megatron loss mask
+    ((ce * mask).sum() + 0.5 * (ntl_values * mask).sum()).backward()
+    ((ce_full * mask).sum() + 0.5 * (ntl_full * mask).sum()).backward()
+    assert torch.allclose(shard.grad, full.grad[..., rank * width:(rank + 1) * width], atol=1e-12)
+    return True
+
+
+@pytest.mark.gloo
+def test_megatron_entry_point_takes_ntl_on_two_ranks():
+    seed = int(torch.randint(0, 2**31, (1, )))
+    assert values_or_raise(run_ranks(_megatron_entry_point_with_ntl, 2, seed)) == [True, True]
