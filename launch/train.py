@@ -167,6 +167,7 @@ def main(argv=None) -> None:
     tokens_per_step = micro_batch_size * accumulation * topology.dp_size * args.seq_len
     progress = tqdm(total=args.max_steps, initial=start_step, disable=dist.get_rank() != 0, desc="train",
                     dynamic_ncols=True)
+    engine.train()  # from_pretrained returns a model in eval mode (no dropout, and no fused linear head)
     for step in range(start_step + 1, args.max_steps + 1):
         began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
         for _ in range(accumulation):
@@ -177,6 +178,9 @@ def main(argv=None) -> None:
             if installed is None:
                 monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
             else:
+                if args.fused_linear and "backward_comm_calls" not in installed.last_stats:
+                    raise RuntimeError("--fused_linear is installed but this training step computed the logits (the "
+                                       "fused path runs only for a training-mode forward with labels)")
                 monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
         guard.end_step(engine.was_step_applied())
         metrics = monitor.end_step(step, time.perf_counter() - began, tokens_per_step, learning_rate,

@@ -222,9 +222,10 @@ def test_two_nodes_simulated_on_loopback_continue_a_local_hf_checkpoint(tmp_path
     start = local_hf_checkpoint(tmp_path / "start", corpus)
     # Continued pretraining from a local HF dir, with lr 0: the weights must arrive intact through
     # the partitioned load, so the engine's eval equals the saved model's own. Also the one run
-    # with activation checkpointing under ZeRO-3.
+    # with activation checkpointing under ZeRO-3, and a fused linear head on a model that
+    # from_pretrained hands over in eval mode (train.py stops if a training step made logits).
     launcher = deepspeed_command(1, *train_args(corpus, output, gradient_checkpointing=True, steps=2, model=start,
-                                                lr=0.0), port=port)
+                                                lr=0.0, fused_linear=True), port=port)
     launcher = [launcher[0], "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port",
                 port] + launcher[launcher.index(str(TRAIN)):]
     nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
