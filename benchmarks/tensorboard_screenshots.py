@@ -4,8 +4,8 @@ through Selenium, so that the docs show what a user sees.
     apt-get install chromium chromium-driver && pip install -e ".[docs]"
     python -m benchmarks.tensorboard_screenshots --logdir sweeps/7b/tensorboard --out docs/images
 
-Writes ``tensorboard_<dashboard>.png`` for the Custom Scalars layout, the HParams table and the
-Time Series view, with no smoothing and "ignore outliers" off (TensorBoard keeps that setting in
+Writes ``tensorboard_<dashboard>.png`` for the Custom Scalars layout, the Scalars and Time Series
+views and the HParams table, with no smoothing and "ignore outliers" off (TensorBoard keeps that setting in
 the browser's local storage, not in the URL; with a few points per chart it would hide some).
 """
 
@@ -20,10 +20,12 @@ from pathlib import Path
 
 from smmd_train.arguments import free_port
 
+# URL (after the server's address) of each dashboard; Time Series draws with WebGL unless forceSVG.
 DASHBOARDS = {
-    "custom_scalars": "#custom_scalars&_smoothingWeight=0",
-    "hparams": "#hparams",
-    "timeseries": "#timeseries",
+    "custom_scalars": "/#custom_scalars&_smoothingWeight=0",
+    "scalars": "/#scalars&_smoothingWeight=0",
+    "hparams": "/#hparams",
+    "timeseries": "/?forceSVG=true#timeseries",
 }
 
 
@@ -66,7 +68,7 @@ def main(argv=None) -> None:
         browser.get(url)
         browser.execute_script("window.localStorage.setItem('_ignoreYOutliers', 'false')")
         for name in args.dashboards:
-            browser.get(f"{url}/{DASHBOARDS[name]}")
+            browser.get(f"{url}{DASHBOARDS[name]}")
             browser.refresh()  # the dashboards read local storage when they load
             time.sleep(args.settle_seconds)
             target = out / f"tensorboard_{name}.png"

@@ -98,11 +98,12 @@ def tensorboard_run(output_dir) -> tuple:
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, corpus):
-    """One 2-rank ZeRO-3 run from scratch (6 steps, a checkpoint every 2, an HF export at the end):
-    the subject of the ZeRO-3 test and the uninterrupted reference of the resume tests."""
+    """One 2-rank ZeRO-3 run from scratch (6 steps, a checkpoint every 2, an evaluation every 3, an
+    HF export at the end): the subject of the ZeRO-3 test and the uninterrupted reference of the
+    resume tests (evaluating changes no training state)."""
     output, port = tmp_path_factory.mktemp("zero3") / "run", free_port()
-    run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, export_hf=output / "hf"), port=port),
-        timeout=600)
+    run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, eval_steps=3,
+                                         export_hf=output / "hf"), port=port), timeout=600)
     return output, port
 
 
@@ -113,6 +114,9 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
     assert sorted(step for step in logged if step) == [1, 2, 3, 4, 5, 6]
+    # Evaluated at steps 3 and 6, once each: the last step's evaluation is the final one.
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records if "eval/ce" in record] == [3, 6]
     first, last = logged[1], logged[6]
     assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/numeric"], rel=1e-5)
     assert first["numeric/tokens"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
