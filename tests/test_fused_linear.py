@@ -159,7 +159,10 @@ def _bad(generator):
     (lambda h, w, b, t: (h.long(), w, b, t), TypeError, "must share one floating dtype"),
     (lambda h, w, b, t: (h, w, b.to("meta"), t), ValueError, "must be on hidden's device cpu"),
     (lambda h, w, b, t: (h, w, b[:-1], t), ValueError, r"bias has 49 elements in 1 dims; expected \[50\]"),
-    (lambda h, w, b, t: (h, w, b, t + 50), ValueError, r"targets\[\d+\] = \d+ is outside the vocabulary \[0, 50\)"),
+    # Positions 0-2 are made ignored, so position 3 is the first bad one whatever the random draw (adding 50 to
+    # every target turned an ignored -100 into -50, which the message names as the first bad one).
+    (lambda h, w, b, t: (h, w, b, torch.where(torch.arange(t.numel()).view_as(t) < 3, -100, t + 150)), ValueError,
+     r"targets\[3\] = \d+ is outside the vocabulary \[0, 50\)"),
     (lambda h, w, b, t: (h[:, :0], w, b, t[:, :0]), ValueError, "hidden holds 0 tokens"),
     (lambda h, w, b, t: (h, w, b, t[:, :3]), ValueError, "targets hold 6 positions"),
 ])
