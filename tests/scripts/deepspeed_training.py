@@ -25,7 +25,8 @@ from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdo
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
-parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--kv_heads", type=int, default=2, help="AutoTP splits the KV heads too: TP=4 needs 4")
 parser.add_argument("--offload", action="store_true", help="also train each variant with ZeRO-3 offload")
 parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choices=["untied", "tied"])
 parser.add_argument("--out", required=True)
@@ -46,7 +47,8 @@ def build_engine(tied: bool, offload: bool):
     zero_init = HfDeepSpeedConfig(dict(config))
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied), torch_dtype=torch.float32)
+        num_key_value_heads=args.kv_heads, max_position_embeddings=64, tie_word_embeddings=tied),
+        torch_dtype=torch.float32)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                            mpu=groups if args.tp > 1 else None)
     del zero_init
