@@ -125,7 +125,7 @@ def test_table_speedup_and_efficiency_against_the_smallest_world_size():
     table = format_table(list(rows.values()))
     assert "| ws2-tp1 | 2 | 1 x 2 | 1 | 180 | 90 | 1.80 | 0.90 | 1.00 | ok |" in table
     assert "| ws4-tp1 | 4 | 1 x 4 | 1 | - | - | - | - | - | failed (exit 1) |" in table
-    assert "| ws1-tp2 | 1 | 2 x 0 | 1 | - | - | - | - | - | refused: TP 2 is larger than the world size 1 |" in table
+    assert "| ws1-tp2 | 1 | 2 x - | 1 | - | - | - | - | - | refused: TP 2 is larger than the world size 1 |" in table
 
 
 def test_the_scaling_view_has_one_point_per_world_size(tmp_path):

@@ -275,7 +275,8 @@ def format_table(rows: Sequence[dict]) -> str:
         def cell(key, fmt):
             return format(row[key], fmt) if key in row else "-"
 
-        lines.append(f"| {row['name']} | {row['world_size']} | {row['tp']} x {row['dp']} | {row['nodes']} | "
+        data_parallel = row["dp"] or "-"  # a refused pair (TP above the world size) has no DP degree
+        lines.append(f"| {row['name']} | {row['world_size']} | {row['tp']} x {data_parallel} | {row['nodes']} | "
                      f"{cell('tokens_per_second', '.0f')} | {cell('tokens_per_second_per_rank', '.0f')} | "
                      f"{cell('speedup', '.2f')} | {cell('efficiency', '.2f')} | {cell('peak_memory_gib', '.2f')} | "
                      f"{row['status']} |")
