@@ -102,6 +102,18 @@ def test_bad_numeric_loss_flags_are_named(tmp_path, capsys, entries, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"warmup_steps": -1}, r"--warmup_steps -1 must be >= 0"),
+    ({"min_lr_ratio": 1.5}, r"--min_lr_ratio 1.5 must be in \[0, 1\]"),
+    ({"min_lr_ratio": -0.1}, r"--min_lr_ratio -0.1 must be in \[0, 1\]"),
+])
+def test_bad_schedule_flags_are_named(tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit):
+        parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1,
+                               output_dir=tmp_path, **options))
+    assert re.search(message, capsys.readouterr().err)
+
+
 def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", data=["x.jsonl"], max_steps=1,

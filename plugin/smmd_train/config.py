@@ -141,7 +141,6 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = 1.0
 
-
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage != 3:

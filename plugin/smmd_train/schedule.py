@@ -16,16 +16,13 @@ from typing import Optional
 import torch
 
 MAX_WARMUP_FRACTION = 0.1
-
-
 DEFAULT_WARMUP_STEPS = 100
 
 
 def warmup_steps_for(requested: Optional[int], max_steps: int) -> int:
     """The warmup actually used: ``requested`` (None: :data:`DEFAULT_WARMUP_STEPS`), at most
-    :data:`MAX_WARMUP_FRACTION` of ``max_steps`` (rounded up), at least 1 step."""
-    if requested is not None and requested < 0:
-        raise ValueError(f"--warmup_steps {requested} must be >= 0")
+    :data:`MAX_WARMUP_FRACTION` of ``max_steps`` (rounded up), at least 1 step. (``parse_args`` has
+    refused a negative ``requested``.)"""
     wanted = DEFAULT_WARMUP_STEPS if requested is None else requested
     return max(1, min(wanted, math.ceil(MAX_WARMUP_FRACTION * max_steps)))
 
