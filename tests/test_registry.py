@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from smmd_scale import NTLoss, NumericVocab, SMMDLoss, WeightedNumericLosses
+from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, parse_terms, statistic_names
+
+
+def test_parse_terms_reads_weights_and_names_bad_entries():
+    assert parse_terms("smmd:1 ntl-was:0.3") == [("smmd", 1.0), ("ntl-was", 0.3)]
+    assert parse_terms(["ntl-mse"]) == [("ntl-mse", 1.0)]
+    for bad, message in (("cross", r"'cross' is not one of smmd, ntl-was, ntl-mse"), ("smmd:x", "must be a number"),
+                         ("smmd:-1", "finite number >= 0"), ("smmd:nan", "finite number >= 0"),
+                         ("smmd smmd:2", "names each loss once"), ("", "at least one loss name")):
+        with pytest.raises(ValueError, match=message):
+            parse_terms(bad)
+
+
+def test_build_numeric_loss_passes_each_group_its_options():
+    vocab = NumericVocab(list(range(10)), list(range(10)), 16)
+    single = build_numeric_loss(vocab, [("smmd", 1.0)], {"smmd": {"sigmas": (3.0, )}, "ntl": {"reweigh": False}})
+    assert isinstance(single, SMMDLoss) and single.sigmas == (3.0, )
+    summed = build_numeric_loss(vocab, parse_terms("smmd:2 ntl-mse:0.5"), {"ntl": {"reweigh": False}})
+    assert isinstance(summed, WeightedNumericLosses)
+    (smmd, smmd_weight), (ntl, ntl_weight) = summed.weighted_terms()
+    assert isinstance(smmd, SMMDLoss) and smmd_weight == 2.0
+    assert isinstance(ntl, NTLoss) and ntl.kind == "mse" and ntl.reweigh is False and ntl_weight == 0.5
+
+
+def test_every_entry_reports_the_statistic_it_registers():
+    vocab = NumericVocab(list(range(10)), list(range(10)), 16)
+    logits, targets = torch.randn(6, 16, dtype=torch.float64), torch.tensor([1, 2, 3, 11, -100, 9])
+    from smmd_scale import smmd_cross_entropy
+
+    for entry in NUMERIC_LOSSES.values():
+        stats = smmd_cross_entropy(logits, targets, entry.build(vocab)).stats
+        assert {entry.stat_name, *entry.parts} <= set(stats), entry.name
+    assert set(statistic_names()) == {"smmd", "mmd", "smooth", "ntl_was", "ntl_mse"}
