@@ -1,7 +1,7 @@
 """What crosses the wire per loss call: collectives, bytes and time at TP = 1, 2, 4 (gloo ranks).
 
 Contenders on the same logits shard and targets:
-  ours          smmd_cross_entropy (CE + SMMD): one packed integer all-reduce per forward
+  ours          numeric_cross_entropy (CE + SMMD): one packed integer all-reduce per forward
   ntl_was       the same with NTLoss(vocab, "was") (CE + NTL-WAS): the same exchange
   ntl_mse       the same with NTLoss(vocab, "mse")
   smmd+ntl_was  the same with SMMDLoss(vocab) + 0.3 * NTLoss(vocab): two numeric losses, one exchange
@@ -111,7 +111,7 @@ def _measure(rank, world_size, configs, repeats, vocab_parallel_cross_entropy) -
         def ours_with(numeric_loss):
             def run():
                 shard = shard_source.clone().requires_grad_(True)
-                out = smmd_scale.smmd_cross_entropy(shard, targets, numeric_loss, tp_group=group,
+                out = smmd_scale.numeric_cross_entropy(shard, targets, numeric_loss, tp_group=group,
                                                     vocab_start_index=start)
                 out.total.backward()
             return run

@@ -2,9 +2,9 @@
 
 Contenders, all on the same ``hidden [tokens, H]`` and head ``weight [V, H]`` (both require grad):
   torch_ce          F.cross_entropy(hidden @ weight.T): what HF's ForCausalLMLoss does
-  ours_materialized smmd_scale.smmd_cross_entropy(hidden @ weight.T, ...) with SMMD weight 1
-  ours_fused_w0     smmd_scale.linear_smmd_cross_entropy(hidden, weight, ...), SMMD weight 0 (CE only)
-  ours_fused        smmd_scale.linear_smmd_cross_entropy(hidden, weight, ...), SMMD weight 1
+  ours_materialized smmd_scale.numeric_cross_entropy(hidden @ weight.T, ...) with SMMD weight 1
+  ours_fused_w0     smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 0 (CE only)
+  ours_fused        smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 1
   deepspeed_fused   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy, CE only
                     (DeepSpeed 0.19.8's fused linear CE; tp_group=None)
   liger_fallback    liger_kernel.ops.LigerFusedLinearScaledCrossEntropyFunction, CE only (its pure-torch
@@ -109,10 +109,10 @@ def build(name: str, shape: Shape, numeric_ids: torch.Tensor):
         smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(numeric_ids.tolist(), list(range(NUMERIC_SIZE)),
                                                            shape.vocab_size))
         if name == "ours_materialized":
-            return lambda hidden, weight, targets: smmd_scale.smmd_cross_entropy(hidden @ weight.T, targets,
+            return lambda hidden, weight, targets: smmd_scale.numeric_cross_entropy(hidden @ weight.T, targets,
                                                                                  smmd).total
         smmd_weight = 0.0 if name == "ours_fused_w0" else 1.0
-        return lambda hidden, weight, targets: smmd_scale.linear_smmd_cross_entropy(hidden, weight, targets, smmd,
+        return lambda hidden, weight, targets: smmd_scale.linear_numeric_cross_entropy(hidden, weight, targets, smmd,
                                                                                     smmd_weight).total
     if name == "deepspeed_fused":
         from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy

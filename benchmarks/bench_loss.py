@@ -5,11 +5,11 @@ Contenders, all on one ``logits [tokens, V]`` (requires grad) and ``targets [tok
   deepspeed_ce  deepspeed.sequence.cross_entropy.vocab_parallel_cross_entropy at TP = 1 (CE only)
   paper_way     torch_ce + SMMD computed the way the paper's implementation does (contenders/paper_way.py)
   ntloss        torch_ce + NTLoss (NTL-WAS) from the ``ntloss`` package, called as its README does
-  ours_ce       smmd_scale.smmd_cross_entropy(logits, targets, SMMDLoss(vocab), weight=0.0).total: our CE
+  ours_ce       smmd_scale.numeric_cross_entropy(logits, targets, SMMDLoss(vocab), weight=0.0).total: our CE
                 alone (the numeric statistics are still computed, as in a CE-only training run)
-  ntl_was       smmd_scale.smmd_cross_entropy(logits, targets, NTLoss(vocab, "was"), weight=1.0).total
+  ntl_was       smmd_scale.numeric_cross_entropy(logits, targets, NTLoss(vocab, "was"), weight=1.0).total
   ntl_mse       the same with NTLoss(vocab, "mse")
-  ours          smmd_scale.smmd_cross_entropy(logits, targets, SMMDLoss(vocab), weight=1.0).total
+  ours          smmd_scale.numeric_cross_entropy(logits, targets, SMMDLoss(vocab), weight=1.0).total
 
 Inputs: N numeric tokens at random distinct ids with values 0..N-1; a share of the targets is
 numeric, the rest are random non-numeric ids, ~5% of all targets ignore_index.
@@ -160,10 +160,10 @@ def build_loss(name: str, shape: Shape, token_ids: torch.Tensor):
     vocab = smmd_scale.NumericVocab(token_ids.tolist(), values, vocab_size)
     if name in ("ours", "ours_ce"):
         smmd, weight = smmd_scale.SMMDLoss(vocab), 1.0 if name == "ours" else 0.0
-        return lambda logits, targets: smmd_scale.smmd_cross_entropy(logits, targets, smmd, weight=weight).total
+        return lambda logits, targets: smmd_scale.numeric_cross_entropy(logits, targets, smmd, weight=weight).total
     if name in ("ntl_was", "ntl_mse"):
         ntl = smmd_scale.NTLoss(vocab, kind=name.split("_")[1])
-        return lambda logits, targets: smmd_scale.smmd_cross_entropy(logits, targets, ntl, weight=1.0).total
+        return lambda logits, targets: smmd_scale.numeric_cross_entropy(logits, targets, ntl, weight=1.0).total
     raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
 
 

@@ -1,5 +1,5 @@
-"""linear_smmd_cross_entropy: CE + SMMD from the head's input without the logits, against
-smmd_cross_entropy on the materialized logits (float64, fresh random shapes), on one device and on
+"""linear_numeric_cross_entropy: CE + SMMD from the head's input without the logits, against
+numeric_cross_entropy on the materialized logits (float64, fresh random shapes), on one device and on
 real gloo groups of 2 and 4 ranks (uneven head shards), with its collectives counted."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch.distributed as dist
 from test_parallel import CollectiveSpy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from smmd_scale import NumericVocab, SMMDLoss, linear_smmd_cross_entropy, smmd_cross_entropy
+from smmd_scale import NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
 
 from distributed import run_ranks, values_or_raise
 
@@ -37,18 +37,18 @@ def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, i
 
 def fused_and_materialized(vocab, hidden, head, bias, targets, weight=1.0, num_items=None, chunk_size=None,
                            **options):
-    """(output, grads) of the fused op and of smmd_cross_entropy on hidden @ head.T + bias."""
+    """(output, grads) of the fused op and of numeric_cross_entropy on hidden @ head.T + bias."""
     smmd = SMMDLoss(vocab, **options)
     results = []
     for fused in (True, False):
         leaves = [tensor.clone().requires_grad_(True) for tensor in (hidden, head, bias) if tensor is not None]
         h, w, b = (leaves + [None])[:3]
         if fused:
-            out = linear_smmd_cross_entropy(h, w, targets, smmd, weight, bias=b, num_items_in_batch=num_items,
+            out = linear_numeric_cross_entropy(h, w, targets, smmd, weight, bias=b, num_items_in_batch=num_items,
                                             chunk_size=chunk_size)
         else:
             logits = h @ w.T if b is None else h @ w.T + b
-            out = smmd_cross_entropy(logits, targets, smmd, weight, num_items_in_batch=num_items)
+            out = numeric_cross_entropy(logits, targets, smmd, weight, num_items_in_batch=num_items)
         out.total.backward()
         results.append((out, [leaf.grad for leaf in leaves]))
     return results
@@ -70,7 +70,7 @@ def test_fused_equals_materialized_float64(generator, case):
         chunk = [None, 1, 7, vocab_rows, vocab_rows // 3 + 1][trial % 5]  # divides the head's rows or not
         (fused, fused_grads), (reference, reference_grads) = fused_and_materialized(
             vocab, hidden, head, bias, targets, weight=0.7, num_items=num_items, chunk_size=chunk)
-        for name in ("total", "ce", "smmd"):
+        for name in ("total", "ce", "numeric"):
             assert abs(getattr(fused, name).item() - getattr(reference, name).item()) <= \
                 1e-10 * max(abs(getattr(reference, name).item()), 1e-12), (case, trial, name)
         for fused_grad, reference_grad in zip(fused_grads, reference_grads):
@@ -94,10 +94,10 @@ def test_bf16_inputs_are_within_bf16_tolerance_of_an_fp32_reference(generator):
     vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=300)
     smmd = SMMDLoss(vocab)
     half = [tensor.to(torch.bfloat16).requires_grad_(True) for tensor in (hidden, head, bias)]
-    out = linear_smmd_cross_entropy(*half[:2], targets, smmd, bias=half[2], chunk_size=64)
+    out = linear_numeric_cross_entropy(*half[:2], targets, smmd, bias=half[2], chunk_size=64)
     out.total.backward()
     full = [tensor.to(torch.bfloat16).float().requires_grad_(True) for tensor in (hidden, head, bias)]
-    reference = smmd_cross_entropy(full[0] @ full[1].T + full[2], targets, smmd)
+    reference = numeric_cross_entropy(full[0] @ full[1].T + full[2], targets, smmd)
     reference.total.backward()
     assert out.total.dtype == torch.float32
     assert out.total.item() == pytest.approx(reference.total.item(), rel=2e-2)
@@ -129,7 +129,7 @@ def test_never_a_tokens_by_vocabulary_tensor(generator):
     targets = torch.randint(0, vocab_size, (tokens, ), generator=generator)
     targets[::2] = torch.randint(100, 200, (tokens // 2, ), generator=generator)
     with LargestTensor() as watch:
-        out = linear_smmd_cross_entropy(hidden, head, targets, SMMDLoss(vocab), chunk_size=chunk)
+        out = linear_numeric_cross_entropy(hidden, head, targets, SMMDLoss(vocab), chunk_size=chunk)
         out.total.backward()
     # the head's gradient [V, H] is an output; no [tokens, V] logits, softmax or gradient exists
     assert watch.largest == vocab_size * hidden_size
@@ -170,15 +170,15 @@ def test_bad_inputs_are_named(generator, change, error, match):
     smmd, *tensors = _bad(generator)
     hidden, head, bias, targets = change(*tensors)
     with pytest.raises(error, match=match):
-        linear_smmd_cross_entropy(hidden, head, targets, smmd, bias=bias)
+        linear_numeric_cross_entropy(hidden, head, targets, smmd, bias=bias)
 
 
 def test_bad_chunk_size(generator):
     smmd, hidden, head, bias, targets = _bad(generator)
     with pytest.raises(ValueError, match="chunk_size=0 must be a positive int"):
-        linear_smmd_cross_entropy(hidden, head, targets, smmd, chunk_size=0)
+        linear_numeric_cross_entropy(hidden, head, targets, smmd, chunk_size=0)
     with pytest.raises(TypeError, match="chunk_size=2.5 must be an int"):
-        linear_smmd_cross_entropy(hidden, head, targets, smmd, chunk_size=2.5)
+        linear_numeric_cross_entropy(hidden, head, targets, smmd, chunk_size=2.5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def _tp_equals_single_device(rank, world_size, seed):
         smmd = SMMDLoss(vocab)
 
         leaves = [tensor.clone().requires_grad_(True) for tensor in (hidden, head, bias) if tensor is not None]
-        single = linear_smmd_cross_entropy(leaves[0], leaves[1], targets, smmd, 0.8,
+        single = linear_numeric_cross_entropy(leaves[0], leaves[1], targets, smmd, 0.8,
                                            bias=leaves[2] if bias is not None else None, num_items_in_batch=num_items)
         single.total.backward()
         for repeat in range(2):  # the second call runs at the capacity the first one grew
@@ -211,12 +211,12 @@ def _tp_equals_single_device(rank, world_size, seed):
             w = head[start:end].clone().requires_grad_(True)
             b = None if bias is None else bias[start:end].clone().requires_grad_(True)
             with CollectiveSpy() as forward:
-                out = linear_smmd_cross_entropy(h, w, targets, smmd, 0.8, bias=b, tp_group=dist.group.WORLD,
+                out = linear_numeric_cross_entropy(h, w, targets, smmd, 0.8, bias=b, tp_group=dist.group.WORLD,
                                                 vocab_start_index=start, num_items_in_batch=num_items,
                                                 chunk_size=int(torch.randint(1, 60, (1, ), generator=generator)))
             with CollectiveSpy() as backward:
                 out.total.backward()
-            for name in ("total", "ce", "smmd"):
+            for name in ("total", "ce", "numeric"):
                 assert abs(getattr(out, name).item() - getattr(single, name).item()) <= \
                     1e-10 * max(abs(getattr(single, name).item()), 1e-12), (trial, name)
             assert relative(h.grad, leaves[0].grad) <= 1e-10
@@ -259,12 +259,12 @@ def _bad_on_one_rank(rank, world_size):
             else:
                 chunk = -1
         try:
-            linear_smmd_cross_entropy(h, w, targets, SMMDLoss(vocab), tp_group=dist.group.WORLD,
+            linear_numeric_cross_entropy(h, w, targets, SMMDLoss(vocab), tp_group=dist.group.WORLD,
                                       vocab_start_index=rank * 20, chunk_size=chunk)
             outcomes.append("no error")
         except (ValueError, TypeError) as error:
             outcomes.append(f"{type(error).__name__}: {error}")
-    healthy = linear_smmd_cross_entropy(hidden, shard, targets, SMMDLoss(vocab), tp_group=dist.group.WORLD,
+    healthy = linear_numeric_cross_entropy(hidden, shard, targets, SMMDLoss(vocab), tp_group=dist.group.WORLD,
                                         vocab_start_index=rank * 20)
     assert torch.isfinite(healthy.total)
     return outcomes

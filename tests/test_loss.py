@@ -1,12 +1,12 @@
-"""SMMDLoss and smmd_cross_entropy on one device, against the paper's reference values and a
+"""SMMDLoss and numeric_cross_entropy on one device, against the paper's reference values and a
 plain float64 reference on fresh random inputs."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy, vocab_parallel_smmd_cross_entropy
-from smmd_scale.kernels import build_kernel
+from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy, vocab_parallel_numeric_cross_entropy
+from smmd_scale.value_kernel import build_kernel
 
 from conftest import random_problem
 from reference import (
@@ -74,13 +74,13 @@ def test_fused_matches_fixtures_plus_torch_cross_entropy(reference_cases):
     for case in reference_cases:
         weight = 0.7
         logits = case["logits"].clone().requires_grad_(True)
-        out = smmd_cross_entropy(logits, case["targets"], _loss_for(case), weight=weight)
+        out = numeric_cross_entropy(logits, case["targets"], _loss_for(case), weight=weight)
         out.total.backward()
         plain = case["logits"].clone().requires_grad_(True)
         ce = F.cross_entropy(plain.reshape(-1, case["vocab_size"]), case["targets"].reshape(-1))
         ce.backward()
         assert abs(out.ce.item() - ce.item()) <= 1e-12
-        assert abs(out.smmd.item() - case["loss"].item()) <= 1e-10
+        assert abs(out.numeric.item() - case["loss"].item()) <= 1e-10
         assert abs(out.total.item() - (ce.item() + weight * case["loss"].item())) <= 1e-10
         assert (logits.grad - (plain.grad + weight * case["grad"])).abs().max().item() <= 1e-10
 
@@ -117,7 +117,7 @@ def test_fused_random_inputs_match_reference(generator, num_items):
         valid = int((targets != -100).sum())
         num_items_in_batch = {None: None, "count": valid, "larger": valid + 7}[num_items]
         fast_logits = logits.clone().requires_grad_(True)
-        out = smmd_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=weight,
+        out = numeric_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=weight,
                                  num_items_in_batch=num_items_in_batch)
         out.total.backward()
         slow_logits = logits.clone().requires_grad_(True)
@@ -125,7 +125,7 @@ def test_fused_random_inputs_match_reference(generator, num_items):
                                           num_items_in_batch=num_items_in_batch)
         total.backward()
         assert abs(out.ce.item() - ce.item()) <= 1e-10
-        assert abs(out.smmd.item() - smmd.item()) <= 1e-10
+        assert abs(out.numeric.item() - smmd.item()) <= 1e-10
         assert abs(out.total.item() - total.item()) <= 1e-10
         assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
 
@@ -136,7 +136,7 @@ def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset):
     smmd = SMMDLoss(NumericVocab(list(range(10, 30)), list(range(20)), 3000))
 
     def per_token_ce(logits, targets):
-        return vocab_parallel_smmd_cross_entropy(logits, targets, smmd)[0]
+        return vocab_parallel_numeric_cross_entropy(logits, targets, smmd)[0]
 
     seed = int(torch.randint(0, 2**31, (1, ), generator=generator))
     ce_error, grad_error = fp32_ce_errors(per_token_ce, offset, seed)
@@ -145,11 +145,11 @@ def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset):
 
 def test_ce_equals_torch_cross_entropy_float32(generator):
     vocab, logits, targets = random_problem(generator, vocab_size=300, shape=(3, 50), dtype=torch.float32)
-    ours = smmd_cross_entropy(logits, targets, SMMDLoss(vocab)).ce
+    ours = numeric_cross_entropy(logits, targets, SMMDLoss(vocab)).ce
     theirs = F.cross_entropy(logits.reshape(-1, 300), targets.reshape(-1))
     assert relative_error(ours, theirs) <= 1e-6
     summed = F.cross_entropy(logits.reshape(-1, 300), targets.reshape(-1), reduction="sum") / 1000
-    assert relative_error(smmd_cross_entropy(logits, targets, SMMDLoss(vocab), num_items_in_batch=1000).ce,
+    assert relative_error(numeric_cross_entropy(logits, targets, SMMDLoss(vocab), num_items_in_batch=1000).ce,
                           summed) <= 1e-6
 
 
@@ -159,7 +159,7 @@ def test_low_precision_logits_computed_in_float32(generator, dtype, tolerance):
     vocab, logits, targets = random_problem(generator, vocab_size=150, shape=(2, 20))
     logits = logits.to(dtype)
     fast_logits = logits.clone().requires_grad_(True)
-    out = smmd_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=1.0)
+    out = numeric_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=1.0)
     out.total.backward()
     assert out.total.dtype == torch.float32 and fast_logits.grad.dtype == dtype
     slow_logits = logits.double().requires_grad_(True)
@@ -185,9 +185,9 @@ def test_fused_gradient_against_central_differences(generator):
     vocab, logits, targets = random_problem(generator, vocab_size=12, numeric_size=5, shape=(2, 3),
                                             numeric_share=0.7, ignore_share=0.1)
     smmd = SMMDLoss(vocab, sigmas=(1.0, 3.0))
-    for name in ("total", "ce", "smmd"):
+    for name in ("total", "ce", "numeric"):
         def value(x):
-            return getattr(smmd_cross_entropy(x, targets, smmd, weight=0.5), name)
+            return getattr(numeric_cross_entropy(x, targets, smmd, weight=0.5), name)
 
         x = logits.clone().requires_grad_(True)
         value(x).backward()
@@ -207,18 +207,18 @@ def test_separate_backward_of_ce_and_smmd(generator):
     """Each output has its own gradient; a scaled upstream gradient scales it."""
     vocab, logits, targets = random_problem(generator)
     smmd = SMMDLoss(vocab)
-    for name in ("ce", "smmd"):
+    for name in ("ce", "numeric"):
         fast_logits = logits.clone().requires_grad_(True)
-        (getattr(smmd_cross_entropy(fast_logits, targets, smmd), name) * 3.0).backward()
+        (getattr(numeric_cross_entropy(fast_logits, targets, smmd), name) * 3.0).backward()
         slow_logits = logits.clone().requires_grad_(True)
         _, ce, smmd_ref = reference_total(slow_logits, targets, vocab.token_ids, vocab.values)
-        ({"ce": ce, "smmd": smmd_ref}[name] * 3.0).backward()
+        ({"ce": ce, "numeric": smmd_ref}[name] * 3.0).backward()
         assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
 
 
 def test_stats_match_reference(generator):
     vocab, logits, targets = random_problem(generator, shape=(3, 11), numeric_share=0.6)
-    out = smmd_cross_entropy(logits, targets, SMMDLoss(vocab, mode="smmd"))
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab, mode="smmd"))
     K, L, alpha = reference_kernel(vocab.values)
     ids = vocab.token_ids.tolist()
     rows = [(row, ids.index(t)) for row, t in enumerate(targets.reshape(-1).tolist()) if t in ids]
@@ -298,15 +298,15 @@ def test_no_numeric_targets_gives_exact_zero_that_backpropagates(generator):
     loss = SMMDLoss(vocab)(logits, targets)
     loss.backward()
     assert loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
-    out = smmd_cross_entropy(logits.detach().requires_grad_(True), targets, SMMDLoss(vocab))
-    assert out.smmd.item() == 0.0 and out.stats["numeric_tokens"] == 0
+    out = numeric_cross_entropy(logits.detach().requires_grad_(True), targets, SMMDLoss(vocab))
+    assert out.numeric.item() == 0.0 and out.stats["numeric_tokens"] == 0
 
 
 def test_all_targets_ignored_gives_zero_with_backward(generator):
     vocab, logits, targets = random_problem(generator)
     targets = torch.full_like(targets, -100)
     logits = logits.clone().requires_grad_(True)
-    out = smmd_cross_entropy(logits, targets, SMMDLoss(vocab))
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab))
     out.total.backward()
     assert out.total.item() == 0.0 and out.ce.item() == 0.0
     assert logits.grad.abs().max().item() == 0.0
@@ -321,7 +321,7 @@ def test_nan_logits_never_become_a_finite_loss(generator):
         for where in (int(vocab.token_ids[0]), 0 if int(vocab.token_ids[0]) else 1):
             poisoned = logits.clone()
             poisoned[row, column, where] = float("nan")
-            out = smmd_cross_entropy(poisoned, targets, smmd)
+            out = numeric_cross_entropy(poisoned, targets, smmd)
             assert torch.isnan(out.total), (row, column, where)
     poisoned = logits.clone()
     poisoned[0, 0, int(vocab.token_ids[0])] = float("nan")
@@ -352,7 +352,7 @@ def test_alpha_auto_is_half_inverse_mean_degree():
 def test_single_backward_guard(generator):
     vocab, logits, targets = random_problem(generator)
     logits = logits.clone().requires_grad_(True)
-    out = smmd_cross_entropy(logits, targets, SMMDLoss(vocab))
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab))
     out.total.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         out.total.backward()
@@ -371,7 +371,7 @@ def test_one_working_buffer_is_saved_for_backward(generator):
 
         x = logits.to(dtype).requires_grad_(True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = smmd_cross_entropy(x, targets, SMMDLoss(vocab))
+            out = numeric_cross_entropy(x, targets, SMMDLoss(vocab))
         big = [t for t in saved if t.numel() >= 256 * 4000]
         assert len(big) == 1 and big[0].element_size() == compute_bytes, [tuple(t.shape) for t in saved]
         small_bytes = sum(t.numel() * t.element_size() for t in saved if t.numel() < 256 * 4000)
@@ -382,7 +382,7 @@ def test_one_working_buffer_is_saved_for_backward(generator):
 def test_weight_zero_is_plain_cross_entropy(generator):
     vocab, logits, targets = random_problem(generator)
     ours = logits.clone().requires_grad_(True)
-    out = smmd_cross_entropy(ours, targets, SMMDLoss(vocab), weight=0.0)
+    out = numeric_cross_entropy(ours, targets, SMMDLoss(vocab), weight=0.0)
     out.total.backward()
     plain = logits.clone().requires_grad_(True)
     F.cross_entropy(plain.reshape(-1, vocab.vocab_size), targets.reshape(-1)).backward()
@@ -412,10 +412,11 @@ def small():
     (lambda s, x, t: s(x, t.masked_fill(t == 0, -3)), ValueError, r"targets\[3\] = -3 is outside"),
     (lambda s, x, t: s(x.numpy(), t), TypeError, "must be torch.Tensors"),
     (lambda s, x, t: s(x[0, 0, 0], t), ValueError, "last \\(vocabulary\\) dim"),
-    (lambda s, x, t: smmd_cross_entropy(x, t, s, weight=-1.0), ValueError, "weight=-1.0"),
-    (lambda s, x, t: smmd_cross_entropy(x, t, s, weight=float("nan")), ValueError, "weight=nan"),
-    (lambda s, x, t: smmd_cross_entropy(x, t, "not a loss"), TypeError, "smmd must be a smmd_scale.SMMDLoss"),
-    (lambda s, x, t: smmd_cross_entropy(x, t, s, num_items_in_batch=-4), ValueError, "num_items_in_batch=-4"),
+    (lambda s, x, t: numeric_cross_entropy(x, t, s, weight=-1.0), ValueError, "weight=-1.0"),
+    (lambda s, x, t: numeric_cross_entropy(x, t, s, weight=float("nan")), ValueError, "weight=nan"),
+    (lambda s, x, t: numeric_cross_entropy(x, t, "not a loss"), TypeError,
+     "numeric_loss must be a smmd_scale.NumericLoss"),
+    (lambda s, x, t: numeric_cross_entropy(x, t, s, num_items_in_batch=-4), ValueError, "num_items_in_batch=-4"),
     (lambda s, x, t: s(x, t, vocab_start_index=2), ValueError, "logits have 8 columns"),
 ])
 def test_bad_call_inputs(small, call, error, match):

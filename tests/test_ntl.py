@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import smmd_scale
-from smmd_scale import NTLoss, NumericVocab, SMMDLoss, linear_smmd_cross_entropy, smmd_cross_entropy
+from smmd_scale import NTLoss, NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
 
 import style_tokenizers
 from conftest import random_problem
@@ -29,14 +29,14 @@ def test_matches_the_float64_reference(generator, options):
         vocab, logits, targets = random_problem(generator, duplicate_values=bool(torch.randint(0, 2, (1, ))))
         ntl = NTLoss(vocab, **options)
         ours = logits.clone().requires_grad_(True)
-        out = smmd_cross_entropy(ours, targets, ntl, weight=0.7)
+        out = numeric_cross_entropy(ours, targets, ntl, weight=0.7)
         out.total.backward()
         reference_logits = logits.clone().requires_grad_(True)
         expected_ntl = reference_ntl(reference_logits, targets, vocab.token_ids, vocab.values, **options)
         expected_ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size),
                                                         targets.reshape(-1)) if (targets != -100).any() else 0.0
         (expected_ce + 0.7 * expected_ntl).backward()
-        assert relative_error(out.smmd.detach(), expected_ntl.detach()) <= 1e-10
+        assert relative_error(out.numeric.detach(), expected_ntl.detach()) <= 1e-10
         assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
         assert out.stats[ntl.name] == pytest.approx(expected_ntl.item(), rel=1e-10, abs=1e-12)
         alone = logits.clone().requires_grad_(True)
@@ -53,7 +53,7 @@ def test_a_weighted_sum_with_smmd_is_the_sum_of_its_terms(generator):
     combined = SMMDLoss(vocab) + 0.3 * NTLoss(vocab) + 0.5 * NTLoss(vocab, kind="mse", reweigh=False)
     assert isinstance(combined, smmd_scale.WeightedNumericLosses) and combined.needs_mass
     ours = logits.clone().requires_grad_(True)
-    out = smmd_cross_entropy(ours, targets, combined, weight=1.0)
+    out = numeric_cross_entropy(ours, targets, combined, weight=1.0)
     out.total.backward()
     reference_logits = logits.clone().requires_grad_(True)
     parts = {"smmd": reference_smmd(reference_logits, targets, vocab.token_ids, vocab.values),
@@ -63,7 +63,7 @@ def test_a_weighted_sum_with_smmd_is_the_sum_of_its_terms(generator):
     expected = parts["smmd"] + 0.3 * parts["ntl_was"] + 0.5 * parts["ntl_mse"]
     ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size), targets.reshape(-1))
     (ce + expected).backward()
-    assert relative_error(out.smmd.detach(), expected.detach()) <= 1e-10
+    assert relative_error(out.numeric.detach(), expected.detach()) <= 1e-10
     assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
     for name, value in parts.items():
         assert out.stats[name] == pytest.approx(value.item(), rel=1e-10)
@@ -214,10 +214,10 @@ def test_fused_linear_head_with_ntl(generator):
     head = torch.randn(150, 12, generator=generator, dtype=torch.float64)
     for numeric in (NTLoss(vocab), SMMDLoss(vocab) + 0.3 * NTLoss(vocab, kind="mse")):
         fused = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
-        out = linear_smmd_cross_entropy(*fused, targets, numeric, 0.9, chunk_size=37)
+        out = linear_numeric_cross_entropy(*fused, targets, numeric, 0.9, chunk_size=37)
         out.total.backward()
         materialized = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
-        reference = smmd_cross_entropy(materialized[0] @ materialized[1].T, targets, numeric, 0.9)
+        reference = numeric_cross_entropy(materialized[0] @ materialized[1].T, targets, numeric, 0.9)
         reference.total.backward()
         assert out.total.item() == pytest.approx(reference.total.item(), rel=1e-10)
         for ours, expected in zip(fused, materialized):
@@ -238,12 +238,12 @@ def _vocab_parallel_ntl(rank, world_size, seed):
         payload = {}
         for name, numeric in losses.items():
             full = logits.clone().requires_grad_(True)
-            single = smmd_cross_entropy(full, targets, numeric, weight=0.6)
+            single = numeric_cross_entropy(full, targets, numeric, weight=0.6)
             single.total.backward()
             for _ in range(2):  # the second call runs at the capacity the first one grew
                 shard = logits[..., start:end].clone().requires_grad_(True)
                 with CollectiveSpy() as forward:
-                    out = smmd_cross_entropy(shard, targets, numeric, weight=0.6, tp_group=dist.group.WORLD,
+                    out = numeric_cross_entropy(shard, targets, numeric, weight=0.6, tp_group=dist.group.WORLD,
                                              vocab_start_index=start)
                 with CollectiveSpy() as backward:
                     out.total.backward()
@@ -267,7 +267,7 @@ def test_vocab_parallel_ntl_equals_single_device_with_one_collective(world_size)
 def _megatron_entry_point_with_ntl(rank, world_size, seed):
     """Megatron's [s, b, V/T] equal shards: per-token CE and NTL equal one device's; their masked
     mean is NTLoss's value, and the gradients match."""
-    from smmd_scale import vocab_parallel_smmd_cross_entropy
+    from smmd_scale import vocab_parallel_numeric_cross_entropy
 
     generator = torch.Generator().manual_seed(seed)
     vocab_size, s, b = 16 * world_size, 7, 3
@@ -278,9 +278,9 @@ def _megatron_entry_point_with_ntl(rank, world_size, seed):
     target[::2] = vocab.token_ids[torch.randint(0, 9, target[::2].shape, generator=generator)]
     width = vocab_size // world_size
     shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_(True)
-    ce, ntl_values = vocab_parallel_smmd_cross_entropy(shard, target, ntl, tp_group=dist.group.WORLD)
+    ce, ntl_values = vocab_parallel_numeric_cross_entropy(shard, target, ntl, tp_group=dist.group.WORLD)
     full = logits.clone().requires_grad_(True)
-    ce_full, ntl_full = vocab_parallel_smmd_cross_entropy(full, target, ntl)
+    ce_full, ntl_full = vocab_parallel_numeric_cross_entropy(full, target, ntl)
     assert torch.allclose(ce, ce_full, atol=1e-12) and torch.allclose(ntl_values, ntl_full, atol=1e-12)
     numeric = ntl.numeric_mask(target)
     assert (ntl_values[~numeric] == 0).all()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy, vocab_parallel_smmd_cross_entropy
+from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy, vocab_parallel_numeric_cross_entropy
 
 from distributed import CollectiveSpy, run_ranks, values_or_raise
 from reference import FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE, FP32_OFFSETS, fp32_ce_errors
@@ -68,14 +68,14 @@ def _tp_equals_single_device(rank, world_size, seed, trials):
         smmd = SMMDLoss(vocab, sigmas=(1.0, 3.0))
 
         full = logits.clone().requires_grad_(True)
-        single = smmd_cross_entropy(full, targets, smmd, weight=weight, num_items_in_batch=num_items)
+        single = numeric_cross_entropy(full, targets, smmd, weight=weight, num_items_in_batch=num_items)
         single.total.backward()
         for _ in range(2):  # the second call runs at the capacity the first one grew
             shard = logits[..., start:end].clone().requires_grad_(True)
-            parallel = smmd_cross_entropy(shard, targets, smmd, weight=weight, tp_group=group,
+            parallel = numeric_cross_entropy(shard, targets, smmd, weight=weight, tp_group=group,
                                           vocab_start_index=start, num_items_in_batch=num_items)
             parallel.total.backward()
-            for name in ("total", "ce", "smmd"):
+            for name in ("total", "ce", "numeric"):
                 assert _close(getattr(parallel, name).detach(), getattr(single, name).detach(), dtype), \
                     (trial, name, placement)
             assert _close(shard.grad, full.grad[..., start:end], dtype), (trial, "grad", placement)
@@ -113,9 +113,9 @@ def _megatron_layout(rank, world_size, seed):
     target[::2] = vocab.token_ids[torch.randint(0, 9, (target[::2].shape), generator=generator)]
     width = vocab_size // world_size
     shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_(True)
-    ce, smmd_values = vocab_parallel_smmd_cross_entropy(shard, target, smmd, tp_group=dist.group.WORLD)
+    ce, smmd_values = vocab_parallel_numeric_cross_entropy(shard, target, smmd, tp_group=dist.group.WORLD)
     full = logits.clone().requires_grad_(True)
-    ce_full, smmd_full = vocab_parallel_smmd_cross_entropy(full, target, smmd)
+    ce_full, smmd_full = vocab_parallel_numeric_cross_entropy(full, target, smmd)
     assert ce.shape == (s, b) and smmd_values.shape == (s, b)
     assert torch.allclose(ce, ce_full, atol=1e-12) and torch.allclose(smmd_values, smmd_full, atol=1e-12)
     assert (smmd_values[~smmd.numeric_mask(target)] == 0).all()
@@ -136,7 +136,7 @@ def _fp32_errors(rank, world_size, seed):
     smmd = SMMDLoss(NumericVocab(list(range(10, 30)), list(range(20)), vocab_size))
 
     def per_token_ce(shard, targets):
-        return vocab_parallel_smmd_cross_entropy(shard, targets, smmd, tp_group=dist.group.WORLD,
+        return vocab_parallel_numeric_cross_entropy(shard, targets, smmd, tp_group=dist.group.WORLD,
                                                  vocab_start_index=bounds[rank])[0]
 
     return [fp32_ce_errors(per_token_ce, offset, seed, vocab_size=vocab_size, start=bounds[rank],
@@ -162,11 +162,11 @@ def _data_times_tensor_parallel(rank, world_size, seed):
     vocab, logits, targets, bounds = _problem(generator, 2, "spread", torch.float64)
     smmd = SMMDLoss(vocab)
     full = logits.clone().requires_grad_(True)
-    single = smmd_cross_entropy(full, targets, smmd, weight=0.5)
+    single = numeric_cross_entropy(full, targets, smmd, weight=0.5)
     single.total.backward()
     start, end = bounds[tp_rank], bounds[tp_rank + 1]
     shard = logits[..., start:end].clone().requires_grad_(True)
-    parallel = smmd_cross_entropy(shard, targets, smmd, weight=0.5, tp_group=groups[data_rank],
+    parallel = numeric_cross_entropy(shard, targets, smmd, weight=0.5, tp_group=groups[data_rank],
                                   vocab_start_index=start)
     parallel.total.backward()
     assert abs(parallel.total.item() - single.total.item()) <= 1e-10
@@ -196,7 +196,7 @@ def _collectives_and_bytes(rank, world_size, seed):
                                                              generator=generator)]
             shard = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_(True)
             with CollectiveSpy() as forward:
-                out = smmd_cross_entropy(shard, targets, smmd, tp_group=dist.group.WORLD,
+                out = numeric_cross_entropy(shard, targets, smmd, tp_group=dist.group.WORLD,
                                          vocab_start_index=bounds[rank])
             with CollectiveSpy() as backward:
                 out.total.backward()

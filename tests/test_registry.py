@@ -29,9 +29,9 @@ def test_build_numeric_loss_passes_each_group_its_options():
 def test_every_entry_reports_the_statistic_it_registers():
     vocab = NumericVocab(list(range(10)), list(range(10)), 16)
     logits, targets = torch.randn(6, 16, dtype=torch.float64), torch.tensor([1, 2, 3, 11, -100, 9])
-    from smmd_scale import smmd_cross_entropy
+    from smmd_scale import numeric_cross_entropy
 
     for entry in NUMERIC_LOSSES.values():
-        stats = smmd_cross_entropy(logits, targets, entry.build(vocab)).stats
+        stats = numeric_cross_entropy(logits, targets, entry.build(vocab)).stats
         assert {entry.stat_name, *entry.parts} <= set(stats), entry.name
     assert set(statistic_names()) == {"smmd", "mmd", "smooth", "ntl_was", "ntl_mse"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smmd_scale import NumericVocab, SMMDLoss, smmd_cross_entropy
+from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy
 
 from distributed import run_ranks, values_or_raise
 from launching import REPO
@@ -31,8 +31,8 @@ CATALOGUE = {
     "shards_overlap": (1, "ValueError", "do not tile the vocabulary"),
     "shards_leave_a_gap": ("last", "ValueError", "do not tile the vocabulary"),
     "shard_beyond_vocabulary": ("last", "ValueError", r"shard covers vocabulary ids \[\d+, \d+\) which is not inside"),
-    "different_vocabulary": (1, "ValueError", "hold different numeric vocabularies or SMMD options"),
-    "different_options": (0, "ValueError", "hold different numeric vocabularies or SMMD options"),
+    "different_vocabulary": (1, "ValueError", "hold different numeric vocabularies or numeric-loss options"),
+    "different_options": (0, "ValueError", "hold different numeric vocabularies or numeric-loss options"),
     "negative_weight": (1, "ValueError", "weight=-0.5 must be a finite number >= 0"),
     "nan_weight": (0, "ValueError", "weight=nan must be"),
     "negative_num_items": (1, "ValueError", "num_items_in_batch=-3 must be >= 0"),
@@ -98,7 +98,7 @@ def _one_scenario(rank, world_size, scenario):
                 num_items = -3
         shard = logits[:, start:min(end, vocab_size)] if scenario != "shard_beyond_vocabulary" or not bad else \
             torch.cat([logits[:, start:vocab_size], logits[:, :2]], dim=1)
-        smmd_cross_entropy(shard, targets, smmd, weight=weight, tp_group=dist.group.WORLD, vocab_start_index=start,
+        numeric_cross_entropy(shard, targets, smmd, weight=weight, tp_group=dist.group.WORLD, vocab_start_index=start,
                            num_items_in_batch=num_items)
     except (ValueError, TypeError) as error:
         return type(error).__name__, str(error), time.monotonic() - began
@@ -112,7 +112,7 @@ def _catalogue(rank, world_size):
         # A healthy call after each failure: the group is still usable, nothing is left half-done.
         vocab = NumericVocab([1, 5], [1.0, 5.0], 10 * world_size)
         logits = torch.randn(6, 10 * world_size)
-        out = smmd_cross_entropy(logits[:, rank * 10:(rank + 1) * 10], torch.tensor([1, 5, 7, 9, -100, 3]),
+        out = numeric_cross_entropy(logits[:, rank * 10:(rank + 1) * 10], torch.tensor([1, 5, 7, 9, -100, 3]),
                                  SMMDLoss(vocab), tp_group=dist.group.WORLD, vocab_start_index=rank * 10)
         assert torch.isfinite(out.total)
     return outcomes

@@ -17,7 +17,7 @@ benchmark is about the *data flow* of the published implementation, which this f
 
 import torch
 
-from smmd_scale.kernels import build_kernel
+from smmd_scale.value_kernel import build_kernel
 
 
 class PaperWaySMMD:

@@ -1,19 +1,26 @@
-"""smmd-scale: Smooth-MMD numeric loss for vocabulary-parallel LLM training.
+"""smmd-scale: numeric-aware losses (SMMD, NTL) next to cross-entropy, for vocabulary-parallel LLM training.
 
     vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer)
-    out = smmd_scale.smmd_cross_entropy(logits, targets, smmd_scale.SMMDLoss(vocab), weight=1.0)
-    out.total.backward()
+    out = smmd_scale.numeric_cross_entropy(logits, targets, smmd_scale.SMMDLoss(vocab), weight=1.0)
+    out.total.backward()                      # out.ce, out.numeric, out.stats
+
+Second-round names (``smmd_cross_entropy``, ``linear_smmd_cross_entropy``, ``SMMDOutput``,
+``vocab_parallel_smmd_cross_entropy``) remain for one release and warn.
 """
 
-from .fused_linear import linear_smmd_cross_entropy
-from .integrations import install, vocab_parallel_smmd_cross_entropy
-from .loss import SMMDOutput, smmd_cross_entropy
+from .fused_linear import linear_numeric_cross_entropy, linear_smmd_cross_entropy
+from .integrations import install, vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
+from .loss import NumericOutput, SMMDOutput, numeric_cross_entropy, smmd_cross_entropy
 from .ntl import NTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
+from .registry import NUMERIC_LOSSES, build_numeric_loss
 from .smmd import SMMDLoss
 from .vocab import NumericVocab
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["NTLoss", "NumericLoss", "NumericVocab", "SMMDLoss", "SMMDOutput", "WeightedNumericLosses", "install",
-           "linear_smmd_cross_entropy", "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy", "__version__"]
+__all__ = ["NTLoss", "NUMERIC_LOSSES", "NumericLoss", "NumericOutput", "NumericVocab", "SMMDLoss",
+           "WeightedNumericLosses", "build_numeric_loss", "install", "linear_numeric_cross_entropy",
+           "numeric_cross_entropy", "vocab_parallel_numeric_cross_entropy", "__version__",
+           # deprecated aliases, one release
+           "SMMDOutput", "linear_smmd_cross_entropy", "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy"]

@@ -1,8 +1,8 @@
 """CE + a numeric loss straight from the LM head's input: the logits never exist as a whole.
 
-    out = linear_smmd_cross_entropy(hidden [..., H], head_weight [V_local, H], targets [...], smmd)
+    out = linear_numeric_cross_entropy(hidden [..., H], head_weight [V_local, H], targets [...], numeric_loss)
 
-The same contract as :func:`smmd_scale.smmd_cross_entropy` on ``hidden @ head_weight.T (+ bias)``,
+The same contract as :func:`smmd_scale.numeric_cross_entropy` on ``hidden @ head_weight.T (+ bias)``,
 with the logits produced one block of head rows at a time (``[tokens, chunk_size]``):
 
 * forward: one pass over the blocks keeps a running (max, sum of exp) per token (merged online, so
@@ -31,20 +31,29 @@ from typing import Optional
 import torch
 
 from . import checks
-from .loss import (
-    ShiftedLogSumExp,
-    _check_numeric_loss,
-    _guard_single_backward,
+from .call_plan import (
+    CallPlan,
+    LogitsSpec,
+    NumericLossLike,
+    check_numeric_loss,
     check_weight,
+    compute_dtype_for,
+    plan_call,
+)
+from .deprecation import renamed
+from .loss import NumericOutput, PerTokenLosses, reduce_losses
+from .parallel import group_size_and_rank, reduce_input_gradient
+from .steps import (
+    ShiftedLogSumExp,
+    claim_single_backward,
     cross_entropy_per_token,
     exchange_or_keep_local,
-    numeric_step,
-    record_stats,
-    reduce_losses,
+    merge_block_logsumexp,
+    numeric_loss_and_gradient,
+    numeric_per_token,
     row_multipliers,
+    stat_sums,
 )
-from .numeric_loss import LogitsSpec, NumericLoss, compute_dtype_for
-from .parallel import group_size_and_rank, reduce_input_gradient
 
 # A block of logits holds at least this many elements (4 MiB in fp32): smaller GEMMs waste time.
 MIN_BLOCK_ELEMENTS = 1 << 20
@@ -78,11 +87,11 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
     """``hidden [T, H]``, ``head_weight [V_local, H]``, ``bias [V_local]`` -> (CE ``[T]``, numeric loss ``[T]``)."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, bias, plan, chunk_size: int):
+    def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int):
         compute_dtype = plan.compute_dtype
         tokens = hidden.shape[0]
-        shift = torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device)
-        total = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+        running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
+                                   torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
         target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
         for start, end in _blocks(head_weight.shape[0], chunk_size):
             logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
@@ -90,32 +99,27 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
             picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
             target_logits = torch.where(in_block, picked, target_logits)
-            new_shift = torch.maximum(shift, logits.amax(dim=-1))
-            # A row whose shift is still -inf has nothing to rescale (and -inf - -inf would be NaN).
-            carried = torch.where(torch.isneginf(new_shift), torch.zeros_like(total), total * (shift - new_shift).exp())
-            total = carried + logits.sub_(new_shift[:, None]).exp_().sum(dim=-1)
-            shift = new_shift
-        local_lse = ShiftedLogSumExp(shift, total.log())
+            running = merge_block_logsumexp(running, logits)
+        local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
 
         numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
         numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
                                       compute_dtype).to(plan.spec.dtype)
-        lse, target_logits, numeric_logits, comm_calls, comm_bytes = exchange_or_keep_local(
-            plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
-        ce = cross_entropy_per_token(lse, target_logits.to(compute_dtype), plan.valid)
-        step = numeric_step(plan, numeric_logits, lse)
-        numeric = torch.zeros_like(ce).index_put_((plan.positions, ), step.terms.value.to(ce.dtype))
-        record_stats(plan, step, comm_calls, comm_bytes)
+        pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
+        ce = cross_entropy_per_token(pieces.lse, pieces.target_logits.to(compute_dtype), plan.valid)
+        numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
+        sums = stat_sums(plan, numeric, pieces.comm)
+        ctx.mark_non_differentiable(sums)
 
         ctx.consumed = False
         ctx.plan, ctx.chunk_size = plan, chunk_size
-        ctx.lse, ctx.numeric_grad, ctx.row_coefficient = lse, step.grad, step.row_coefficient
+        ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
         ctx.save_for_backward(hidden, head_weight, bias)
-        return ce, numeric
+        return ce, numeric_per_token(plan, numeric, ce), sums
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_numeric):
-        _guard_single_backward(ctx)
+    def backward(ctx, grad_ce, grad_numeric, _grad_stats):
+        claim_single_backward(ctx)
         hidden, head_weight, bias = ctx.saved_tensors
         plan, lse = ctx.plan, ctx.lse
         compute_dtype = plan.compute_dtype
@@ -128,7 +132,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
         owned_rows = plan.owned.nonzero().squeeze(1)
         owned_targets = plan.local_targets[owned_rows]
         lo, hi = plan.numeric_columns
-        local_columns = [token_id - plan.vocab_start_index for token_id in plan.loss.token_id_list[lo:hi]]
+        local_columns = plan.local_numeric_columns.tolist()
         numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
 
         for start, end in _blocks(head_weight.shape[0], ctx.chunk_size):
@@ -157,19 +161,19 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                     grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
 
         if needs_hidden:
-            if plan.tp_state is not None:
+            if plan.tensor_parallel:
                 reduce_input_gradient(grad_hidden, plan.tp_group)
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
-                            numeric_loss: NumericLoss, *, bias: Optional[torch.Tensor] = None, tp_group=None,
+                            numeric_loss: NumericLossLike, *, bias: Optional[torch.Tensor] = None, tp_group=None,
                             vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                            weight: Optional[float] = None, chunk_size: Optional[int] = None) -> tuple:
-    """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced:
-    ``([T], [T], forward plan)``; see :func:`linear_smmd_cross_entropy`."""
-    _check_numeric_loss(numeric_loss)
+                            weight: Optional[float] = None, chunk_size: Optional[int] = None) -> PerTokenLosses:
+    """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
+    :func:`linear_numeric_cross_entropy`."""
+    check_numeric_loss(numeric_loss)
     for name, value in (("hidden", hidden), ("head_weight", head_weight), ("targets", targets)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -183,20 +187,21 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
     width = head_weight.shape[0] if head_weight.dim() == 2 else 0
     spec = LogitsSpec(tuple(hidden.shape[:-1]) + (width, ) if hidden.dim() else (width, ), hidden.dtype,
                       hidden.device)
-    plan = numeric_loss.prepare(spec, targets, tp_group, vocab_start_index, with_ce=True,
-                                num_items_in_batch=num_items_in_batch, weight=weight, failed_check=failed_check)
+    plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
+                     num_items_in_batch=num_items_in_batch, weight=weight, failed_check=failed_check)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
-    ce, numeric = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
-    return ce, numeric, plan
+    ce, numeric, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
+    return PerTokenLosses(ce, numeric, plan, sums)
 
 
-def linear_smmd_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
-                              smmd: NumericLoss, weight: float = 1.0, *, bias: Optional[torch.Tensor] = None,
-                              tp_group=None, vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                              chunk_size: Optional[int] = None):
-    """CE + weight * SMMD (or another numeric loss) of the logits ``hidden @ head_weight.T (+ bias)``,
-    without ever making them: the same :class:`SMMDOutput` as ``smmd_cross_entropy`` on those logits.
+def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                                 numeric_loss: NumericLossLike, weight: float = 1.0, *,
+                                 bias: Optional[torch.Tensor] = None, tp_group=None,
+                                 vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
+                                 chunk_size: Optional[int] = None) -> NumericOutput:
+    """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
+    making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
     hidden:      ``[..., H]``, identical on every rank of ``tp_group``
     head_weight: ``[V_local, H]`` this rank's rows of the head (vocabulary ids from
@@ -209,14 +214,16 @@ def linear_smmd_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, t
     ``["backward_comm_bytes"]``); none at all on one device.
     """
     weight = check_weight(weight)
-    ce, numeric, plan = linear_per_token_losses(hidden, head_weight, targets, smmd, bias=bias, tp_group=tp_group,
-                                                vocab_start_index=vocab_start_index,
-                                                num_items_in_batch=num_items_in_batch, weight=weight,
-                                                chunk_size=chunk_size)
-    output = reduce_losses(ce, numeric, plan, weight, num_items_in_batch)
-    reduces_gradient = plan.tp_state is not None and hidden.requires_grad
+    losses = linear_per_token_losses(hidden, head_weight, targets, numeric_loss, bias=bias, tp_group=tp_group,
+                                     vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
+                                     weight=weight, chunk_size=chunk_size)
+    output = reduce_losses(losses, weight, num_items_in_batch)
+    reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)
     output.stats["backward_comm_bytes"] = (
-        ce.shape[0] * hidden.shape[-1] * torch.empty((), dtype=compute_dtype_for(hidden.dtype)).element_size()
+        losses.ce.shape[0] * hidden.shape[-1] * torch.empty((), dtype=compute_dtype_for(hidden.dtype)).element_size()
         if reduces_gradient else 0)
     return output
+
+
+linear_smmd_cross_entropy = renamed(linear_numeric_cross_entropy, "linear_smmd_cross_entropy", {"smmd": "numeric_loss"})

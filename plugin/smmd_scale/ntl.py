@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import squash_distances
 from .numeric_loss import NumericLoss, NumericTerms
+from .value_kernel import squash_distances
 from .vocab import NumericVocab
 
 KINDS = ("was", "mse")
@@ -40,7 +40,7 @@ class NTLoss(NumericLoss):
     """NTL-WAS (``kind="was"``) or NTL-MSE (``kind="mse"``) over the tokens of ``vocab``.
 
     ``loss = NTLoss(vocab)(logits, targets)``, or in one pass with CE:
-    ``smmd_cross_entropy(logits, targets, NTLoss(vocab), weight=0.3)``. Defaults are ntloss's:
+    ``numeric_cross_entropy(logits, targets, NTLoss(vocab), weight=0.3)``. Defaults are ntloss's:
     ``reweigh=True``, ``squash_factor=None`` (raw distances). The numeric tokens are ``vocab``'s:
     ``NumericVocab.from_tokenizer(tokenizer, policy="digits")`` gives ntloss's ``digit_level=True``
     set on digit tokenizers, and also counts space-marked spellings (``Ġ7``) and byte-fallback digits
@@ -110,7 +110,7 @@ class NTLoss(NumericLoss):
             distances = self._distances_on(q.device, q.dtype)[numeric_targets]  # [P, N]: D[t, j]
             value, grad_q = (distances * q).sum(dim=-1), distances
         else:
-            values = self.vocab_tensors(q.device, q.dtype).values
+            values = self.vocab.on(q.device, q.dtype)[1]
             error = q @ values - values[numeric_targets]
             value, grad_q = error.square(), 2.0 * error[:, None] * values[None, :]
         grad_mass = None

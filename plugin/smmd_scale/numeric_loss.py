@@ -1,58 +1,35 @@
-"""What every numeric loss shares: its numeric vocabulary, input validation, and the plan of one
-call (which positions are numeric, which columns this shard owns) built before any collective.
+"""What a numeric loss is: a :class:`NumericVocab`, ``ignore_index``, and its math at the positions
+whose target is numeric — nothing per call, no collective state.
 
 A numeric loss is a function of the model's distribution over the numeric tokens at the positions
 whose target is numeric: ``q = softmax(numeric logits)`` ``[P, N]`` and, for losses that weigh by it,
-the probability ``mass`` the full softmax puts on the numeric tokens ``[P]``. Subclasses
-(:class:`smmd_scale.SMMDLoss`) implement :meth:`NumericLoss.numeric_terms`; the fused ops in
-``loss.py`` and ``fused_linear.py`` chain its gradient through the softmax, so every numeric loss
+the probability ``mass`` the full softmax puts on the numeric tokens ``[P]``. A new loss subclasses
+:class:`NumericLoss` and implements :attr:`~NumericLoss.name`, :meth:`~NumericLoss.options` and
+:meth:`~NumericLoss.numeric_terms` (plus an entry in ``registry.py`` for the command line and the
+monitor); the ops (``loss.py``, ``fused_linear.py``) chain its gradient through the softmax, so it
 runs on full logits, vocabulary-parallel shards and the fused linear head with the same one exchange.
+Calling a loss runs the op (:func:`smmd_scale.loss.numeric_loss_mean`): the op knows a loss only
+through the small protocol in ``call_plan.py``, so the import runs one way, op -> loss.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
+import hashlib
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from . import checks
-from .parallel import ExchangeState, RankContribution, exchange, group_size_and_rank, options_fingerprint
+from .loss import numeric_loss_mean
 from .vocab import NumericVocab
 
 
-def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
-    """Losses are computed in at least float32; float64 logits stay float64."""
-    return torch.float64 if logits_dtype == torch.float64 else torch.float32
-
-
-@dataclass(frozen=True)
-class LogitsSpec:
-    """The logits a call scores, described without the tensor (the fused linear path never makes it):
-    ``shape`` ``[..., V_local]``, ``dtype`` and ``device``."""
-
-    shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, logits: torch.Tensor) -> "LogitsSpec":
-        return cls(tuple(logits.shape), logits.dtype, logits.device)
-
-    @property
-    def width(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def tokens(self) -> int:
-        count = 1
-        for size in self.shape[:-1]:
-            count *= size
-        return count
+def options_fingerprint(*parts) -> int:
+    """A deterministic 62-bit fingerprint of loss options (identical across processes)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 @dataclass
@@ -63,7 +40,8 @@ class NumericTerms:
     grad_q:     ``[P, N]`` d value / d q, q = softmax over the numeric tokens
     grad_mass:  ``[P]`` d value / d mass (the full softmax's mass on the numeric tokens), or None
                 when the loss does not depend on it
-    parts:      named ``[P]`` components logged as statistics (e.g. ``mmd`` and ``smooth``)
+    parts:      named ``[P]`` statistics, one per name in the loss's ``stat_names`` (the loss's own
+                value under its ``name`` first, then e.g. SMMD's ``mmd`` and ``smooth``)
     """
 
     value: torch.Tensor
@@ -72,44 +50,14 @@ class NumericTerms:
     parts: dict = field(default_factory=dict)
 
 
-@dataclass
-class VocabTensors:
-    """The numeric vocabulary on one device: ids ``[N]`` (sorted) and values ``[N]`` in the compute dtype."""
-
-    token_ids: torch.Tensor
-    values: torch.Tensor
-
-
-@dataclass
-class ForwardPlan:
-    """Everything one forward needs besides the logits; built before any collective."""
-
-    loss: "NumericLoss"
-    spec: LogitsSpec
-    tensors: VocabTensors
-    targets: torch.Tensor  # [T] int64
-    valid: torch.Tensor  # [T] bool, target != ignore_index
-    owned: torch.Tensor  # [T] bool, target id inside this shard
-    local_targets: torch.Tensor  # [T] target id - vocab_start_index, clamped into the shard
-    positions: torch.Tensor  # [P] numeric-target positions
-    numeric_targets: torch.Tensor  # [P] index of the target in the numeric vocabulary
-    numeric_columns: tuple  # (lo, hi): numeric-vocabulary indices owned by this shard
-    local_numeric_columns: torch.Tensor  # [hi - lo] their column in the shard
-    vocab_start_index: int
-    tp_group: object
-    tp_state: Optional[ExchangeState]
-    compute_dtype: torch.dtype
-    with_ce: bool
-    stats: object = None  # the call's StatSums, set by the forward
-
-
 class NumericLoss:
-    """Base of the numeric losses: a :class:`NumericVocab`, ``ignore_index``, and the per-call plan.
+    """Base of the numeric losses: a :class:`NumericVocab`, ``ignore_index`` and the math.
 
     ``loss(logits, targets)`` is the loss alone (mean over numeric-target positions; an exact 0 that
     still back-propagates when there are none); pass ``tp_group`` and ``vocab_start_index`` for a
     vocabulary-parallel shard. For CE + the numeric loss in one pass use
-    :func:`smmd_scale.smmd_cross_entropy` or :func:`smmd_scale.linear_smmd_cross_entropy`.
+    :func:`smmd_scale.numeric_cross_entropy` or :func:`smmd_scale.linear_numeric_cross_entropy`.
+    Losses combine: ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``.
     """
 
     #: True when :meth:`numeric_terms` needs the full softmax's mass on the numeric tokens.
@@ -123,10 +71,6 @@ class NumericLoss:
             raise TypeError(f"ignore_index={ignore_index!r} must be an int")
         self.vocab = vocab
         self.ignore_index = ignore_index
-        self.token_id_list = vocab.token_ids.tolist()  # sorted ascending, on the host
-        self._vocab_tensors_cache = {}
-        # Exchange state per tensor-parallel group; weak keys so a destroyed group is not kept alive.
-        self._tp_states = weakref.WeakKeyDictionary()
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -134,6 +78,12 @@ class NumericLoss:
     def name(self) -> str:
         """The loss's name in statistics and TensorBoard (``smmd``, ``ntl_was``, ...)."""
         raise NotImplementedError
+
+    @property
+    def stat_names(self) -> tuple:
+        """The names of the ``[P]`` parts :meth:`numeric_terms` reports (its value under :attr:`name`
+        first); override to report more (SMMD adds its two terms)."""
+        return (self.name, )
 
     def options(self) -> tuple:
         """The options that change the loss (they enter the fingerprint ranks compare)."""
@@ -146,93 +96,20 @@ class NumericLoss:
         runs in ``compute_dtype`` (the logits' precision, at least float32)."""
         raise NotImplementedError
 
-    # -- shared machinery ---------------------------------------------------------------------
+    # -- identity and use -----------------------------------------------------------------------
 
     @functools.cached_property
     def fingerprint(self) -> int:
         """A 62-bit id of (loss type, vocabulary, options) that tensor-parallel ranks compare."""
         return options_fingerprint(type(self).__name__, self.vocab.fingerprint, self.ignore_index, *self.options())
 
-    def vocab_tensors(self, device: torch.device, compute_dtype: torch.dtype) -> VocabTensors:
-        key = (device, compute_dtype)
-        if key not in self._vocab_tensors_cache:
-            self._vocab_tensors_cache[key] = VocabTensors(
-                token_ids=self.vocab.token_ids.to(device), values=self.vocab.values.to(device=device,
-                                                                                     dtype=compute_dtype))
-        return self._vocab_tensors_cache[key]
-
     def numeric_mask(self, targets: torch.Tensor) -> torch.Tensor:
         """``targets [...]`` -> bool ``[...]``: where the target is a numeric token (where the loss applies)."""
-        return torch.isin(targets, self.vocab_tensors(targets.device, torch.float32).token_ids)
-
-    def _tp_state(self, tp_group) -> ExchangeState:
-        if tp_group not in self._tp_states:
-            self._tp_states[tp_group] = ExchangeState()
-        return self._tp_states[tp_group]
-
-    def rank_contribution(self, spec: LogitsSpec, targets: torch.Tensor, vocab_start_index: int, with_ce: bool,
-                          failed_check=None) -> RankContribution:
-        """This rank's header for the exchange; the caller adds the data pieces when healthy."""
-        return RankContribution(failed_check=failed_check, tokens=spec.tokens, numeric_size=len(self.vocab),
-                                vocab_start=vocab_start_index, width=spec.width, vocab_size=self.vocab.vocab_size,
-                                loss_fingerprint=self.fingerprint, targets=targets,
-                                compute_dtype=compute_dtype_for(spec.dtype),
-                                logits_dtype=spec.dtype if spec.dtype.is_floating_point else torch.float32,
-                                device=spec.device, with_ce=with_ce)
-
-    def prepare(self, spec: LogitsSpec, targets, tp_group, vocab_start_index, with_ce: bool,
-                num_items_in_batch=None, weight: Optional[float] = None,
-                failed_check: Optional[checks.FailedCheck] = None) -> ForwardPlan:
-        """Validate (all ranks reach the same verdict) and build the forward plan; no collective runs
-        unless the input is bad under tensor parallelism, where the verdict is shared. ``failed_check``:
-        a verdict the caller already reached (the fused linear path checks its own inputs first)."""
-        if not isinstance(targets, torch.Tensor):
-            raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-        if len(spec.shape) < 1:
-            raise ValueError(f"logits must have a last (vocabulary) dim, got shape {spec.shape}")
-        tp_size, tp_rank = group_size_and_rank(tp_group)
-        tensor_parallel = tp_size > 1
-        if vocab_start_index is None:
-            # Megatron-style equal shards.
-            vocab_start_index = tp_rank * spec.width
-        if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, int):
-            raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
-        if failed_check is None:
-            failed_check = checks.check_inputs(spec, targets, vocab_size=self.vocab.vocab_size,
-                                               vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
-                                               ignore_index=self.ignore_index, num_items_in_batch=num_items_in_batch,
-                                               weight=weight)
-        if failed_check is not None:
-            if not tensor_parallel:
-                raise failed_check.error()
-            # Take part in the collective with the verdict so every rank raises it together.
-            exchange(self.rank_contribution(spec, targets, vocab_start_index, with_ce, failed_check), tp_group,
-                     self._tp_state(tp_group))
-            raise AssertionError("unreachable: the exchange raises the shared verdict")
-
-        width = spec.width
-        compute_dtype = compute_dtype_for(spec.dtype)
-        tensors = self.vocab_tensors(spec.device, compute_dtype)
-        flat_targets = targets.reshape(-1).to(torch.long)
-        valid = flat_targets != self.ignore_index
-        owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
-        local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
-        index = torch.searchsorted(tensors.token_ids, flat_targets).clamp(max=len(self.vocab) - 1)
-        positions = (tensors.token_ids[index] == flat_targets).nonzero().squeeze(1)
-        lo = bisect.bisect_left(self.token_id_list, vocab_start_index)
-        hi = bisect.bisect_left(self.token_id_list, vocab_start_index + width)
-        return ForwardPlan(loss=self, spec=spec, tensors=tensors, targets=flat_targets, valid=valid, owned=owned,
-                           local_targets=local_targets, positions=positions, numeric_targets=index[positions],
-                           numeric_columns=(lo, hi), local_numeric_columns=tensors.token_ids[lo:hi] - vocab_start_index,
-                           vocab_start_index=vocab_start_index, tp_group=tp_group,
-                           tp_state=self._tp_state(tp_group) if tensor_parallel else None,
-                           compute_dtype=compute_dtype, with_ce=with_ce)
+        return torch.isin(targets, self.vocab.on(targets.device, torch.float32)[0])
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                  vocab_start_index: Optional[int] = 0) -> torch.Tensor:
-        from .loss import numeric_loss_alone
-
-        return numeric_loss_alone(self, logits, targets, tp_group, vocab_start_index)
+        return numeric_loss_mean(self, logits, targets, tp_group, vocab_start_index)
 
     # -- composition: ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)`` --------------------------------
 
@@ -286,6 +163,13 @@ class WeightedNumericLosses(NumericLoss):
     @property
     def needs_mass(self) -> bool:
         return any(term.needs_mass for term, _ in self.terms)
+
+    @property
+    def stat_names(self) -> tuple:
+        names = []
+        for term, _ in self.terms:
+            names += [name for name in term.stat_names if name not in names]
+        return tuple(names)
 
     def weighted_terms(self) -> list:
         return list(self.terms)

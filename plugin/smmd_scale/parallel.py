@@ -36,7 +36,6 @@ round once, and the capacity keeps the high-water mark after that).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -62,12 +61,6 @@ def group_size_and_rank(tp_group) -> tuple:
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
-
-
-def options_fingerprint(*parts) -> int:
-    """A deterministic 62-bit fingerprint of loss options (identical across processes)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
 
 
 def targets_fingerprint(targets: torch.Tensor) -> torch.Tensor:
@@ -187,7 +180,7 @@ def _raise_on_disagreement(header: list) -> None:
     described = [f"rank {rank}: N={row[NUMERIC_SIZE]}, vocab_size={row[VOCAB_SIZE]}, "
                  f"fingerprint={row[LOSS_FINGERPRINT]}" for rank, row in enumerate(header)]
     if len({(row[NUMERIC_SIZE], row[VOCAB_SIZE], row[LOSS_FINGERPRINT]) for row in header}) > 1:
-        raise ValueError("the tensor-parallel ranks of the group hold different numeric vocabularies or SMMD "
+        raise ValueError("the tensor-parallel ranks of the group hold different numeric vocabularies or numeric-loss "
                          "options (" + "; ".join(described) + "); build them identically on every rank")
     vocab_size = header[0][VOCAB_SIZE]
     shards = sorted((row[VOCAB_START], row[VOCAB_START] + row[WIDTH], rank) for rank, row in enumerate(header))

@@ -7,8 +7,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .kernels import build_kernel
 from .numeric_loss import NumericLoss, NumericTerms
+from .value_kernel import build_kernel
 from .vocab import NumericVocab
 
 
@@ -19,7 +19,7 @@ class SMMDLoss(NumericLoss):
     dtype; computed in at least float32) and aligned (already shifted) targets ``[...]``; or, for a
     vocabulary-parallel shard ``[..., V/T]``, pass ``tp_group`` and ``vocab_start_index``. Returns
     the mean over numeric-target positions (an exact 0 that still backpropagates when there are
-    none). For CE + SMMD in one pass use :func:`smmd_cross_entropy` with this object.
+    none). For CE + SMMD in one pass use :func:`smmd_scale.numeric_cross_entropy` with this object.
 
     Options: ``mode`` in {"smmd", "mmd", "smooth"}; ``kernel`` in {"gaussian", "laplace"} or the
     paper's ablations {"random", "shuffled"} (seeded by ``seed``); ``sigmas`` (averaged);
@@ -53,6 +53,10 @@ class SMMDLoss(NumericLoss):
     @property
     def name(self) -> str:
         return "smmd"
+
+    @property
+    def stat_names(self) -> tuple:
+        return self.name, "mmd", "smooth"
 
     def options(self) -> tuple:
         return self.mode, self.kernel, self.sigmas, self.squash_factor, self.alpha, self.seed

@@ -109,6 +109,15 @@ class NumericVocab:
         self.tokens: Optional[tuple] = None if tokens is None else tuple(tokens[i] for i in order.tolist())
         self.tokenizer_size: Optional[int] = None
         self.policy: Optional[str] = None
+        self.token_id_list: list = self.token_ids.tolist()  # sorted ascending, on the host
+        self._device_copies = {}
+
+    def on(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        """``(token_ids [N] int64, values [N] dtype)`` on ``device``, copied once per (device, dtype)."""
+        key = (torch.device(device), dtype)
+        if key not in self._device_copies:
+            self._device_copies[key] = (self.token_ids.to(device), self.values.to(device=device, dtype=dtype))
+        return self._device_copies[key]
 
     def __len__(self) -> int:
         return self.token_ids.numel()

@@ -10,14 +10,15 @@ from ..smmd import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
 from .fused_forward import check_fused_support, fused_forward
-from .hf import InstalledLoss, SMMDCausalLMLoss, set_loss_function
-from .megatron import vocab_parallel_smmd_cross_entropy
+from .hf import DetachedLosses, InstalledLoss, NumericCausalLMLoss, SMMDCausalLMLoss, set_loss_function
+from .megatron import vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
 
 
 def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeric_loss: Optional[NumericLoss] = None,
             fused_linear: bool = False, **smmd_options) -> InstalledLoss:
-    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * SMMD
-    (or another numeric loss: ``numeric_loss=NTLoss(vocab)``, ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``).
+    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * a
+    numeric loss: SMMD with ``smmd_options`` by default, or ``numeric_loss=NTLoss(vocab)``,
+    ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``, ...
 
     Replaces ``model.loss_function``. If DeepSpeed AutoTP made the LM head vocabulary-parallel,
     the hook computes on this rank's logits shard with the head's ``mp_group`` and
@@ -26,34 +27,33 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     labels never computes the logits (``integrations/fused_forward.py``; Llama, Mistral, Qwen2 and
     Qwen3 families); evaluation and generation still return logits. ``smmd_options`` go to
     :class:`SMMDLoss` when no ``numeric_loss`` is given. Returns an :class:`InstalledLoss` with
-    ``last_stats`` and ``restore()``.
+    ``last_stats``, ``last_path`` and ``restore()``.
     """
     model = unwrap_model(model_or_engine)
     if fused_linear:
         check_fused_support(model)
     if numeric_loss is None:
-        smmd = SMMDLoss(vocab, **smmd_options)
+        numeric_loss = SMMDLoss(vocab, **smmd_options)
     elif smmd_options:
         raise TypeError(f"pass SMMD options ({sorted(smmd_options)}) to SMMDLoss inside numeric_loss, not to install")
     elif not isinstance(numeric_loss, NumericLoss) or numeric_loss.vocab.fingerprint != vocab.fingerprint:
         raise ValueError(f"numeric_loss must be a smmd_scale numeric loss built on the vocab passed to install; got "
                          f"{numeric_loss!r}")
-    else:
-        smmd = numeric_loss
     head = find_vocab_parallel_head(model)
     if head is not None:
         if head.vocab_size != vocab.vocab_size:
             raise ValueError(f"the vocabulary-parallel head scores {head.vocab_size} tokens but the numeric vocabulary "
                              f"was built for vocab_size={vocab.vocab_size}; build it with vocab_size="
                              f"{head.vocab_size}")
-        hook = SMMDCausalLMLoss(smmd, weight, tp_group=head.mp_group, vocab_start_index=head.vocab_start_index)
+        hook = NumericCausalLMLoss(numeric_loss, weight, tp_group=head.mp_group,
+                                   vocab_start_index=head.vocab_start_index)
     else:
         config_vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         if config_vocab_size is not None and config_vocab_size != vocab.vocab_size:
             raise ValueError(f"the model's logits have {config_vocab_size} columns (config.vocab_size) but the "
                              f"numeric vocabulary was built for vocab_size={vocab.vocab_size}; build it with "
                              f"NumericVocab.from_tokenizer(tokenizer, vocab_size={config_vocab_size})")
-        hook = SMMDCausalLMLoss(smmd, weight)
+        hook = NumericCausalLMLoss(numeric_loss, weight)
     installed = InstalledLoss(model, hook, head)
     set_loss_function(model, hook)
     if fused_linear:
@@ -64,5 +64,6 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     return installed
 
 
-__all__ = ["install", "InstalledLoss", "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model",
+__all__ = ["install", "DetachedLosses", "InstalledLoss", "NumericCausalLMLoss", "SMMDCausalLMLoss",
+           "find_vocab_parallel_head", "unwrap_model", "vocab_parallel_numeric_cross_entropy",
            "vocab_parallel_smmd_cross_entropy"]

@@ -4,7 +4,7 @@ HF's ``ForCausalLM.forward`` runs the backbone, then ``logits = self.lm_head(hid
 ``self.loss_function(logits, labels, ...)``: the logits exist before any loss hook sees them. The
 fused path replaces the model's ``forward`` (on this instance only) with one that, when training
 with labels, runs the backbone and computes CE + the numeric loss with
-:func:`smmd_scale.linear_smmd_cross_entropy` from the final hidden states, returning
+:func:`smmd_scale.linear_numeric_cross_entropy` from the final hidden states, returning
 ``logits=None``. Everything else (no labels, ``model.eval()``, ``skip_logits=False``,
 ``logits_to_keep``, ``return_dict=False``) goes to the model's own forward, where the installed
 ``loss_function`` hook computes the same loss on the logits.
@@ -79,7 +79,7 @@ def call_through_module(head, compute, hidden):
 def fused_forward(model, original_forward, hook, head_finder):
     """The per-instance ``forward`` that trains without logits (see the module docstring).
 
-    ``hook``: the installed :class:`SMMDCausalLMLoss`; ``head_finder()``: the head module, looked up at
+    ``hook``: the installed :class:`NumericCausalLMLoss`; ``head_finder()``: the head module, looked up at
     call time (AutoTP replaces ``lm_head`` inside ``deepspeed.initialize``).
     """
     signature = inspect.signature(original_forward)

@@ -2,50 +2,63 @@
 
 HF models call ``self.loss_function(logits=..., labels=..., vocab_size=..., **kwargs)`` from their
 forward (``num_items_in_batch``, ``shift_labels`` and ``ignore_index`` arrive as kwargs). The hook
-below is a drop-in for HF's ``ForCausalLMLoss`` that returns CE + weight * SMMD, computed on full
+below is a drop-in for HF's ``ForCausalLMLoss`` that returns CE + weight * a numeric loss, computed on full
 logits or — when DeepSpeed AutoTP made the head vocabulary-parallel — on this rank's shard.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..fused_linear import linear_smmd_cross_entropy
-from ..loss import SMMDOutput, smmd_cross_entropy
+from ..deprecation import renamed_class, warn_renamed
+from ..fused_linear import linear_numeric_cross_entropy
+from ..loss import NumericOutput, numeric_cross_entropy
 from ..numeric_loss import NumericLoss
 
 
-class SMMDCausalLMLoss:
-    """``loss_function`` hook: CE + weight * SMMD with HF's causal shift and normalisation.
+class DetachedLosses(NamedTuple):
+    """A call's detached scalar losses: ``total = ce + weight * numeric``."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    numeric: torch.Tensor
+
+
+class NumericCausalLMLoss:
+    """``loss_function`` hook: CE + weight * a numeric loss with HF's causal shift and normalisation.
 
     ``labels [B, S]`` are shifted like HF does (pad one ``ignore_index`` on the right, drop the
     first), or ``shift_labels`` are used as given. ``num_items_in_batch`` divides CE as in HF
-    (see :func:`smmd_cross_entropy` for SMMD's matching weight). ``last_stats`` holds the last
-    call's statistics (floats) and ``last_losses`` its detached (total, ce, smmd).
+    (see :func:`smmd_scale.numeric_cross_entropy` for the numeric term's matching weight).
+    After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
+    :class:`DetachedLosses` and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or
+    ``"fused_linear"`` (from the head's input, no logits).
     """
 
-    def __init__(self, smmd: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
-        self.smmd = smmd
+    def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
+        self.numeric_loss = numeric_loss
         self.weight = weight
         self.tp_group = tp_group
         self.vocab_start_index = vocab_start_index
         self.last_stats: Optional[dict] = None
-        self.last_losses: Optional[tuple] = None
+        self.last_losses: Optional[DetachedLosses] = None
+        self.last_path: Optional[str] = None
 
     def __repr__(self):
         where = "full logits" if self.tp_group is None else f"vocab shard from {self.vocab_start_index}"
-        return f"SMMDCausalLMLoss(weight={self.weight}, {where}, {self.smmd!r})"
+        return f"{type(self).__name__}(weight={self.weight}, {where}, {self.numeric_loss!r})"
 
     def shifted(self, labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor],
                 ignore_index: int) -> torch.Tensor:
         """The targets of each position: ``shift_labels`` as given, or ``labels`` shifted as HF does."""
-        if ignore_index != self.smmd.ignore_index:
-            raise ValueError(f"the model asked for ignore_index={ignore_index} but the installed SMMDLoss uses "
-                             f"ignore_index={self.smmd.ignore_index}; install with ignore_index={ignore_index}")
+        if ignore_index != self.numeric_loss.ignore_index:
+            raise ValueError(f"the model asked for ignore_index={ignore_index} but the installed numeric loss "
+                             f"({type(self.numeric_loss).__name__}) uses ignore_index="
+                             f"{self.numeric_loss.ignore_index}; build it with ignore_index={ignore_index}")
         if shift_labels is not None:
             return shift_labels
         if labels is None:
@@ -60,42 +73,50 @@ class SMMDCausalLMLoss:
         output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch)
         return output.total
 
-    def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> SMMDOutput:
-        """The full :class:`SMMDOutput` for already-shifted labels (records ``last_*``)."""
-        output = smmd_cross_entropy(logits, shift_labels, self.smmd, weight=self.weight, tp_group=self.tp_group,
-                                    vocab_start_index=self.vocab_start_index, num_items_in_batch=num_items_in_batch)
-        self._record(output)
+    def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> NumericOutput:
+        """The full :class:`NumericOutput` for already-shifted labels (records ``last_*``)."""
+        output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
+                                       tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
+                                       num_items_in_batch=num_items_in_batch)
+        self._record(output, "logits")
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
                    num_items_in_batch=None, ignore_index: int = -100) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
-        (:func:`smmd_scale.linear_smmd_cross_entropy`), run as ``head``'s forward through
+        (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
         ``call_through_module`` so that its weight is gathered and released like the head's own."""
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
         outputs = []
 
         def head_loss(hidden_states):
-            output = linear_smmd_cross_entropy(hidden_states, head.weight, targets, self.smmd, self.weight,
-                                               bias=getattr(head, "bias", None), tp_group=self.tp_group,
-                                               vocab_start_index=self.vocab_start_index,
-                                               num_items_in_batch=num_items_in_batch)
+            output = linear_numeric_cross_entropy(hidden_states, head.weight, targets, self.numeric_loss, self.weight,
+                                                  bias=getattr(head, "bias", None), tp_group=self.tp_group,
+                                                  vocab_start_index=self.vocab_start_index,
+                                                  num_items_in_batch=num_items_in_batch)
             outputs.append(output)
             return output.total
 
         total = call_through_module(head, head_loss, hidden)
-        self._record(outputs[0])
+        self._record(outputs[0], "fused_linear")
         return total
 
-    def _record(self, output: SMMDOutput) -> None:
+    @property
+    def smmd(self) -> NumericLoss:
+        """Deprecated name of :attr:`numeric_loss` (kept for one release)."""
+        warn_renamed(f"{type(self).__name__}.smmd", f"{type(self).__name__}.numeric_loss")
+        return self.numeric_loss
+
+    def _record(self, output: NumericOutput, path: str) -> None:
         self.last_stats = output.stats
-        self.last_losses = (output.total.detach(), output.ce.detach(), output.smmd.detach())
+        self.last_losses = DetachedLosses(output.total.detach(), output.ce.detach(), output.numeric.detach())
+        self.last_path = path
 
 
 class InstalledLoss:
     """What :func:`smmd_scale.install` returns: the hook, where it went, and how to undo it."""
 
-    def __init__(self, model, hook: SMMDCausalLMLoss, head=None):
+    def __init__(self, model, hook: NumericCausalLMLoss, head=None):
         self.model = model
         self.hook = hook
         self.head = head
@@ -106,6 +127,11 @@ class InstalledLoss:
     @property
     def last_stats(self) -> Optional[dict]:
         return self.hook.last_stats
+
+    @property
+    def last_path(self) -> Optional[str]:
+        """How the last loss call ran: ``"logits"``, ``"fused_linear"`` (no logits), or None before any."""
+        return self.hook.last_path
 
     @property
     def vocab_parallel(self) -> bool:
@@ -137,4 +163,7 @@ def set_loss_function(model, hook) -> None:
     model.loss_function = hook
     if model.loss_function is not hook:
         raise TypeError(f"{type(model).__name__}.loss_function cannot be replaced (read-only or ignoring its "
-                        "setter); use smmd_cross_entropy on the model's logits instead")
+                        "setter); use numeric_cross_entropy on the model's logits instead")
+
+
+SMMDCausalLMLoss = renamed_class(NumericCausalLMLoss, "SMMDCausalLMLoss")

@@ -1,0 +1,206 @@
+"""One call of the loss, planned before any collective: which positions are numeric, which columns
+this shard owns, the complete contribution this rank hands to the exchange, and the exchange state
+of each tensor-parallel group.
+
+A numeric loss reaches this module only through :class:`NumericLossLike`: its vocabulary,
+``ignore_index``, ``fingerprint`` and its math (``numeric_terms``). Nothing here keeps state on the
+loss object; the exchange state lives in one registry keyed by (group, loss fingerprint), so that
+every rank derives the same capacity from the same sequence of all-reduced headers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from . import checks
+from .parallel import ExchangeResult, ExchangeState, RankContribution, exchange, group_size_and_rank
+from .vocab import NumericVocab
+
+
+@runtime_checkable
+class NumericLossLike(Protocol):
+    """What the loss ops need of a numeric loss (``smmd_scale.NumericLoss`` provides it)."""
+
+    vocab: NumericVocab
+    ignore_index: int
+    fingerprint: int
+    needs_mass: bool
+    stat_names: tuple  # the [P] parts numeric_terms reports, in a fixed order
+
+    def numeric_terms(self, q, numeric_targets, mass, compute_dtype): ...
+
+
+def check_numeric_loss(numeric_loss) -> None:
+    if not isinstance(numeric_loss, NumericLossLike):
+        raise TypeError(f"numeric_loss must be a smmd_scale.NumericLoss (SMMDLoss, NTLoss or a weighted sum of "
+                        f"them), got {type(numeric_loss).__name__}")
+
+
+def check_weight(weight) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"weight={weight!r} must be a number (0 = CE only)")
+    # The value itself is checked with the tensors, so a bad weight on one rank raises on all of them.
+    return float(weight)
+
+
+def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
+    """Losses are computed in at least float32; float64 logits stay float64."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class LogitsSpec:
+    """The logits a call scores, described without the tensor (the fused linear path never makes it):
+    ``shape`` ``[..., V_local]``, ``dtype`` and ``device``."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "LogitsSpec":
+        return cls(tuple(logits.shape), logits.dtype, logits.device)
+
+    @property
+    def width(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def tokens(self) -> int:
+        count = 1
+        for size in self.shape[:-1]:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything one forward needs besides the logits; built before any collective.
+
+    targets, valid, owned, local_targets: ``[T]`` the flattened targets, ``target != ignore_index``,
+        "this shard owns the target id", and the target's column in the shard (clamped into it)
+    positions, numeric_targets: ``[P]`` the numeric-target positions and the index of each target
+        in the numeric vocabulary
+    numeric_columns: (lo, hi) the numeric-vocabulary indices this shard owns;
+    local_numeric_columns: ``[hi - lo]`` their columns in the shard
+    token_ids, values: ``[N]`` the numeric vocabulary on the logits' device (values in the compute dtype)
+    exchange_state: the group's :class:`ExchangeState`, None on one device
+    """
+
+    loss: NumericLossLike
+    spec: LogitsSpec
+    token_ids: torch.Tensor
+    values: torch.Tensor
+    targets: torch.Tensor
+    valid: torch.Tensor
+    owned: torch.Tensor
+    local_targets: torch.Tensor
+    positions: torch.Tensor
+    numeric_targets: torch.Tensor
+    numeric_columns: tuple
+    local_numeric_columns: torch.Tensor
+    vocab_start_index: int
+    tp_group: object
+    exchange_state: Optional[ExchangeState]
+    compute_dtype: torch.dtype
+    with_ce: bool
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.exchange_state is not None
+
+
+# Exchange state per tensor-parallel group (weak keys: a destroyed group is not kept alive), then per loss.
+_EXCHANGE_STATES = weakref.WeakKeyDictionary()
+
+
+def exchange_state(tp_group, loss: NumericLossLike) -> ExchangeState:
+    """The exchange state of ``loss`` on ``tp_group``: derived only from all-reduced headers, so
+    equal on every rank of the group."""
+    per_loss = _EXCHANGE_STATES.setdefault(tp_group, {})
+    return per_loss.setdefault(loss.fingerprint, ExchangeState())
+
+
+def _header(loss: NumericLossLike, spec: LogitsSpec, targets: torch.Tensor, vocab_start_index: int, with_ce: bool,
+            failed_check=None, numeric_positions: int = 0, numeric_columns: tuple = (0, 0)) -> dict:
+    return dict(failed_check=failed_check, tokens=spec.tokens, numeric_size=len(loss.vocab),
+                vocab_start=vocab_start_index, width=spec.width, vocab_size=loss.vocab.vocab_size,
+                loss_fingerprint=loss.fingerprint, targets=targets, numeric_positions=numeric_positions,
+                numeric_columns=numeric_columns, compute_dtype=compute_dtype_for(spec.dtype),
+                logits_dtype=spec.dtype if spec.dtype.is_floating_point else torch.float32, device=spec.device,
+                with_ce=with_ce)
+
+
+def rank_contribution(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
+                      target_logits: Optional[torch.Tensor] = None) -> RankContribution:
+    """This rank's complete contribution to the exchange: the header of ``plan`` and its data pieces
+    (``numeric_logits [P, hi - lo]``; with CE the local :class:`ShiftedLogSumExp` and ``target_logits [T]``)."""
+    return RankContribution(**_header(plan.loss, plan.spec, plan.targets, plan.vocab_start_index,
+                                      with_ce=local_lse is not None, numeric_positions=int(plan.positions.numel()),
+                                      numeric_columns=plan.numeric_columns),
+                            numeric_logits=numeric_logits, local_lse=local_lse, target_logits=target_logits)
+
+
+def run_exchange(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
+                 target_logits: Optional[torch.Tensor] = None) -> ExchangeResult:
+    """The one packed all-reduce of a vocab-parallel call (see :mod:`smmd_scale.parallel`)."""
+    return exchange(rank_contribution(plan, numeric_logits, local_lse, target_logits), plan.tp_group,
+                    plan.exchange_state)
+
+
+def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_start_index, with_ce: bool,
+              num_items_in_batch=None, weight: Optional[float] = None,
+              failed_check: Optional[checks.FailedCheck] = None) -> CallPlan:
+    """Validate (all ranks reach the same verdict) and plan one call.
+
+    No collective runs unless the input is bad under tensor parallelism: then this rank joins the
+    exchange with its verdict, so that every rank of the group raises the same error together.
+    ``failed_check``: a verdict the caller already reached (the fused linear path checks its own
+    inputs first).
+    """
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if len(spec.shape) < 1:
+        raise ValueError(f"logits must have a last (vocabulary) dim, got shape {spec.shape}")
+    tp_size, tp_rank = group_size_and_rank(tp_group)
+    tensor_parallel = tp_size > 1
+    if vocab_start_index is None:
+        # Megatron-style equal shards.
+        vocab_start_index = tp_rank * spec.width
+    if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, int):
+        raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
+    vocab = loss.vocab
+    if failed_check is None:
+        failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
+                                           vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
+                                           ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
+                                           weight=weight)
+    if failed_check is not None:
+        if not tensor_parallel:
+            raise failed_check.error()
+        contribution = RankContribution(**_header(loss, spec, targets, vocab_start_index, with_ce, failed_check))
+        exchange(contribution, tp_group, exchange_state(tp_group, loss))
+        raise AssertionError("unreachable: the exchange raises the shared verdict")
+
+    width = spec.width
+    compute_dtype = compute_dtype_for(spec.dtype)
+    token_ids, values = vocab.on(spec.device, compute_dtype)
+    flat_targets = targets.reshape(-1).to(torch.long)
+    valid = flat_targets != loss.ignore_index
+    owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
+    local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
+    index = torch.searchsorted(token_ids, flat_targets).clamp(max=len(vocab) - 1)
+    positions = (token_ids[index] == flat_targets).nonzero().squeeze(1)
+    lo = bisect.bisect_left(vocab.token_id_list, vocab_start_index)
+    hi = bisect.bisect_left(vocab.token_id_list, vocab_start_index + width)
+    return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,
+                    owned=owned, local_targets=local_targets, positions=positions, numeric_targets=index[positions],
+                    numeric_columns=(lo, hi), local_numeric_columns=token_ids[lo:hi] - vocab_start_index,
+                    vocab_start_index=vocab_start_index, tp_group=tp_group,
+                    exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
+                    compute_dtype=compute_dtype, with_ce=with_ce)

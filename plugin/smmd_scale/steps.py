@@ -1,0 +1,235 @@
+"""The named steps of CE + a numeric loss, shared by the materialized op (``loss.py``) and the fused
+linear head (``fused_linear.py``), on one device or on a vocabulary-parallel shard.
+
+    local_softmax_and_logsumexp / merge of blocks   -> this rank's ShiftedLogSumExp
+    gather_target_logits, gather_numeric_logits     -> what the exchange carries
+    exchange_or_keep_local                          -> GlobalPieces (one all-reduce under TP)
+    cross_entropy_per_token                         -> CE [T]
+    numeric_loss_and_gradient                       -> NumericGradient (the loss at P positions, d/d logits)
+    row_multipliers                                 -> how backward scales each softmax row
+    stat_sums / stats_dict                          -> the call's statistics, as an output of the op
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from .call_plan import CallPlan, run_exchange
+
+
+class ShiftedLogSumExp(NamedTuple):
+    """A log-sum-exp per row kept as two numbers, ``shift + log_sum``: a shift (the row's max) and
+    ``log sum exp(x - shift)``. The sum itself is never formed in the compute dtype: in fp32 at
+    logits around 300 its rounding alone would cost 3e-5 of CE, while ``shift - logit`` is exact
+    and ``log_sum`` is small (at most log V), so CE and the softmax keep fp32's accuracy at any
+    logit magnitude, as Megatron-core's vocab-parallel CE does by subtracting the global max."""
+
+    shift: torch.Tensor  # [T]
+    log_sum: torch.Tensor  # [T]
+
+
+class CommCount(NamedTuple):
+    """Collectives one call ran and the payload bytes they carried."""
+
+    calls: int
+    bytes: int
+
+
+class GlobalPieces(NamedTuple):
+    """What every rank holds after the exchange (on one device: the local pieces).
+
+    lse: the full-vocabulary :class:`ShiftedLogSumExp` ``[T]`` (None for a numeric-only call)
+    target_logits: ``[T]`` logits[t, y_t] (None for a numeric-only call)
+    numeric_logits: ``[P, N]`` the whole numeric slice at the numeric positions
+    """
+
+    lse: Optional[ShiftedLogSumExp]
+    target_logits: Optional[torch.Tensor]
+    numeric_logits: torch.Tensor
+    comm: CommCount
+
+
+@dataclass
+class NumericGradient:
+    """The numeric loss at the P numeric positions, differentiated w.r.t. the numeric logits.
+
+    value:           ``[P]`` the loss per position
+    parts:           named ``[P]`` statistics of the loss (e.g. SMMD's ``mmd`` and ``smooth``)
+    grad:            ``[P, N]`` d value / d numeric logits (through q = softmax over the numeric tokens)
+    row_coefficient: ``[P]`` or None: d value / d full-vocabulary logits also has
+                     ``row_coefficient * softmax(full row)`` on every column (losses that weigh by
+                     the numeric tokens' probability mass)
+    correct:         ``[P]`` bool, argmax over the numeric tokens is the target
+    abs_error:       ``[P]`` |E_q[value] - target value|
+    """
+
+    value: torch.Tensor
+    parts: dict
+    grad: torch.Tensor
+    row_coefficient: Optional[torch.Tensor]
+    correct: torch.Tensor
+    abs_error: torch.Tensor
+
+
+def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype) -> tuple:
+    """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its :class:`ShiftedLogSumExp`).
+
+    The softmax is the working buffer, written in ``compute_dtype``. On CUDA that is torch's fused
+    softmax. On other devices the steps are spelled out: ``logits - max`` computed in the compute
+    dtype straight into the buffer (never a float32 copy of half logits), then exp, sum and
+    normalise in place; torch's CPU softmax kernel accumulates its row sums with about 4x the error
+    of ``sum``, which the fp32 accuracy target cannot afford.
+    """
+    max_logits = logits.amax(dim=-1).to(compute_dtype)
+    if logits.is_cuda:
+        softmax = torch.softmax(logits, dim=-1, dtype=compute_dtype)
+        log_sum = -softmax.amax(dim=-1).log()  # the max's probability is 1 / sum, at least 1 / V_local
+    else:
+        softmax = torch.sub(logits, max_logits[:, None])  # promotes to compute_dtype
+        softmax.exp_()
+        row_sums = softmax.sum(dim=-1)
+        softmax.div_(row_sums[:, None])
+        log_sum = row_sums.log()
+    return softmax, ShiftedLogSumExp(max_logits, log_sum)
+
+
+def merge_block_logsumexp(running: ShiftedLogSumExp, block_logits: torch.Tensor) -> ShiftedLogSumExp:
+    """Fold one block of logits ``[T, B]`` (compute dtype; overwritten) into a running
+    :class:`ShiftedLogSumExp` whose ``log_sum`` holds the running *sum* of ``exp(x - shift)``
+    (the fused linear head's online merge; take the log once at the end)."""
+    shift, total = running
+    new_shift = torch.maximum(shift, block_logits.amax(dim=-1))
+    # A row whose shift is still -inf has nothing to rescale (and -inf - -inf would be NaN).
+    carried = torch.where(torch.isneginf(new_shift), torch.zeros_like(total), total * (shift - new_shift).exp())
+    return ShiftedLogSumExp(new_shift, carried + block_logits.sub_(new_shift[:, None]).exp_().sum(dim=-1))
+
+
+def combine_logsumexp(shifts: torch.Tensor, log_sums: torch.Tensor) -> ShiftedLogSumExp:
+    """Per-rank pieces ``[T, TP]`` -> the global :class:`ShiftedLogSumExp` (shifted by the global max)."""
+    shift = shifts.amax(dim=-1)
+    return ShiftedLogSumExp(shift, torch.logsumexp(shifts - shift[:, None] + log_sums, dim=-1))
+
+
+def softmax_rescale(local: ShiftedLogSumExp, overall: ShiftedLogSumExp) -> torch.Tensor:
+    """``[T]`` factors that turn a shard's softmax into its slice of the full-vocabulary softmax:
+    ``exp(local lse - global lse)``, formed from differences only."""
+    return torch.exp((local.shift - overall.shift) + (local.log_sum - overall.log_sum))
+
+
+def gather_target_logits(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """``logits[t, y_t]`` where this shard owns y_t, else 0: ``[T]`` in the logits' dtype."""
+    picked = logits.gather(1, local_targets[:, None]).squeeze(1)
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def gather_numeric_logits(logits: torch.Tensor, positions: torch.Tensor, local_columns: torch.Tensor) -> torch.Tensor:
+    """The ``[P, n_local]`` numeric logits at the numeric positions (only those elements are read)."""
+    return logits[positions[:, None], local_columns[None, :]]
+
+
+def exchange_or_keep_local(plan: CallPlan, numeric_logits: torch.Tensor, local_lse: Optional[ShiftedLogSumExp] = None,
+                           target_logits: Optional[torch.Tensor] = None) -> GlobalPieces:
+    """One device: the local pieces are the global ones. Vocab-parallel: the one all-reduce."""
+    if not plan.tensor_parallel:
+        return GlobalPieces(local_lse, target_logits, numeric_logits, CommCount(0, 0))
+    received = run_exchange(plan, numeric_logits, local_lse, target_logits)
+    lse = None if received.lse_slots is None else combine_logsumexp(received.lse_slots[..., 0],
+                                                                   received.lse_slots[..., 1])
+    return GlobalPieces(lse, received.target_logits, received.numeric_logits,
+                        CommCount(received.comm_calls, received.comm_bytes))
+
+
+def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``lse - logits[t, y_t]``, as ``(shift - target logit) + log_sum``, at valid positions; 0 at
+    ignored ones unless their logits are not finite (``x - x`` is NaN there), so a NaN anywhere in
+    the logits never becomes a finite loss."""
+    return torch.where(valid, (lse.shift - target_logits) + lse.log_sum,
+                       (lse.shift - lse.shift) + (lse.log_sum - lse.log_sum))
+
+
+def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
+                              lse: Optional[ShiftedLogSumExp] = None) -> NumericGradient:
+    """The plan's numeric loss on the full numeric slice ``[P, N]`` and its gradient.
+
+    ``q = softmax(numeric logits)``; the loss gives d/dq (and d/dmass), chained here through the
+    softmax over the numeric tokens. ``mass``, the full softmax's probability on the numeric tokens,
+    is ``exp(logsumexp(numeric logits) - lse)`` at the numeric positions (needs ``lse``), and its
+    gradient reaches every column: ``d mass / d z_k = p_k [k numeric] - mass p_k``.
+
+    Everything here is O(P N), so it runs in float64 whatever the logits' dtype (the chain through
+    the softmax subtracts nearly equal numbers); a loss's own heavier work (SMMD's ``[P, N] x [N, N]``
+    product) runs in the compute dtype. The gradient comes back in the compute dtype.
+    """
+    logits = numeric_logits.double()
+    q = torch.softmax(logits, dim=-1)
+    mass = None
+    if plan.loss.needs_mass:
+        positions = plan.positions
+        mass = torch.exp((torch.logsumexp(logits, dim=-1) - lse.shift[positions].double())
+                         - lse.log_sum[positions].double())
+    terms = plan.loss.numeric_terms(q, plan.numeric_targets, mass, plan.compute_dtype)
+    grad_q = terms.grad_q.double()
+    grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+    row_coefficient = None
+    if terms.grad_mass is not None:
+        grad = grad + (terms.grad_mass * mass)[:, None] * q
+        row_coefficient = (-terms.grad_mass * mass).to(plan.compute_dtype)
+    values = plan.values.double()
+    return NumericGradient(value=terms.value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
+                           row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
+                           abs_error=(q @ values - values[plan.numeric_targets]).abs())
+
+
+def numeric_per_token(plan: CallPlan, numeric: NumericGradient, like: torch.Tensor) -> torch.Tensor:
+    """The numeric loss scattered to ``[T]`` (0 where the target is not numeric), ``like``'s dtype."""
+    return torch.zeros_like(like).index_put_((plan.positions, ), numeric.value.to(like.dtype))
+
+
+# The statistics every call reports after the numeric loss's own parts, in stat_sums' order.
+STAT_FIELDS = ("correct", "abs_error", "tokens", "comm_calls", "comm_bytes")
+
+
+def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torch.Tensor:
+    """The call's statistics as one detached float64 tensor: the sum over the numeric positions of
+    each of the loss's ``stat_names``, then :data:`STAT_FIELDS` (read on the host once, by
+    :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output."""
+    sums = [numeric.parts[name].detach().double().sum() for name in plan.loss.stat_names]
+    sums += [numeric.correct.double().sum(), numeric.abs_error.detach().double().sum(),
+             plan.valid.double().sum()]
+    counts = torch.tensor([comm.calls, comm.bytes], dtype=torch.float64, device=plan.valid.device)
+    return torch.cat([torch.stack(sums), counts])
+
+
+def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> dict:
+    """:func:`stat_sums` as the floats of ``NumericOutput.stats`` (one host sync): the loss's parts
+    and the numeric accuracy and MAE as means over the numeric positions, counts as ints."""
+    *part_sums, correct, abs_error, tokens, comm_calls, comm_bytes = sums.tolist()
+    per_numeric = 1.0 / max(numeric_tokens, 1)
+    return {**{name: total * per_numeric for name, total in zip(stat_names, part_sums)},
+            "numeric_tokens": numeric_tokens, "numeric_accuracy": correct * per_numeric,
+            "numeric_mae": abs_error * per_numeric, "comm_calls": int(comm_calls), "comm_bytes": int(comm_bytes),
+            "tokens": int(tokens)}
+
+
+def row_multipliers(plan: CallPlan, row_coefficient: Optional[torch.Tensor], grad_ce: torch.Tensor,
+                    grad_numeric: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T]``: what each full softmax row is multiplied by in the gradient: d loss / d CE (0 at
+    ignored positions), plus the numeric loss's row coefficient at the numeric positions."""
+    multiplier = grad_ce.to(dtype) * plan.valid
+    if row_coefficient is not None and plan.positions.numel():
+        multiplier = multiplier.index_add(0, plan.positions,
+                                          row_coefficient.to(dtype) * grad_numeric[plan.positions].to(dtype))
+    return multiplier
+
+
+def claim_single_backward(ctx) -> None:
+    """Mark ``ctx``'s one backward as used; a second one raises. The fused ops' saved working buffer
+    becomes the gradient in place, so a second backward through the same forward
+    (``retain_graph=True``) would read a gradient as if it were a softmax."""
+    if ctx.consumed:
+        raise RuntimeError("smmd_scale's fused loss supports one backward per forward (its working buffer "
+                           "becomes the gradient in place); run the forward again instead of retain_graph=True")
+    ctx.consumed = True
