@@ -8,8 +8,8 @@ the probability ``mass`` the full softmax puts on the numeric tokens ``[P]``. A 
 :meth:`~NumericLoss.numeric_terms` (plus an entry in ``registry.py`` for the command line and the
 monitor); the ops (``loss.py``, ``fused_linear.py``) chain its gradient through the softmax, so it
 runs on full logits, vocabulary-parallel shards and the fused linear head with the same one exchange.
-Calling a loss runs the op (:func:`smmd_scale.loss.numeric_loss_mean`): the op knows a loss only
-through the small protocol in ``call_plan.py``, so the import runs one way, op -> loss.
+Calling a loss runs the op (:func:`smmd_scale.loss.numeric_loss_mean`), so this module imports the
+op; the op never imports a loss: it sees one only through the small protocol in ``call_plan.py``.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class RankContribution:
     tokens:            number of positions in the call (the logits' leading numel)
     numeric_logits:    ``[P, hi - lo]`` this rank's numeric columns at the numeric positions
     numeric_columns:   (lo, hi) — indices into the numeric vocabulary owned by this shard
-    local_lse:         ``ShiftedLogSumExp`` of ``[tokens]`` in the compute dtype, or None (SMMD-only calls
+    local_lse:         ``ShiftedLogSumExp`` of ``[tokens]`` in the compute dtype, or None (numeric-only calls
                        carry no CE contribution)
     target_logits:     ``[tokens]`` logits' dtype, logits[t, y_t] where this rank owns y_t else 0
     """
