@@ -154,7 +154,7 @@ def run_exchange(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
 
 
 def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_start_index, with_ce: bool,
-              num_items_in_batch=None, weight: Optional[float] = None,
+              num_items_in_batch=None, weight: Optional[float] = None, num_numeric_in_batch=None,
               failed_check: Optional[checks.FailedCheck] = None) -> CallPlan:
     """Validate (all ranks reach the same verdict) and plan one call.
 
@@ -179,7 +179,7 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
         failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
                                            ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
-                                           weight=weight)
+                                           num_numeric_in_batch=num_numeric_in_batch, weight=weight)
     if failed_check is not None:
         if not tensor_parallel:
             raise failed_check.error()

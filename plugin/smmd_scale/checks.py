@@ -36,6 +36,7 @@ BIAS_SHAPE = 13
 EMPTY_INPUT = 14
 CHUNK_SIZE = 15
 HEAD_ROWS = 16
+NUM_NUMERIC = 17
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -54,6 +55,8 @@ _ERRORS = {
     TARGET_OUT_OF_RANGE: (ValueError, "targets[{0}] = {1} is outside the vocabulary [0, {2}) and is not "
                           "ignore_index={3} (position counted over the flattened targets)"),
     NUM_ITEMS: (ValueError, "num_items_in_batch={0} must be >= 0"),
+    NUM_NUMERIC: (ValueError, "num_numeric_in_batch={0} must be >= 0 (the numeric-target positions of the whole "
+                  "optimizer step)"),
     WEIGHT: (ValueError, "weight={0} must be a finite number >= 0 (0 = CE only)"),
     LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2}"),
     LINEAR_DEVICES: (ValueError, "head_weight and bias must be on hidden's device {0}:{1}; one of them is on {2}:{3}"),
@@ -115,7 +118,7 @@ def _device_code(device: torch.device) -> tuple:
 
 def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
-                 weight: Optional[float] = None) -> Optional[FailedCheck]:
+                 num_numeric_in_batch=None, weight: Optional[float] = None) -> Optional[FailedCheck]:
     """Validate one call's tensors and per-call arguments; return the first failed check or ``None``.
 
     logits: a ``LogitsSpec`` of ``[..., V_local]`` (the tensor need not exist), targets: ``[...]``.
@@ -137,6 +140,8 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         return FailedCheck(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         return FailedCheck(NUM_ITEMS, (int(num_items_in_batch), ))
+    if num_numeric_in_batch is not None and float(num_numeric_in_batch) < 0:
+        return FailedCheck(NUM_NUMERIC, (int(num_numeric_in_batch), ))
     if weight is not None and not (math.isfinite(weight) and weight >= 0):
         return FailedCheck(WEIGHT, (float_bits(weight), ))
     flat = targets.reshape(-1)

@@ -170,7 +170,8 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
 def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
                             numeric_loss: NumericLossLike, *, bias: Optional[torch.Tensor] = None, tp_group=None,
                             vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                            weight: Optional[float] = None, chunk_size: Optional[int] = None) -> PerTokenLosses:
+                            weight: Optional[float] = None, chunk_size: Optional[int] = None,
+                            num_numeric_in_batch=None) -> PerTokenLosses:
     """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
     :func:`linear_numeric_cross_entropy`."""
     check_numeric_loss(numeric_loss)
@@ -188,7 +189,8 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
     spec = LogitsSpec(tuple(hidden.shape[:-1]) + (width, ) if hidden.dim() else (width, ), hidden.dtype,
                       hidden.device)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
-                     num_items_in_batch=num_items_in_batch, weight=weight, failed_check=failed_check)
+                     num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
+                     failed_check=failed_check)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
     ce, numeric, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
@@ -199,7 +201,7 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                                  numeric_loss: NumericLossLike, weight: float = 1.0, *,
                                  bias: Optional[torch.Tensor] = None, tp_group=None,
                                  vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                                 chunk_size: Optional[int] = None) -> NumericOutput:
+                                 chunk_size: Optional[int] = None, num_numeric_in_batch=None) -> NumericOutput:
     """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
     making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
@@ -208,6 +210,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                  ``vocab_start_index``; all V rows without tensor parallelism)
     targets:     ``[...]`` aligned with hidden (already shifted)
     chunk_size:  head rows per block of logits (default: a block as large as ``hidden``)
+    num_items_in_batch, num_numeric_in_batch: the optimizer step's counts (see
+                 :func:`smmd_scale.loss.reduce_losses`)
 
     Gradients flow to hidden, head_weight and bias. Vocab-parallel: one packed all-reduce in the
     forward and the ``d hidden`` all-reduce in the backward (``stats["backward_comm_calls"]``,
@@ -216,8 +220,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     weight = check_weight(weight)
     losses = linear_per_token_losses(hidden, head_weight, targets, numeric_loss, bias=bias, tp_group=tp_group,
                                      vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
-                                     weight=weight, chunk_size=chunk_size)
-    output = reduce_losses(losses, weight, num_items_in_batch)
+                                     weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch)
+    output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch)
     reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)
     output.stats["backward_comm_bytes"] = (

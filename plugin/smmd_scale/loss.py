@@ -169,50 +169,64 @@ def numeric_loss_mean(numeric_loss: NumericLossLike, logits: torch.Tensor, targe
 
 def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike, tp_group=None,
                      vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                     weight: Optional[float] = None) -> PerTokenLosses:
+                     weight: Optional[float] = None, num_numeric_in_batch=None) -> PerTokenLosses:
     """CE and the numeric loss per position of ``logits [..., V_local]``, unreduced (the building
     block of :func:`numeric_cross_entropy` and of the Megatron entry point, which applies its own mask)."""
     check_numeric_loss(numeric_loss)
     spec = logits_spec(logits, targets)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
-                     num_items_in_batch=num_items_in_batch, weight=weight)
+                     num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch)
     ce, numeric, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
     return PerTokenLosses(ce, numeric, plan, sums)
 
 
-def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None) -> NumericOutput:
+def _count(count, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(count, device=like.device, dtype=like.dtype).clamp_min(1)
+
+
+def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None,
+                  num_numeric_in_batch=None) -> NumericOutput:
     """Per-token CE and numeric loss -> :class:`NumericOutput`.
 
-    CE is the mean over non-ignored targets (0 if there are none), or their sum /
-    ``num_items_in_batch`` when given, as Hugging Face does under gradient accumulation. The numeric
-    loss is the mean over numeric-target positions; with ``num_items_in_batch`` it is weighted by
-    this call's share of the batch's tokens (``tokens / num_items_in_batch``), so that summing
-    micro-batches — which is what the HF Trainer does with that argument — keeps it at its mean
-    scale instead of multiplying it by the number of micro-batches.
+    With the optimizer step's counts — ``num_items_in_batch`` (its valid targets) and
+    ``num_numeric_in_batch`` (its numeric-target positions), over all its micro-batches and data-
+    and sequence-parallel ranks — the call returns its *share* of the step's objective: ``ce =
+    sum(CE) / num_items_in_batch`` and ``numeric = sum(numeric loss) / num_numeric_in_batch``.
+    Summed over the step's calls, the shares are the step's objective, whatever the layout (a call
+    without numbers adds 0 to the numeric term).
+
+    Without counts a call keeps its own means: CE over its non-ignored targets (0 if none), the
+    numeric loss over its numeric-target positions. With ``num_items_in_batch`` alone (what the
+    HF Trainer passes) CE is its share, and the numeric mean is weighted by the call's share of
+    the tokens (``tokens / num_items_in_batch``), which keeps it at its mean scale but weighs each
+    micro-batch by its tokens, not by its numbers.
     """
     plan = losses.plan
     valid_tokens = plan.valid.sum()
-    numeric_mean = losses.numeric.sum() / max(int(plan.positions.numel()), 1)
-    if num_items_in_batch is None:
-        ce = losses.ce.sum() / valid_tokens.clamp_min(1)
-        numeric_term = numeric_mean
+    numeric_sum = losses.numeric.sum()
+    ce = losses.ce.sum() / (valid_tokens.clamp_min(1) if num_items_in_batch is None
+                            else _count(num_items_in_batch, losses.ce))
+    if num_numeric_in_batch is not None:
+        numeric_term = numeric_sum / _count(num_numeric_in_batch, losses.numeric)
     else:
-        denominator = torch.as_tensor(num_items_in_batch, device=losses.ce.device,
-                                      dtype=losses.ce.dtype).clamp_min(1)
-        ce = losses.ce.sum() / denominator
-        numeric_term = numeric_mean * valid_tokens / denominator
+        numeric_term = numeric_sum / max(int(plan.positions.numel()), 1)
+        if num_items_in_batch is not None:
+            numeric_term = numeric_term * valid_tokens / _count(num_items_in_batch, losses.ce)
     return NumericOutput(total=ce + weight * numeric_term, ce=ce, numeric=numeric_term, stats=losses.stats())
 
 
 def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike,
                           weight: float = 1.0, tp_group=None, vocab_start_index: Optional[int] = 0,
-                          num_items_in_batch=None) -> NumericOutput:
+                          num_items_in_batch=None, num_numeric_in_batch=None) -> NumericOutput:
     """CE + weight * a numeric loss (SMMD, NTL or a weighted sum) in one pass over ``logits [..., V]``
     or a vocab-parallel shard (``tp_group``, ``vocab_start_index``). ``targets [...]`` are aligned
-    with the logits (no shift); the reductions are :func:`reduce_losses`'."""
+    with the logits (no shift). The reductions are :func:`reduce_losses`': given the optimizer
+    step's ``num_items_in_batch`` and ``num_numeric_in_batch``, the call's share of the step's
+    objective, the same for any micro-batch, accumulation or parallel layout."""
     weight = check_weight(weight)
-    losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index, num_items_in_batch, weight)
-    return reduce_losses(losses, weight, num_items_in_batch)
+    losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index, num_items_in_batch, weight,
+                              num_numeric_in_batch)
+    return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch)
 
 
 smmd_cross_entropy = renamed(numeric_cross_entropy, "smmd_cross_entropy", {"smmd": "numeric_loss"})

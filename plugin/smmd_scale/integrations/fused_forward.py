@@ -107,7 +107,8 @@ def fused_forward(model, original_forward, hook, head_finder):
         outputs = model.model(**backbone_arguments, **extra)
         loss = hook.fused_loss(head_finder(), call_through_module, outputs.last_hidden_state, labels=labels,
                                shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-                               ignore_index=extra.get("ignore_index", -100))
+                               ignore_index=extra.get("ignore_index", -100),
+                               num_numeric_in_batch=extra.get("num_numeric_in_batch"))
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

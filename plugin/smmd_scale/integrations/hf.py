@@ -32,8 +32,10 @@ class NumericCausalLMLoss:
     """``loss_function`` hook: CE + weight * a numeric loss with HF's causal shift and normalisation.
 
     ``labels [B, S]`` are shifted like HF does (pad one ``ignore_index`` on the right, drop the
-    first), or ``shift_labels`` are used as given. ``num_items_in_batch`` divides CE as in HF
-    (see :func:`smmd_scale.numeric_cross_entropy` for the numeric term's matching weight).
+    first), or ``shift_labels`` are used as given. ``num_items_in_batch`` divides CE as in HF;
+    ``num_numeric_in_batch`` (pass it to the model's forward like ``num_items_in_batch``) divides
+    the numeric term, so that the step's micro-batches add up to the step's objective (see
+    :func:`smmd_scale.loss.reduce_losses`).
     After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
     :class:`DetachedLosses` and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or
     ``"fused_linear"`` (from the head's input, no logits).
@@ -68,21 +70,23 @@ class NumericCausalLMLoss:
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
                  num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
-                 **kwargs) -> torch.Tensor:
+                 num_numeric_in_batch=None, **kwargs) -> torch.Tensor:
         shift_labels = self.shifted(labels, shift_labels, ignore_index)
-        output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch)
+        output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch, num_numeric_in_batch)
         return output.total
 
-    def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> NumericOutput:
+    def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None,
+                num_numeric_in_batch=None) -> NumericOutput:
         """The full :class:`NumericOutput` for already-shifted labels (records ``last_*``)."""
         output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
-                                       num_items_in_batch=num_items_in_batch)
+                                       num_items_in_batch=num_items_in_batch,
+                                       num_numeric_in_batch=num_numeric_in_batch)
         self._record(output, "logits")
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
-                   num_items_in_batch=None, ignore_index: int = -100) -> torch.Tensor:
+                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
         ``call_through_module`` so that its weight is gathered and released like the head's own."""
@@ -93,7 +97,8 @@ class NumericCausalLMLoss:
             output = linear_numeric_cross_entropy(hidden_states, head.weight, targets, self.numeric_loss, self.weight,
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
-                                                  num_items_in_batch=num_items_in_batch)
+                                                  num_items_in_batch=num_items_in_batch,
+                                                  num_numeric_in_batch=num_numeric_in_batch)
             outputs.append(output)
             return output.total
 
