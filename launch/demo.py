@@ -1,6 +1,6 @@
-"""The embedded CPU demo: continued pretraining with SMMD vs CE, end to end, nothing downloaded.
+"""The self-contained CPU demo: continued pretraining with SMMD vs CE, end to end, nothing downloaded.
 
-    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~8 min, 2 cores)
+    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~4.5 min, 2 cores)
     python launch/demo.py --help        # knobs to scale it up on a GPU box
 
 1. a numeric corpus generated with `datasets` (arithmetic with results up to 999, clock reading,
