@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import markdown_table, median_and_spread, write_results
-from smmd_train.arguments import free_port
+from smmd_train.launcher import free_port
 
 # collective -> (position, keyword) of the tensor this rank hands in
 COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),

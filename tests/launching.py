@@ -1,6 +1,7 @@
 """Start real launchers (deepspeed, mpirun, plain python) from tests, on loopback, with timeouts.
 
-Command lines come from ``smmd_train.arguments`` (the builder the demo and the benchmarks use too).
+Command lines come from ``smmd_train.arguments`` and ``smmd_train.launcher`` (the builders the demo, the
+benchmarks and the shell launchers use too).
 """
 
 import json
@@ -8,7 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from smmd_train.arguments import REPO, launch_command, train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.arguments import REPO, train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.launcher import launch_command  # noqa: F401  (re-exported)
 
 TRAIN = REPO / "launch" / "train.py"
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import free_port
+from smmd_train.launcher import free_port
+
 from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 
 pytestmark = pytest.mark.slow

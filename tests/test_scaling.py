@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from smmd_train.arguments import launch_command
+from smmd_train.launcher import free_port, launch_command
 from smmd_train.scaling import (
     Config,
     format_table,
@@ -29,7 +29,6 @@ from smmd_train.scaling import (
 )
 
 from corpora import write_corpus
-from distributed import free_port
 from launching import REPO, environment, run
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
