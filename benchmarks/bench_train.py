@@ -31,8 +31,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import markdown_table, write_results
+from benchmarks.common import write_results
 from smmd_train.arguments import REPO, train_command
+from smmd_train.tables import markdown_table
 from smmd_train.tensorboard import write_experiment
 
 WARMUP_STEPS = 3

@@ -27,7 +27,13 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
+from smmd_train.tables import markdown_table
 from smmd_train.tensorboard import write_experiment
+
+TABLE_COLUMNS = [("run", "run", ""), ("exact match", "exact match", ".1%"), ("MAE", "MAE", ".1f"),
+                 ("unparseable", "unparseable", ".1%"), ("numeric-token acc.", "numeric-token acc.", ".1%"),
+                 ("numeric-token MAE", "numeric-token MAE", ".1f"), ("eval CE", "eval CE", ".3f"),
+                 ("tokens/s", "tokens/s", ".0f")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,17 +138,6 @@ def score_answers(model_dir: Path, qa_path: str) -> dict:
     return report
 
 
-def table(rows: list) -> str:
-    columns = [("run", "{}"), ("exact match", "{:.1%}"), ("MAE", "{:.1f}"), ("unparseable", "{:.1%}"),
-               ("numeric-token acc.", "{:.1%}"), ("numeric-token MAE", "{:.1f}"), ("eval CE", "{:.3f}"),
-               ("tokens/s", "{:.0f}")]
-    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:  # a metric over nothing (e.g. MAE when no answer parses) is None
-        lines.append("| " + " | ".join("n/a" if row[name] is None else fmt.format(row[name])
-                                       for name, fmt in columns) + " |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -198,7 +193,7 @@ def main(argv=None) -> None:
 
     print(f"\n{report['count']} held-out problems, operands never seen in training; "
           f"tokens/s = training throughput on {args.gpus} processes\n")
-    print(table(rows))
+    print(markdown_table(rows, TABLE_COLUMNS))  # a metric over nothing (MAE when no answer parses) prints -
     (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
                                                         "seconds": time.monotonic() - began}, indent=1))
     print(f"\nper-task reports: {work}/*/hf/numeric_eval.json; everything: {work}/demo_results.json")

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from scipy import integrate, optimize, stats
 
-from benchmarks.common import markdown_table
+from smmd_train.tables import markdown_table
 
 HERE = Path(__file__).resolve().parent
 
