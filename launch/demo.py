@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
+from smmd_train.metrics_file import METRICS_FILE, read_metrics
 from smmd_train.tables import markdown_table
 from smmd_train.tensorboard import write_experiment
 
@@ -80,7 +81,7 @@ def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-        returncode = follow_progress(process, output_dir / "metrics.jsonl", steps, name)
+        returncode = follow_progress(process, output_dir / METRICS_FILE, steps, name)
     if returncode != 0:
         raise SystemExit(f"{name} failed (exit {returncode}); see {log}:\n" +
                          "".join(log.read_text().splitlines(keepends=True)[-30:]))
@@ -117,7 +118,7 @@ def follow_progress(process: subprocess.Popen, metrics_path: Path, steps: int, n
 
 
 def training_summary(output_dir: Path) -> dict:
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output_dir)
     steps = [r for r in records if "loss/total" in r]
     evals = [r for r in records if "eval/ce" in r]
     return {"tokens_per_second": statistics.median(r["perf/tokens_per_second"] for r in steps

@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 from . import tensorboard
 from .arguments import TRAIN_SCRIPT, launch_command, train_flags
 from .arguments import parse_args as parse_train_args
+from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
 # train.py options that the sweep sets per run.
@@ -213,11 +214,10 @@ def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
 
 def run_state(output_dir: Path, config: Config) -> Optional[dict]:
     """The finished run's summary (its summary/* record), or None if it has not finished."""
-    metrics = output_dir / "runs" / config.name / "metrics.jsonl"
-    if not metrics.is_file():
+    run_dir = output_dir / "runs" / config.name
+    if not (run_dir / METRICS_FILE).is_file():
         return None
-    summaries = [record for record in map(json.loads, metrics.read_text().splitlines())
-                 if "summary/tokens_per_second" in record]
+    summaries = [record for record in read_metrics(run_dir) if "summary/tokens_per_second" in record]
     return summaries[-1] if summaries else None
 
 
