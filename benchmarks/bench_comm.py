@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import markdown_table, median_and_spread, write_results
-from smmd_train.arguments import free_port
+from benchmarks.common import median_and_spread, write_results
+from smmd_train.launcher import free_port
+from smmd_train.tables import markdown_table
 
 # collective -> (position, keyword) of the tensor this rank hands in
 COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),

@@ -45,7 +45,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
-from benchmarks.common import machine, markdown_table, write_results  # noqa: E402
+from benchmarks.common import machine, write_results  # noqa: E402
+from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("torch_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "deepspeed_fused", "liger_fallback",

@@ -56,9 +56,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
-from benchmarks.common import machine, markdown_table, median_and_spread, write_results  # noqa: E402
+from benchmarks.common import machine, median_and_spread, write_results  # noqa: E402
 from benchmarks.contenders.ntloss_package import Unavailable, build_ntloss  # noqa: E402
 from benchmarks.contenders.paper_way import PaperWaySMMD  # noqa: E402
+from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours")

@@ -31,8 +31,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import markdown_table, write_results
+from benchmarks.common import write_results
 from smmd_train.arguments import REPO, train_command
+from smmd_train.metrics_file import read_metrics
+from smmd_train.tables import markdown_table
 from smmd_train.tensorboard import write_experiment
 
 WARMUP_STEPS = 3
@@ -106,7 +108,7 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
     completed = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     if completed.returncode != 0:
         raise SystemExit(f"{name} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}")
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output)
     steps = [r for r in records if "perf/tokens_per_second" in r and r["step"] > WARMUP_STEPS]
     rates = [r["perf/tokens_per_second"] for r in steps]
     summary = next(r for r in records if "summary/peak_memory_gib" in r)

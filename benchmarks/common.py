@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark scripts: the machine description, JSON results and a table."""
+"""Shared pieces of the benchmark scripts: the machine description and JSON results (their tables:
+``smmd_train.tables.markdown_table``)."""
 
 import datetime
 import json
@@ -41,15 +42,3 @@ def write_results(name: str, rows: list, results_dir=None, **extra) -> Path:
     path.write_text(json.dumps({"machine": machine(), **extra, "rows": rows}, indent=1))
     return path
 
-
-def markdown_table(rows: list, columns: list) -> str:
-    """``columns``: (key, header, format) triples; rows are dicts."""
-    lines = ["| " + " | ".join(header for _, header, _ in columns) + " |",
-             "|" + "|".join("---" for _ in columns) + "|"]
-    for row in rows:
-        cells = []
-        for key, _, fmt in columns:
-            value = row.get(key, "")
-            cells.append(format(value, fmt) if value != "" and value is not None else "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from smmd_train.arguments import free_port
+from smmd_train.launcher import free_port
 
 # URL (after the server's address) of each dashboard; Time Series draws with WebGL unless forceSVG.
 DASHBOARDS = {

@@ -1,6 +1,6 @@
-"""The embedded CPU demo: continued pretraining with SMMD vs CE, end to end, nothing downloaded.
+"""The self-contained CPU demo: continued pretraining with SMMD vs CE, end to end, nothing downloaded.
 
-    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~8 min, 2 cores)
+    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~4.5 min, 2 cores)
     python launch/demo.py --help        # knobs to scale it up on a GPU box
 
 1. a numeric corpus generated with `datasets` (arithmetic with results up to 999, clock reading,
@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
+from smmd_train.metrics_file import METRICS_FILE, read_metrics
+from smmd_train.tables import markdown_table
 from smmd_train.tensorboard import write_experiment
+
+TABLE_COLUMNS = [("run", "run", ""), ("exact match", "exact match", ".1%"), ("MAE", "MAE", ".1f"),
+                 ("unparseable", "unparseable", ".1%"), ("numeric-token acc.", "numeric-token acc.", ".1%"),
+                 ("numeric-token MAE", "numeric-token MAE", ".1f"), ("eval CE", "eval CE", ".3f"),
+                 ("tokens/s", "tokens/s", ".0f")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,7 +81,7 @@ def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-        returncode = follow_progress(process, output_dir / "metrics.jsonl", steps, name)
+        returncode = follow_progress(process, output_dir / METRICS_FILE, steps, name)
     if returncode != 0:
         raise SystemExit(f"{name} failed (exit {returncode}); see {log}:\n" +
                          "".join(log.read_text().splitlines(keepends=True)[-30:]))
@@ -111,7 +118,7 @@ def follow_progress(process: subprocess.Popen, metrics_path: Path, steps: int, n
 
 
 def training_summary(output_dir: Path) -> dict:
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output_dir)
     steps = [r for r in records if "loss/total" in r]
     evals = [r for r in records if "eval/ce" in r]
     return {"tokens_per_second": statistics.median(r["perf/tokens_per_second"] for r in steps
@@ -130,17 +137,6 @@ def score_answers(model_dir: Path, qa_path: str) -> dict:
     report = evaluate_qa(model, AutoTokenizer.from_pretrained(model_dir), load_qa(qa_path))
     (model_dir / "numeric_eval.json").write_text(json.dumps(report, indent=1))
     return report
-
-
-def table(rows: list) -> str:
-    columns = [("run", "{}"), ("exact match", "{:.1%}"), ("MAE", "{:.1f}"), ("unparseable", "{:.1%}"),
-               ("numeric-token acc.", "{:.1%}"), ("numeric-token MAE", "{:.1f}"), ("eval CE", "{:.3f}"),
-               ("tokens/s", "{:.0f}")]
-    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:  # a metric over nothing (e.g. MAE when no answer parses) is None
-        lines.append("| " + " | ".join("n/a" if row[name] is None else fmt.format(row[name])
-                                       for name, fmt in columns) + " |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -198,7 +194,7 @@ def main(argv=None) -> None:
 
     print(f"\n{report['count']} held-out problems, operands never seen in training; "
           f"tokens/s = training throughput on {args.gpus} processes\n")
-    print(table(rows))
+    print(markdown_table(rows, TABLE_COLUMNS))  # a metric over nothing (MAE when no answer parses) prints -
     (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
                                                         "seconds": time.monotonic() - began}, indent=1))
     print(f"\nper-task reports: {work}/*/hf/numeric_eval.json; everything: {work}/demo_results.json")

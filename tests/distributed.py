@@ -10,12 +10,13 @@ import datetime
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import NamedTuple
 
 import torch.distributed as dist
+
+from smmd_train.launcher import free_port
 
 
 class Outcome(NamedTuple):
@@ -23,12 +24,6 @@ class Outcome(NamedTuple):
     ok: bool
     value: object  # fn's return value, or "ExceptionType: message"
     traceback: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(rank, world_size, port, pg_timeout, fn, args, results):

@@ -1,14 +1,15 @@
 """Start real launchers (deepspeed, mpirun, plain python) from tests, on loopback, with timeouts.
 
-Command lines come from ``smmd_train.arguments`` (the builder the demo and the benchmarks use too).
+Command lines come from ``smmd_train.arguments`` and ``smmd_train.launcher`` (the builders the demo, the
+benchmarks and the shell launchers use too).
 """
 
-import json
 import os
 import subprocess
-from pathlib import Path
 
-from smmd_train.arguments import REPO, launch_command, train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.arguments import REPO, train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.launcher import launch_command  # noqa: F401  (re-exported)
+from smmd_train.metrics_file import read_metrics
 
 TRAIN = REPO / "launch" / "train.py"
 
@@ -41,7 +42,6 @@ def metrics(output_dir) -> dict:
     """train.py's metrics.jsonl as step -> merged metrics (the last record of each name wins, as after
     a resume re-logs steps)."""
     merged = {}
-    for line in Path(output_dir, "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(output_dir):
         merged.setdefault(record.pop("step"), {}).update(record)
     return merged

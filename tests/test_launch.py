@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import free_port
+from smmd_train.launcher import free_port
+from smmd_train.metrics_file import read_metrics
+
 from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 
 pytestmark = pytest.mark.slow
@@ -115,7 +117,7 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
     assert sorted(step for step in logged if step) == [1, 2, 3, 4, 5, 6]
     # Evaluated at steps 3 and 6, once each: the last step's evaluation is the final one.
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output)
     assert [record["step"] for record in records if "eval/ce" in record] == [3, 6]
     first, last = logged[1], logged[6]
     assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/numeric"], rel=1e-5)

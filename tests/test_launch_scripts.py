@@ -1,12 +1,16 @@
 """launch/pretrain.sh and launch/continue_pretrain.sh compose the deepspeed command a user expects
-from their environment variables. A stand-in `deepspeed` first on PATH records its arguments, so
-these tests check the command line itself; train.py under the real launcher is test_launch.py's."""
+from their environment variables, through smmd_train.launcher (the builder the Python tools use). A
+stand-in `deepspeed` (DEEPSPEED) records its arguments, so these tests check the command line itself;
+train.py under the real launcher is test_launch.py's."""
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from smmd_train.launcher import launch_command
 
 from launching import REPO
 
@@ -23,8 +27,10 @@ def launch(tmp_path: Path, script: str, **variables) -> tuple:
     record = tmp_path / "argv.txt"
     record.unlink(missing_ok=True)
     env = {key: value for key, value in os.environ.items()
-           if key not in {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR", "TP"}}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), **{k: str(v) for k, v in variables.items()})
+           if key not in {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR", "TP",
+                          "MASTER_ADDR", "MASTER_PORT"}}
+    env.update(PYTHON=sys.executable, DEEPSPEED=str(bin_dir / "deepspeed"), RECORD=str(record),
+               **{k: str(v) for k, v in variables.items()})
     completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env,
                                capture_output=True, text=True, timeout=60)
     argv = record.read_text().splitlines() if record.exists() else None
@@ -77,3 +83,42 @@ def test_continue_pretrain_command(tmp_path):
     assert flag(argv, "--tp") == "2"
     assert flag(argv, "--output_dir") == "outputs/continue-llama-3-8b"
     assert flag(argv, "--export_hf") == "outputs/continue-llama-3-8b/hf"
+
+
+def test_without_gpus_per_node_deepspeed_counts_the_devices(tmp_path):
+    completed, argv = launch(tmp_path, "pretrain.sh", TOKENIZER="/t", DATA="/d")
+    assert completed.returncode == 0, completed.stderr
+    assert "--num_gpus" not in argv  # it would launch that many ranks whatever the node has
+    assert flag(argv, "--master_addr") == "127.0.0.1" and int(flag(argv, "--master_port")) > 0
+
+
+def test_a_hostfile_launch_leaves_the_master_to_deepspeed_unless_given(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-001 slots=8\nnode-002 slots=8\n")
+    completed, argv = launch(tmp_path, "pretrain.sh", TOKENIZER="/t", DATA="/d", NUM_NODES=2, HOSTFILE=hostfile)
+    assert completed.returncode == 0, completed.stderr
+    assert "--master_addr" not in argv and "--master_port" not in argv  # DeepSpeed: the first host, 29500
+    completed, argv = launch(tmp_path, "pretrain.sh", TOKENIZER="/t", DATA="/d", NUM_NODES=2, HOSTFILE=hostfile,
+                             MASTER_ADDR="10.0.0.7", MASTER_PORT=29600)
+    assert completed.returncode == 0, completed.stderr
+    assert flag(argv, "--master_addr") == "10.0.0.7" and flag(argv, "--master_port") == "29600"
+
+
+def test_the_builder_on_one_node_and_across_a_hostfile():
+    one_node = launch_command("train.py", "--x", deepspeed="ds")
+    assert one_node[:5] == ["ds", "--num_nodes", "1", "--master_addr", "127.0.0.1"]
+    assert one_node[5] == "--master_port" and int(one_node[6]) > 0 and one_node[7:] == ["train.py", "--x"]
+    assert launch_command("train.py", processes=2, master_port=1234, deepspeed="ds") == [
+        "ds", "--num_nodes", "1", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "1234", "train.py"]
+    assert launch_command("train.py", nodes=2, hostfile="hosts", deepspeed="ds") == [
+        "ds", "--hostfile", "hosts", "--num_nodes", "2", "train.py"]
+    with pytest.raises(ValueError, match="nodes=2 needs a hostfile naming them"):
+        launch_command("train.py", nodes=2)
+    with pytest.raises(ValueError, match="nodes=0 must be at least 1"):
+        launch_command("train.py", nodes=0)
+
+
+def test_the_builder_s_command_line_entry_reports_a_bad_placement():
+    completed = subprocess.run([sys.executable, "-m", "smmd_train.launcher", "--nodes", "2", "train.py"],
+                               capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 2 and "nodes=2 needs a hostfile naming them" in completed.stderr

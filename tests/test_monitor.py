@@ -3,12 +3,13 @@ replicas, the warm-up step kept out of the throughput and memory charts, the end
 and what rank 0 writes for TensorBoard (scalars, HParams, the Custom Scalars layout) and
 metrics.jsonl, read back with TensorBoard's own readers."""
 
-import json
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from smmd_train.metrics_file import read_metrics
 
 from distributed import run_ranks, values_or_raise
 
@@ -73,7 +74,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     assert ("run/world_size", 2.0, 0) in events0 and ("loss/total", pytest.approx(2.5), 1) in events1
 
     # metrics.jsonl (rank 0 only): step 1 has no perf/ or memory/ values, the later steps have.
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert records[0] == {"step": 0, "run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
     by_step = {record["step"]: record for record in records if "loss/total" in record}
     assert not any(key.startswith(("perf/", "memory/")) for key in by_step[1])
@@ -121,3 +122,8 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
         for chart in category.chart:
             for pattern in chart.multiline.tag:
                 assert any(re.search(pattern, tag) for tag in known), (chart.title, pattern)
+
+
+def test_read_metrics_leaves_out_a_record_still_being_written(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce": 2.4}\n{"step": 3, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss/ce": 2.5}, {"step": 2, "loss/ce": 2.4}]

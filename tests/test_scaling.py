@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from smmd_train.arguments import launch_command
+from smmd_train.launcher import free_port, launch_command
+from smmd_train.metrics_file import read_metrics
 from smmd_train.scaling import (
     Config,
     format_table,
@@ -29,7 +30,6 @@ from smmd_train.scaling import (
 )
 
 from corpora import write_corpus
-from distributed import free_port
 from launching import REPO, environment, run
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
@@ -204,7 +204,7 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
     assert [configs[name]["deepspeed_config"]["gradient_accumulation_steps"] for name in names] == [2, 1]
     # The learning rate is non-zero from the first step, and the runs trained.
     for name in rows:
-        records = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(out / "runs" / name)
         steps = [record for record in records if "loss/total" in record]
         assert steps[0]["train/lr"] > 0 and steps[-1]["loss/ce"] < steps[0]["loss/ce"]
 

@@ -61,8 +61,9 @@ def test_train_flags_refuse_unknown_options_and_values_for_switches():
 
 def test_train_command_launchers(tmp_path):
     deepspeed = train_command(processes=2, master_port=29555, model="tiny", max_steps=1)
-    assert deepspeed[1:7] == ["--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29555"]
-    assert deepspeed[7] == str(TRAIN) and deepspeed[8:] == ["--model", "tiny", "--max_steps", "1"]
+    assert deepspeed[1:9] == ["--num_nodes", "1", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
+                              "29555"]
+    assert deepspeed[9] == str(TRAIN) and deepspeed[10:] == ["--model", "tiny", "--max_steps", "1"]
     plain = train_command(launcher="python", model="tiny")
     assert plain[1:] == [str(TRAIN), "--model", "tiny"]
     custom = train_command(launcher=["torchrun", "--nproc_per_node", "8"], model="tiny")

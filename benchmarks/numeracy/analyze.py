@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 from scipy import integrate, optimize, stats
 
-from benchmarks.common import markdown_table
+from smmd_train.metrics_file import read_metrics
+from smmd_train.tables import markdown_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -177,7 +178,7 @@ def collect_run(run_dir: Path, record: dict) -> dict:
     keys = ("count", *METRICS, *DESCRIPTIVE)
     metrics = {ALL: {key: report[key] for key in keys}}
     metrics.update({task: {key: values[key] for key in keys} for task, values in report["per_task"].items()})
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     steps = [entry for entry in records if "loss/total" in entry]
     evals = [entry for entry in records if "eval/ce" in entry]
     config = json.loads((run_dir / "run_config.json").read_text())

@@ -18,12 +18,15 @@ from pathlib import Path
 
 import torch
 
+from smmd_train.tables import markdown_table
+
 from .evaluation import evaluate_qa, load_qa
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_COLUMNS = (("count", "count"), ("exact_match", "exact_match"), ("mae", "mae"), ("relative_error", "rel_error"),
-            ("unparseable", "unparseable"), ("numeric_token_accuracy", "num_tok_acc"),
-            ("numeric_token_mae", "num_tok_mae"), ("numeric_tokens", "num_tokens"))
+_COLUMNS = (("task", "task", ""), ("count", "count", ""), ("exact_match", "exact_match", ".4f"), ("mae", "mae", ".4f"),
+            ("relative_error", "rel_error", ".4f"), ("unparseable", "unparseable", ".4f"),
+            ("numeric_token_accuracy", "num_tok_acc", ".4f"), ("numeric_token_mae", "num_tok_mae", ".4f"),
+            ("numeric_tokens", "num_tokens", ""))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,16 +71,8 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple:
 
 def format_table(report: dict) -> str:
     """One row for all items, then one per task; ``-`` where a mean is undefined."""
-    rows = [("all", report)] + list(report["per_task"].items())
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{'task':<{width}}" + "".join(f"  {header:>11}" for _, header in _COLUMNS)]
-    for name, metrics in rows:
-        cells = []
-        for key, _ in _COLUMNS:
-            value = metrics[key]
-            cells.append("-" if value is None else f"{value}" if isinstance(value, int) else f"{value:.4f}")
-        lines.append(f"{name:<{width}}" + "".join(f"  {cell:>11}" for cell in cells))
-    return "\n".join(lines)
+    rows = [{**report, "task": "all"}] + [{**metrics, "task": task} for task, metrics in report["per_task"].items()]
+    return markdown_table(rows, _COLUMNS)
 
 
 def main(argv=None) -> dict:

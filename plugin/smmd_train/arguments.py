@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-import shutil
-import socket
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .launcher import launch_command
 from .presets import PRESETS
 
 # The repository this package is installed from (an editable install of a source checkout).
@@ -175,44 +173,6 @@ def train_flags(**options) -> list:
         else:
             flags += [flag, str(value)]
     return flags
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a launcher's ``--master_port``."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def deepspeed_launcher() -> str:
-    """The ``deepspeed`` launcher of this Python environment (a virtualenv's bin/ first)."""
-    return shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-
-
-def launch_command(script, *script_args, processes: int = 1, launcher="deepspeed",
-                   master_port: Optional[int] = None, master_addr: str = "127.0.0.1", nodes: int = 1,
-                   hostfile: Optional[str] = None) -> list:
-    """How to start ``script``: ``launcher="deepspeed"`` (``processes`` ranks on this machine, on
-    ``master_addr:master_port``, a free port by default; with ``hostfile``, ``processes`` ranks on
-    each of the file's first ``nodes`` hosts, the first host being the master), ``"python"`` (one
-    plain process), or a list that starts the script as given (e.g. ``["torchrun",
-    "--nproc_per_node", "8"]``)."""
-    if isinstance(launcher, (list, tuple)):
-        return [*map(str, launcher), str(script), *map(str, script_args)]
-    if launcher == "python":
-        if processes != 1:
-            raise ValueError(f"launcher='python' starts one process, not {processes}; use launcher='deepspeed'")
-        return [sys.executable, str(script), *map(str, script_args)]
-    if launcher != "deepspeed":
-        raise ValueError(f"launcher={launcher!r} must be 'deepspeed' or 'python'")
-    if hostfile:
-        placement = ["--hostfile", str(hostfile), "--num_nodes", str(nodes), "--num_gpus", str(processes)]
-    elif nodes != 1:
-        raise ValueError(f"nodes={nodes} needs a hostfile naming them")
-    else:
-        placement = ["--num_gpus", str(processes), "--master_addr", master_addr]
-    return [deepspeed_launcher(), *placement, "--master_port", str(master_port or free_port()), str(script),
-            *map(str, script_args)]
 
 
 def train_command(*, processes: int = 1, launcher="deepspeed", master_port: Optional[int] = None,

@@ -21,6 +21,8 @@ import torch
 
 from smmd_scale import compat
 
+from .launcher import free_port
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -29,12 +31,6 @@ class Launch:
     local_rank: int
     local_size: int
     launcher: str  # "deepspeed/torchrun", "mpirun", "slurm" or "single"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def discover_launch(environ=os.environ) -> Launch:
@@ -49,7 +45,7 @@ def discover_launch(environ=os.environ) -> Launch:
         node = world.Split_type(MPI.COMM_TYPE_SHARED)
         launch = Launch(world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), "mpirun")
         master = environ.get("MASTER_ADDR") or socket.gethostname()
-        port = environ.get("MASTER_PORT") or str(_free_port())
+        port = environ.get("MASTER_PORT") or str(free_port())
         master, port = world.bcast((master, port), root=0)  # every rank uses rank 0's choice
         environ.setdefault("MASTER_ADDR", master)
         environ.setdefault("MASTER_PORT", port)
@@ -63,7 +59,7 @@ def discover_launch(environ=os.environ) -> Launch:
     else:
         launch = Launch(0, 1, 0, 1, "single")
         environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        environ.setdefault("MASTER_PORT", str(_free_port()))
+        environ.setdefault("MASTER_PORT", str(free_port()))
     environ.setdefault("MASTER_PORT", "29500")
     environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank),
                    LOCAL_SIZE=str(launch.local_size))

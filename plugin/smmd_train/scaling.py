@@ -48,6 +48,8 @@ from typing import Optional, Sequence
 from . import tensorboard
 from .arguments import TRAIN_SCRIPT, launch_command, train_flags
 from .arguments import parse_args as parse_train_args
+from .metrics_file import METRICS_FILE, read_metrics
+from .tables import markdown_table
 
 # train.py options that the sweep sets per run.
 SWEEP_OWNED = ("tensorboard_dir", "resume", "local_rank")  # and --tp, --output_dir: the sweep's own options
@@ -212,11 +214,10 @@ def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
 
 def run_state(output_dir: Path, config: Config) -> Optional[dict]:
     """The finished run's summary (its summary/* record), or None if it has not finished."""
-    metrics = output_dir / "runs" / config.name / "metrics.jsonl"
-    if not metrics.is_file():
+    run_dir = output_dir / "runs" / config.name
+    if not (run_dir / METRICS_FILE).is_file():
         return None
-    summaries = [record for record in map(json.loads, metrics.read_text().splitlines())
-                 if "summary/tokens_per_second" in record]
+    summaries = [record for record in read_metrics(run_dir) if "summary/tokens_per_second" in record]
     return summaries[-1] if summaries else None
 
 
@@ -268,19 +269,15 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
     return written
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    lines = ["| run | ranks | TP x DP | nodes | tokens/s | per rank | speed-up | efficiency | peak GiB | status |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for row in rows:
-        def cell(key, fmt):
-            return format(row[key], fmt) if key in row else "-"
+TABLE_COLUMNS = (("name", "run", ""), ("world_size", "ranks", ""), ("placement", "TP x DP", ""),
+                 ("nodes", "nodes", ""), ("tokens_per_second", "tokens/s", ".0f"),
+                 ("tokens_per_second_per_rank", "per rank", ".0f"), ("speedup", "speed-up", ".2f"),
+                 ("efficiency", "efficiency", ".2f"), ("peak_memory_gib", "peak GiB", ".2f"), ("status", "status", ""))
 
-        data_parallel = row["dp"] or "-"  # a refused pair (TP above the world size) has no DP degree
-        lines.append(f"| {row['name']} | {row['world_size']} | {row['tp']} x {data_parallel} | {row['nodes']} | "
-                     f"{cell('tokens_per_second', '.0f')} | {cell('tokens_per_second_per_rank', '.0f')} | "
-                     f"{cell('speedup', '.2f')} | {cell('efficiency', '.2f')} | {cell('peak_memory_gib', '.2f')} | "
-                     f"{row['status']} |")
-    return "\n".join(lines)
+
+def format_table(rows: Sequence[dict]) -> str:
+    # a refused pair (TP above the world size) has no DP degree
+    return markdown_table([{**row, "placement": f"{row['tp']} x {row['dp'] or '-'}"} for row in rows], TABLE_COLUMNS)
 
 
 def mode(sweep) -> str:

@@ -1,0 +1,31 @@
+# Sourced by pretrain.sh and continue_pretrain.sh once they have set their defaults: runs
+# launch/train.py under the deepspeed launcher with the flags both share, then the caller's own
+# flags (the arguments given to `.`), then the user's. The command comes from smmd_train.launcher,
+# the builder the Python tools use too. Variables, each overridable from the environment:
+#   NUM_NODES (1); HOSTFILE (launch/hostfile, read when NUM_NODES > 1); GPUS_PER_NODE (default:
+#   DeepSpeed counts each node's devices); MASTER_ADDR, MASTER_PORT (default: 127.0.0.1 and a free
+#   port on one node, the first host and 29500 with a hostfile); PYTHON; DEEPSPEED (the launcher
+#   program, default: PYTHON's environment's); DS_CONFIG, TP, SEQ_LEN, MICRO_BATCH, GRAD_ACCUM,
+#   MAX_STEPS, SAVE_STEPS, SMMD_WEIGHT, DATA, OUTPUT_DIR.
+NUM_NODES="${NUM_NODES:-1}"
+HOSTFILE="${HOSTFILE:-launch/hostfile}"
+
+launcher=("${PYTHON:-python}" -m smmd_train.launcher --nodes "$NUM_NODES")
+if [ "$NUM_NODES" -gt 1 ]; then
+  if [ ! -f "$HOSTFILE" ]; then
+    echo "NUM_NODES=$NUM_NODES needs a hostfile: HOSTFILE=$HOSTFILE does not exist (see launch/hostfile.example)" >&2
+    exit 2
+  fi
+  launcher+=(--hostfile "$HOSTFILE")
+fi
+[ -z "${GPUS_PER_NODE:-}" ] || launcher+=(--gpus_per_node "$GPUS_PER_NODE")
+[ -z "${MASTER_ADDR:-}" ] || launcher+=(--master_addr "$MASTER_ADDR")
+[ -z "${MASTER_PORT:-}" ] || launcher+=(--master_port "$MASTER_PORT")
+[ -z "${DEEPSPEED:-}" ] || launcher+=(--deepspeed "$DEEPSPEED")
+
+# shellcheck disable=SC2086  # DATA may list several files
+exec "${launcher[@]}" launch/train.py \
+  --deepspeed_config "${DS_CONFIG:-ds_configs/zero3.json}" --tp "${TP:-1}" --data $DATA \
+  --seq_len "${SEQ_LEN:-4096}" --micro_batch_size "${MICRO_BATCH:-1}" \
+  --gradient_accumulation_steps "${GRAD_ACCUM:-8}" --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" \
+  --save_steps "$SAVE_STEPS" --resume --smmd_weight "${SMMD_WEIGHT:-1.0}" "$@"

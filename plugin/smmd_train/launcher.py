@@ -1,0 +1,99 @@
+"""The one builder of deepspeed launcher command lines, for Python callers (the demo, the sweep, the
+benchmarks, the tests) and, through ``python -m smmd_train.launcher``, for the shell launchers
+(``launch/pretrain.sh``, ``launch/continue_pretrain.sh``).
+
+    launch_command("launch/train.py", "--model", "tiny", processes=2)
+    # deepspeed --num_nodes 1 --num_gpus 2 --master_addr 127.0.0.1 --master_port <free> launch/train.py --model tiny
+
+Defaults are DeepSpeed's wherever DeepSpeed knows better: without ``processes`` it starts one rank
+per device it detects on each node (and honours CUDA_VISIBLE_DEVICES, which ``--num_gpus`` would
+override); with a hostfile it picks the master itself (the first host), so no master address is
+passed unless one is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def free_port() -> int:
+    """A TCP port free on every interface of this machine now (so on loopback too), for a master port."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def deepspeed_launcher() -> str:
+    """The ``deepspeed`` launcher of this Python environment (a virtualenv's bin/ first)."""
+    return shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+
+
+def launch_command(script, *script_args, processes: Optional[int] = None, launcher="deepspeed",
+                   master_port: Optional[int] = None, master_addr: Optional[str] = None, nodes: int = 1,
+                   hostfile: Optional[str] = None, deepspeed: Optional[str] = None) -> list:
+    """How to start ``script``.
+
+    ``launcher="deepspeed"``: ``processes`` ranks on each node (default: one per device DeepSpeed
+    detects). One node without ``hostfile``: this machine, on ``master_addr`` (default 127.0.0.1)
+    and ``master_port`` (default: a free port). With ``hostfile``: its first ``nodes`` hosts; the
+    master is ``master_addr:master_port`` if given, else DeepSpeed's choice (the first host, port
+    29500). ``deepspeed`` names the launcher program (default: this environment's).
+    ``launcher="python"``: one plain process. A list: start the script after it as given (e.g.
+    ``["torchrun", "--nproc_per_node", "8"]``).
+    """
+    if isinstance(launcher, (list, tuple)):
+        return [*map(str, launcher), str(script), *map(str, script_args)]
+    if launcher == "python":
+        if processes not in (None, 1):
+            raise ValueError(f"launcher='python' starts one process, not {processes}; use launcher='deepspeed'")
+        return [sys.executable, str(script), *map(str, script_args)]
+    if launcher != "deepspeed":
+        raise ValueError(f"launcher={launcher!r} must be 'deepspeed' or 'python'")
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes} must be at least 1")
+    if nodes != 1 and not hostfile:
+        raise ValueError(f"nodes={nodes} needs a hostfile naming them")
+    command = [deepspeed or deepspeed_launcher()]
+    if hostfile:
+        command += ["--hostfile", str(hostfile)]
+    command += ["--num_nodes", str(nodes)]
+    if processes is not None:
+        command += ["--num_gpus", str(processes)]
+    if hostfile:
+        command += ["--master_addr", master_addr] if master_addr else []
+        command += ["--master_port", str(master_port)] if master_port else []
+    else:
+        command += ["--master_addr", master_addr or "127.0.0.1", "--master_port", str(master_port or free_port())]
+    return [*command, str(script), *map(str, script_args)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m smmd_train.launcher [options] SCRIPT [ARGS ...]``: run SCRIPT under the deepspeed
+    launcher that :func:`launch_command` builds."""
+    parser = argparse.ArgumentParser(prog="python -m smmd_train.launcher", description=main.__doc__)
+    parser.add_argument("--nodes", type=int, default=1, help="nodes to use (more than 1 needs --hostfile)")
+    parser.add_argument("--gpus_per_node", type=int, help="ranks per node (default: DeepSpeed counts the devices)")
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile ('<host> slots=<N>' lines) for multi-node runs")
+    parser.add_argument("--master_addr", help="default: 127.0.0.1 on one node, the first host with a hostfile")
+    parser.add_argument("--master_port", type=int, help="default: a free port on one node, 29500 with a hostfile")
+    parser.add_argument("--deepspeed", help="the launcher program (default: this Python environment's deepspeed)")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        command = launch_command(args.script, *args.script_args, processes=args.gpus_per_node, nodes=args.nodes,
+                                 hostfile=args.hostfile, master_addr=args.master_addr, master_port=args.master_port,
+                                 deepspeed=args.deepspeed)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: {error}\n")
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
