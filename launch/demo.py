@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
-from smmd_train.tensorboard import write_experiment
+from smmd_train.dashboards import write_experiment
 
 
 def parse_args(argv=None) -> argparse.Namespace:
