@@ -33,9 +33,9 @@ from pathlib import Path
 
 from benchmarks.common import write_results
 from smmd_train.arguments import REPO, train_command
+from smmd_train.dashboards import write_experiment
 from smmd_train.metrics_file import read_metrics
 from smmd_train.tables import markdown_table
-from smmd_train.tensorboard import write_experiment
 
 WARMUP_STEPS = 3
 LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(smmd_weight=1.0),
@@ -160,7 +160,7 @@ def main():
                 rows.append({"run": f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}", "world": world,
                              "tp": tp_size, "dp": world // tp_size, "loss": loss,
                              "tokens_per_second": statistics.median(rates),
-                             "tokens_per_second_per_device": statistics.median(rates) / world,
+                             "tokens_per_second_per_rank": statistics.median(rates) / world,
                              "repeats_tokens_per_second": rates,
                              "spread": (max(rates) - min(rates)) / statistics.median(rates),
                              "loss_bytes_per_step": measured[-1]["loss_bytes_per_step"],
@@ -177,7 +177,7 @@ def main():
             row["scaling_efficiency"] = row["tokens_per_second"] / (row["world"] * single["tokens_per_second"])
     columns = [("run", "run", "s"), ("world", "world", "d"), ("tp", "TP", "d"), ("dp", "DP", "d"),
                ("loss", "loss", "s"), ("tokens_per_second", "tokens/s", ".0f"),
-               ("tokens_per_second_per_device", "tokens/s/device", ".0f"), ("throughput_vs_ce", "vs CE", ".3f"),
+               ("tokens_per_second_per_rank", "tokens/s/rank", ".0f"), ("throughput_vs_ce", "vs CE", ".3f"),
                ("scaling_efficiency", "scaling eff.", ".2f"), ("peak_memory_gib", "peak GiB/rank", ".2f"),
                ("peak_vs_ce", "peak vs CE", ".2f"), ("loss_bytes_per_step", "loss bytes/step", ",.0f"),
                ("spread", "spread over repeats", ".0%")]

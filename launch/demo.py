@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO, train_command
+from smmd_train.dashboards import write_experiment
 from smmd_train.metrics_file import METRICS_FILE, read_metrics
 from smmd_train.tables import markdown_table
-from smmd_train.tensorboard import write_experiment
 
 TABLE_COLUMNS = [("run", "run", ""), ("exact match", "exact match", ".1%"), ("MAE", "MAE", ".1f"),
                  ("unparseable", "unparseable", ".1%"), ("numeric-token acc.", "numeric-token acc.", ".1%"),

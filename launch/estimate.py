@@ -5,10 +5,10 @@
         [--no-flash_attention] [--gpu_memory_gib 80] [--json]
     python launch/estimate.py --all --nodes 1 --gpus_per_node 8 [...]   # markdown table, 1b..70b
 
-What is counted, and what is not: ``smmd_train/planner.py``.
+What is counted, and what is not: ``smmd_train/memory.py``.
 """
 
-from smmd_train.planner import main
+from smmd_train.memory import main
 
 if __name__ == "__main__":
     main()

@@ -56,33 +56,26 @@ def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
 
 
 def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
-    import deepspeed
-    from deepspeed.utils import groups
     from transformers import AutoTokenizer
 
-    from smmd_scale import compat
-    from smmd_train.distributed import destroy_at_shutdown, init_distributed
+    from smmd_train.distributed import init_distributed
     from smmd_train.export import export_hf
-    from smmd_train.model import build_model, config_from_dict, zero_init_config
+    from smmd_train.model import config_from_dict
+    from smmd_train.run import build_engine
 
     launch = init_distributed()
     if launch.world_size != run["world_size"]:
         raise SystemExit(f"{run_dir} was trained on {run['world_size']} ranks with autotp_size {run['tp_size']}; "
                          f"run: deepspeed --num_gpus {run['world_size']} launch/export_hf.py {run_dir}/{tag} {target}")
-    # The optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the optimizer's
-    # partitions (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
-    ds_config = {key: value for key, value in run["deepspeed_config"].items() if key != "tensorboard"}
-    compat.init_tensor_parallel_groups(run["tp_size"])
-    config = config_from_dict(run["model_config"])
-    model, zero_init = build_model(config, zero_init_config(ds_config))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                           mpu=groups)
-    destroy_at_shutdown(engine)
-    del zero_init
+    # The engine train.py built (smmd_train.run.build_engine), from the run's recorded config. The
+    # optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the optimizer's partitions
+    # (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
+    arguments = run["args"]
+    engine, _ = build_engine(config_from_dict(run["model_config"]), run["deepspeed_config"], run["tp_size"],
+                             arguments["seq_len"])
     load_path, _ = engine.load_checkpoint(str(run_dir), tag=tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {run_dir}")
-    arguments = run["args"]
     export_hf(engine, target, AutoTokenizer.from_pretrained(arguments["tokenizer"] or arguments["model"]))
 
 

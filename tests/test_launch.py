@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 EXPORT = REPO / "launch" / "export_hf.py"
 CONTRACT_SCALARS = {"loss/total", "loss/ce", "loss/numeric", "loss/smmd", "loss/mmd", "loss/smooth",
                     "comm/loss_backward_bytes", "numeric/accuracy",
-                    "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_device",
-                    "perf/tflops_per_device", "perf/step_seconds", "memory/peak_gib", "comm/loss_bytes", "train/lr",
+                    "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_rank",
+                    "perf/tflops_per_rank", "perf/step_seconds", "memory/peak_gib", "comm/loss_bytes", "train/lr",
                     "train/grad_norm", "train/skipped_steps", "summary/tokens_per_second", "summary/peak_memory_gib"}
 SEQ_LEN, EVAL_BATCHES = 48, 3
 

@@ -55,7 +55,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    from smmd_train import tensorboard
+    from smmd_train import dashboards
     from smmd_train.scaling import SCALING_SCALARS
 
     (steps0, summary0, events0), (steps1, summary1, events1) = values_or_raise(run_ranks(_three_steps, 2, tmp_path))
@@ -101,21 +101,21 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     values = plugin_data(run, "_hparams_/session_start_info").session_start_info.hparams
     assert values["world_size"].number_value == 2 and values["numeric_loss"].string_value == "1 smmd"
     assert values["fused_linear"].bool_value is False
-    tensorboard.write_experiment(str(tmp_path / "root"), differs=("world_size", "tp_size"))
+    dashboards.write_experiment(str(tmp_path / "root"), differs=("world_size", "tp_size"))
     (experiment_file, ) = (tmp_path / "root").glob("events.out.tfevents.*")
     root = EventAccumulator(str(experiment_file), size_guidance={"tensors": 0})
     root.Reload()
     experiment = plugin_data(root, "_hparams_/experiment").experiment
-    assert [info.name for info in experiment.hparam_infos] == list(tensorboard.RUN_HPARAMS)
+    assert [info.name for info in experiment.hparam_infos] == list(dashboards.RUN_HPARAMS)
     assert [info.name for info in experiment.hparam_infos if info.differs] == ["world_size", "tp_size"]
-    assert {info.name.tag for info in experiment.metric_infos} == set(tensorboard.SUMMARY_METRICS)
-    assert set(tensorboard.SUMMARY_METRICS) <= set(summary0)  # every column has its value in the run
+    assert {info.name.tag for info in experiment.metric_infos} == set(dashboards.SUMMARY_METRICS)
+    assert set(dashboards.SUMMARY_METRICS) <= set(summary0)  # every column has its value in the run
 
     # The Custom Scalars layout: as written, and every chart matches a scalar that train.py or a
     # scaling sweep writes (no chart left empty by a renamed tag).
     (layout_event, ) = run.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(layout_event.tensor_proto.string_val[0])
-    assert [category.title for category in layout.category] == list(tensorboard.LAYOUT)
+    assert [category.title for category in layout.category] == list(dashboards.LAYOUT)
     known = scalars | {"eval/numeric_accuracy", "eval/numeric_mae", "loss/ntl_was", "loss/ntl_mse",
                        "comm/loss_backward_bytes"} | {f"scaling/{name}" for name in SCALING_SCALARS}
     for category in layout.category:

@@ -10,7 +10,7 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smmd_train import planner as estimate_cli
+from smmd_train import memory as estimate_cli
 from smmd_train.presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,10 +157,12 @@ def test_no_shell_no_remote_code_no_pickles_from_elsewhere():
         assert "trust_remote_code=True" not in text, path  # only ever the user's --trust_remote_code flag
         for call in _calls(text, "torch.load"):
             assert "weights_only=True" in call, (path, call)
-    train = sources[REPO / "launch" / "train.py"]
+    train = sources[REPO / "plugin" / "smmd_train" / "train.py"]
     arguments = sources[REPO / "plugin" / "smmd_train" / "arguments.py"]
     assert '"--trust_remote_code", action="store_true"' in arguments
     assert "trust_remote_code=args.trust_remote_code" in sources[REPO / "plugin" / "smmd_train" / "plan.py"]
-    assert "args.trust_remote_code" in train
-    # Checkpoints are only ever loaded from the run's own --output_dir.
-    assert re.findall(r"checkpoint\.load\(engine, ([^,]+),", train) == ["args.output_dir"]
+    assert "args.trust_remote_code" in sources[REPO / "plugin" / "smmd_train" / "run.py"]
+    # Checkpoints are only ever loaded from the run's own --output_dir (the Checkpointer's directory).
+    assert re.findall(r"Checkpointer\(run\.engine, ([^,]+),", train) == ["args.output_dir"]
+    assert re.findall(r"[^_]load\(self\.engine, ([^,]+),", sources[REPO / "plugin" / "smmd_train" / "checkpoint.py"]) \
+        == ["self.output_dir"]

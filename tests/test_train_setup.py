@@ -1,7 +1,8 @@
 """What train.py decides before it trains, in one process: its arguments, the one builder of its
-command lines, the DeepSpeed config (``--tp``, "auto" values, the CPU settings), and bad configs and
-data failing with a clear error before any model is built. No launcher: the launch adds nothing
-to these checks (test_faults.py shows that a data error on one rank stops every rank)."""
+command lines, the DeepSpeed config (``--tp``, "auto" values, the CPU settings, flags that contradict
+it), and bad options, configs and data failing with a clear error before any model is built, through
+train.py's own set-up (``smmd_train.run.prepare_run`` up to its data stage). No launcher: the launch
+adds nothing to these checks (test_faults.py shows that a data error on one rank stops every rank)."""
 
 import json
 import re
@@ -10,9 +11,9 @@ import pytest
 
 from smmd_train.arguments import parse_args
 from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
-from smmd_train.data import pack_files
-from smmd_train.plan import plan_run
-from smmd_train.tensorboard import RUN_HPARAMS, run_hparams
+from smmd_train.dashboards import RUN_HPARAMS, run_hparams
+from smmd_train.distributed import Launch
+from smmd_train.run import RunRefused, prepare_run
 
 from corpora import write_corpus
 from launching import REPO, TRAIN, train_command, train_flags
@@ -28,12 +29,10 @@ def argv(tokenizer_dir, corpus, output_dir, **options) -> list:
     return train_flags(**values)
 
 
-def prepare_like_train_py(arguments: list, world_size: int = 1):
-    """The steps train.py runs before its first step, in its order: arguments, plan, data."""
+def prepared(arguments: list, world_size: int = 1, until: str = "data"):
+    """train.py's own set-up (its parser, then ``prepare_run``) up to ``until``, in this process."""
     args = parse_args(arguments)
-    plan = plan_run(args, world_size=world_size, accelerator="cpu", bf16_supported=True)
-    pack_files(args.data, plan.tokenizer, args.seq_len, text_field=args.text_field, cache_dir=args.cache_dir)
-    return args, plan
+    return args, prepare_run(args, Launch(0, world_size, 0, world_size, "single"), until=until).plan
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,6 +235,36 @@ BAD_SETUPS = {
         r"has a \"scheduler\" section, but train.py schedules the learning rate itself"),
     "tp_does_not_divide_the_heads": (lambda tmp, tok: {"tp": 4, "world_size": 4},
                                      r"--tp 4 does not divide the model's num_key_value_heads=2"),
+    # Options of the numeric loss and vocabulary: the loss is built in the plan, before the model.
+    "smmd_sigmas_negative": (lambda tmp, tok: {"smmd_sigmas": [-1.0]},
+                             r"sigmas=\(-1.0,\) must be a non-empty sequence of finite positive numbers"),
+    "ntl_squash_factor_below_one": (lambda tmp, tok: {"numeric_loss": ["ntl-was"], "ntl_squash_factor": 0.5},
+                                    r"squash_factor=0.5 must be a finite number > 1"),
+    "numeric_max_value_negative": (lambda tmp, tok: {"numeric_max_value": -5}, r"max_value"),
+    # Flags that contradict a number in the DeepSpeed config, each named with the config's value.
+    "lr_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c["optimizer"]["params"].update(lr=1e-3)),
+                          "lr": 3e-4},
+        r"--lr 0.0003 but the DeepSpeed config says optimizer.params.lr=0.001"),
+    "weight_decay_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c["optimizer"]["params"].update(
+            weight_decay=0.0)), "weight_decay": 0.1},
+        r"--weight_decay 0.1 but the DeepSpeed config says optimizer.params.weight_decay=0.0"),
+    "micro_batch_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(train_micro_batch_size_per_gpu=4))},
+        r"--micro_batch_size 2 but the DeepSpeed config says train_micro_batch_size_per_gpu=4"),
+    "accumulation_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(gradient_accumulation_steps=4)),
+                          "gradient_accumulation_steps": 2},
+        r"--gradient_accumulation_steps 2 but the DeepSpeed config says gradient_accumulation_steps=4"),
+    "tp_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(tensor_parallel={
+            "autotp_size": 2, "vocab_parallel_lm_head": True})), "tp": 1, "world_size": 2},
+        r"--tp 1 but the DeepSpeed config says tensor_parallel.autotp_size=2"),
+    "tensorboard_dir_contradicts_the_config": (
+        lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c["tensorboard"].update(
+            output_path=str(tmp / "tb"), job_name="a")), "tensorboard_dir": tmp / "elsewhere"},
+        r"--tensorboard_dir .*elsewhere but the DeepSpeed config's tensorboard section says output_path="),
 }
 
 
@@ -246,14 +275,81 @@ def test_bad_configs_and_data_fail_before_training(tmp_path, tokenizer_dir, setu
     world_size = options.pop("world_size", 1)
     arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", **options)
     with pytest.raises((ValueError, FileNotFoundError)) as failure:
-        prepare_like_train_py(arguments, world_size=world_size)
+        prepared(arguments, world_size=world_size)
     assert re.search(pattern, str(failure.value)), str(failure.value)
+    assert isinstance(failure.value, RunRefused)  # train.py prints it as refusal lines, no traceback
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was trained
+
+
+def test_a_refusal_is_one_line_per_problem(tmp_path, tokenizer_dir):
+    def edit(config):
+        config.update(train_micro_batch_size_per_gpu=4)
+        config["optimizer"]["params"]["lr"] = 1e-3
+
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
+                     deepspeed_config=_config(tmp_path, edit), lr=3e-4)
+    with pytest.raises(RunRefused) as failure:
+        prepared(arguments, until="plan")
+    lines = str(failure.value).splitlines()
+    assert len(lines) == 2 and lines[0].startswith("--micro_batch_size 2") and lines[1].startswith("--lr 0.0003")
+
+
+def test_the_config_s_numbers_rule_when_no_flag_contradicts_them(tmp_path, tokenizer_dir):
+    def edit(config):
+        config.update(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2)
+        config["optimizer"]["params"]["lr"] = 1e-3
+        config["tensorboard"].update(output_path=str(tmp_path / "tb"), job_name="first")
+
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
+                     deepspeed_config=_config(tmp_path, edit), micro_batch_size=None, lr=1e-3)
+    args, plan = prepared(arguments, until="plan")
+    assert plan.ds_config["train_micro_batch_size_per_gpu"] == 3 and plan.ds_config["train_batch_size"] == 6
+    assert plan.tensorboard_dir == str(tmp_path / "tb" / "first") and plan.warnings == []
+    # HParams record what the run uses: the resolved config's numbers, not the flags' defaults.
+    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    assert (hparams["micro_batch"], hparams["grad_accum"], hparams["lr"]) == (3, 2, 1e-3)
+    assert args.micro_batch_size == 1  # the flag's default, which the config overrode without a word
+
+
+def test_the_tensorboard_section_s_job_name_alone_names_the_run_under_the_output_dir(tmp_path, tokenizer_dir):
+    config = _config(tmp_path, lambda c: c["tensorboard"].update(job_name="ws1-smmd"))
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
+                     deepspeed_config=config)
+    assert prepared(arguments, until="plan")[1].tensorboard_dir == str(tmp_path / "run" / "ws1-smmd")
+    agreeing = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
+                    deepspeed_config=config, tensorboard_dir=tmp_path / "run" / "ws1-smmd")
+    assert prepared(agreeing, until="plan")[1].tensorboard_dir == str(tmp_path / "run" / "ws1-smmd")
+
+
+def test_the_plan_holds_the_numeric_vocabulary_and_loss(tmp_path, tokenizer_dir):
+    import smmd_scale
+
+    corpus = write_corpus(tmp_path / "train.jsonl", 200)
+    _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
+    assert isinstance(plan.numeric_loss, smmd_scale.SMMDLoss) and plan.numeric_weight == 1.0
+    assert plan.numeric_loss.vocab is plan.numeric_vocab and len(plan.numeric_vocab.token_ids) > 0
+    assert plan.numeric_vocab.vocab_size == plan.model_config.vocab_size
+    _, ce_only = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", numeric_loss=["smmd:0"]), until="plan")
+    assert [weight for _, weight in ce_only.numeric_loss.weighted_terms()] == [0.0]
+    _, framework = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", framework_loss=True), until="plan")
+    assert framework.numeric_loss is None
+
+
+def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "train.jsonl", 200)
+    args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", smmd_policy="digits", smmd_max_value=9,
+                               smmd_weight=0.5), until="plan")
+    assert (args.numeric_policy, args.numeric_max_value, plan.numeric_weight) == ("digits", 9.0, 0.5)
+    assert float(plan.numeric_vocab.values.max()) <= 9  # --smmd_policy digits reached the vocabulary
+    assert len(plan.warnings) == 3 and all("\n" not in warning for warning in plan.warnings)
+    assert [warning.split()[0] for warning in plan.warnings] == ["--smmd_policy", "--smmd_max_value", "--smmd_weight"]
+    assert "use --numeric_policy" in plan.warnings[0] and "--numeric_loss" in plan.warnings[2]
+    assert run_hparams(args, plan, "single", framework_loss=False)["numeric_weight"] == 0.5
 
 
 def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", tp=2)
-    args, plan = prepare_like_train_py(arguments, world_size=4)
+    args, plan = prepared(arguments, world_size=4)
     assert (plan.topology.tp_size, plan.topology.dp_size) == (2, 2) and plan.pretrained_dir is None
     assert plan.model_config.vocab_size % (64 * 2) == 0 and plan.model_config.vocab_size >= len(plan.tokenizer)
     assert plan.ds_config["train_batch_size"] == 2 * 2 and plan.warnings == []
@@ -270,7 +366,7 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
 def test_an_explicit_warmup_longer_than_a_tenth_of_the_run_is_capped_with_a_warning(tmp_path, tokenizer_dir):
     arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", max_steps=50,
                      warmup_steps=20)
-    _, plan = prepare_like_train_py(arguments)
+    _, plan = prepared(arguments)
     assert plan.warmup_steps == 5
     assert plan.warnings == ["--warmup_steps 20 -> 5: warmup is at least one step and at most 10% of --max_steps 50"]
 

@@ -93,3 +93,9 @@ def main(argv=None) -> dict:
     print(format_table(report))
     print(f"report: {output}")
     return report
+
+
+def cli(argv=None) -> None:
+    """The ``smmd-evaluate`` console command: :func:`main` without its return value (the report,
+    which a console script would otherwise turn into the exit status)."""
+    main(argv)

@@ -1,7 +1,10 @@
 """What ``launch/train.py`` is made of: its arguments and command-line builder (``arguments``), the
-run's plan (``plan``: tokenizer, architecture, resolved DeepSpeed config from ``config``), data
-loading and packing (``data``), model presets and creation (``presets``, ``model``), process-group
-start-up (``distributed``), committed checkpoints (``checkpoint``), the non-finite step guard
-(``guard``), Hugging Face export (``export``), the TensorBoard monitor (``monitor``) and the memory
-planner behind ``launch/estimate.py`` (``planner``). Needs the ``train`` extra.
+run's set-up in one call (``run``: plan, data, model and engine, the numeric loss; one train step),
+the plan (``plan``: tokenizer, architecture, resolved DeepSpeed config from ``config``, numeric
+vocabulary and loss), data loading and packing (``data``), model presets and creation (``presets``,
+``model``), process-group start-up (``distributed``), committed checkpoints and the train state
+(``checkpoint``), held-out evaluation (``evaluation``), the non-finite step guard (``guard``),
+Hugging Face export (``export``), the training monitor (``monitor``) and its TensorBoard views
+(``dashboards``), scaling sweeps (``scaling``) and the memory planner behind ``launch/estimate.py``
+(``memory``). Needs the ``train`` extra.
 """

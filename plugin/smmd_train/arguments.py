@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 from pathlib import Path
 from typing import Optional, Sequence
+
+from smmd_scale.registry import NUMERIC_LOSSES, parse_terms
 
 from .launcher import launch_command
 from .presets import PRESETS
@@ -26,7 +27,20 @@ from .presets import PRESETS
 # The repository this package is installed from (an editable install of a source checkout).
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "launch" / "train.py"
-NUMERIC_LOSSES = ("smmd", "ntl-was", "ntl-mse")
+
+
+class DeprecatedFlag(argparse.Action):
+    """A spelling kept for one release: stores its value as usual and adds a note to ``args.deprecated``
+    (the plan turns each note into one warning line on rank 0)."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kwargs):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        note = f"{option_string} is deprecated and goes in the next release; use {self.replacement}"
+        namespace.deprecated = (*namespace.deprecated, note)
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
@@ -77,19 +91,26 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 
     smmd = parser.add_argument_group("numeric loss")
     smmd.add_argument("--numeric_loss", nargs="+", default=["smmd"], metavar="NAME[:WEIGHT]",
-                      help=f"the numeric loss, or a weighted sum of several: {', '.join(NUMERIC_LOSSES)}, each with "
-                      "an optional weight (default 1), e.g. --numeric_loss smmd ntl-was:0.3")
-    smmd.add_argument("--smmd_weight", type=float, default=1.0,
-                      help="weight of the numeric loss term in CE + weight x numeric; 0 = CE only (numeric metrics "
-                      "still logged)")
-    smmd.add_argument("--smmd_policy", default="integers", choices=["integers", "digits", "floats"],
+                      help="the numeric loss, or a weighted sum of several, each with an optional weight (default 1): "
+                      "total = CE + sum of weight x loss, e.g. --numeric_loss smmd ntl-was:0.3; weight 0 (smmd:0) "
+                      "trains on CE only and still logs the numeric metrics. Losses: " +
+                      "; ".join(f"{entry.name}: {entry.summary}" for entry in NUMERIC_LOSSES.values()))
+    smmd.add_argument("--numeric_policy", default="integers", choices=["integers", "digits", "floats"],
                       help="which tokens are numeric (NumericVocab.from_tokenizer), for every numeric loss")
-    smmd.add_argument("--smmd_max_value", type=float, default=999)
+    smmd.add_argument("--numeric_max_value", type=float, default=999,
+                      help="the largest value a numeric token may have (policy 'integers')")
+    smmd.add_argument("--smmd_weight", type=float, default=1.0, action=DeprecatedFlag,
+                      replacement="the weights in --numeric_loss (smmd:0.5 ntl-was:0.3; smmd:0 trains on CE only); "
+                      "until then it multiplies them", help=argparse.SUPPRESS)
+    smmd.add_argument("--smmd_policy", dest="numeric_policy", action=DeprecatedFlag, replacement="--numeric_policy",
+                      choices=["integers", "digits", "floats"], help=argparse.SUPPRESS)
+    smmd.add_argument("--smmd_max_value", dest="numeric_max_value", type=float, action=DeprecatedFlag,
+                      replacement="--numeric_max_value", help=argparse.SUPPRESS)
     smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
     smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
     smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
     smmd.add_argument("--fused_linear", action="store_true",
-                      help="compute CE + SMMD from the LM head's input without materializing the logits "
+                      help="compute CE + the numeric loss from the LM head's input without materializing the logits "
                       "(Llama, Mistral, Qwen2, Qwen3); evaluation still uses logits")
     smmd.add_argument("--ntl_reweigh", action=argparse.BooleanOptionalAction, default=True,
                       help="NTL: scale by the probability mass on number tokens (ntloss's default)")
@@ -101,6 +122,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
+    parser.set_defaults(deprecated=())
     return parser
 
 
@@ -108,6 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
     """train.py's arguments, with the checks that need no file, model or process group."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
+    args.explicit = explicit_flags(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required (see ds_configs/)")
     if args.model in PRESETS and not args.tokenizer:
@@ -119,7 +142,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
     if not 0.0 <= args.min_lr_ratio <= 1.0:
         parser.error(f"--min_lr_ratio {args.min_lr_ratio} must be in [0, 1]")
     try:
-        args.numeric_loss = numeric_loss_terms(args.numeric_loss)
+        args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
     if args.fused_linear and args.framework_loss:
@@ -129,29 +152,20 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
     return args
 
 
-def numeric_loss_terms(entries: Sequence[str]) -> list:
-    """``["smmd", "ntl-was:0.3"]`` -> ``[("smmd", 1.0), ("ntl-was", 0.3)]``; raises ValueError naming a bad entry."""
-    terms = []
-    for entry in entries:
-        name, _, weight = entry.partition(":")
-        if name not in NUMERIC_LOSSES:
-            raise ValueError(f"--numeric_loss {entry!r}: {name!r} is not one of {', '.join(NUMERIC_LOSSES)}")
-        try:
-            value = float(weight) if weight else 1.0
-        except ValueError:
-            raise ValueError(f"--numeric_loss {entry!r}: the weight after ':' must be a number") from None
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"--numeric_loss {entry!r}: the weight must be a finite number >= 0")
-        terms.append((name, value))
-    names = [name for name, _ in terms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--numeric_loss names each loss once; got {names}")
-    return terms
+def explicit_flags(argv: Optional[Sequence[str]] = None) -> tuple:
+    """The destinations of the flags ``argv`` gives (not left to their defaults), e.g. ``("lr", "model")``:
+    where a flag and the DeepSpeed config both set a number, only an explicit flag can contradict it."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(argv)
+    return tuple(sorted(set(vars(given)) - {"deprecated"}))
 
 
 def train_flags(**options) -> list:
     """train.py flags for ``options`` (keyword arguments named like the flags, without ``--``)."""
-    actions = {action.dest: action for action in build_parser()._actions if action.option_strings}
+    actions = {option[2:]: action for action in build_parser()._actions for option in action.option_strings
+               if option.startswith("--") and not option.startswith("--no-")}
     flags = []
     for name, value in options.items():
         action = actions.get(name)

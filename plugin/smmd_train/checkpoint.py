@@ -107,3 +107,46 @@ def load(engine, output_dir: str, tag: str) -> dict:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {output_dir}")
     set_rng_state(torch.load(Path(output_dir, tag, f"rng_rank{dist.get_rank()}.pt"), weights_only=True))
     return client_state
+
+
+class TrainState:
+    """What a checkpoint holds besides DeepSpeed's model, optimizer and scheduler state: the last
+    finished optimizer ``step``, the data position (``batches``: PackedBatches) and the run's count of
+    steps skipped for a non-finite loss (``guard``: NonFiniteGuard)."""
+
+    def __init__(self, batches, guard, step: int = 0):
+        self.batches, self.guard, self.step = batches, guard, step
+
+    def state_dict(self) -> dict:
+        # (not "skipped_steps": DeepSpeed keeps its own key of that name and drops it from client_state)
+        return {"step": self.step, "data": self.batches.state_dict(), "non_finite_skips": self.guard.total_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.batches.load_state_dict(state["data"])
+        self.guard.total_skips = state.get("non_finite_skips", 0)
+
+
+class Checkpointer:
+    """The checkpoint cadence of a run: every ``save_steps`` optimizer steps and at ``max_steps``
+    (``save_steps`` 0: never), each save committed (:func:`save`); :meth:`resume` loads the newest
+    committed one. ``last_tag``: the newest committed checkpoint of this run (None: none yet)."""
+
+    def __init__(self, engine, output_dir: str, save_steps: int, max_steps: int):
+        self.engine, self.output_dir, self.save_steps, self.max_steps = engine, output_dir, save_steps, max_steps
+        self.last_tag: Optional[str] = None
+
+    def resume(self, state: TrainState) -> Optional[str]:
+        """Load the newest committed checkpoint into the engine and ``state``; returns its tag, or None
+        (and leaves ``state`` alone) when ``output_dir`` holds none."""
+        tag = find_resume_tag(self.output_dir)
+        if tag is not None:
+            state.load_state_dict(load(self.engine, self.output_dir, tag))
+            self.last_tag = tag
+        return tag
+
+    def maybe_save(self, state: TrainState) -> None:
+        """Save ``state`` if its step is due."""
+        if self.save_steps and (state.step % self.save_steps == 0 or state.step == self.max_steps):
+            client_state = state.state_dict()
+            self.last_tag = save(self.engine, self.output_dir, client_state.pop("step"), client_state)

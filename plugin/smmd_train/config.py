@@ -29,6 +29,17 @@ CPU_SETTINGS = (
 )
 
 
+# train.py flags that set a number the DeepSpeed config may also hold: flag -> (section path, key).
+# Given both, they must agree (check_flags_agree); given only one, it is the run's number.
+FLAG_KEYS = {
+    "micro_batch_size": ((), "train_micro_batch_size_per_gpu"),
+    "gradient_accumulation_steps": ((), "gradient_accumulation_steps"),
+    "lr": (("optimizer", "params"), "lr"),
+    "weight_decay": (("optimizer", "params"), "weight_decay"),
+    "tp": (("tensor_parallel", ), "autotp_size"),
+}
+
+
 @dataclass(frozen=True)
 class Topology:
     world_size: int
@@ -66,6 +77,48 @@ def set_tensor_parallel(config: dict, tp_size: Optional[int]) -> dict:
 def tensor_parallel_size(config: dict) -> int:
     """The AutoTP degree a config asks for (1 without a ``tensor_parallel`` section)."""
     return int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+
+def _section(config: dict, path: tuple) -> Optional[dict]:
+    for name in path:
+        config = config.get(name)
+        if not isinstance(config, dict):
+            return None
+    return config
+
+
+def check_flags_agree(config: dict, explicit: dict) -> None:
+    """Refuse a flag given on the command line (``explicit``: flag -> value) that contradicts a number
+    the DeepSpeed ``config`` sets (:data:`FLAG_KEYS`), naming both, one line per conflict: one of them
+    would be silently ignored, and the run's records would show a number it did not use."""
+    conflicts = []
+    for flag, (path, key) in FLAG_KEYS.items():
+        section = _section(config, path)
+        if flag not in explicit or section is None or section.get(key, AUTO) == AUTO:
+            continue
+        value = section[key]
+        if value != explicit[flag]:
+            where = ".".join((*path, key))
+            conflicts.append(f"--{flag} {explicit[flag]} but the DeepSpeed config says {where}={value}: drop the "
+                             f"flag, or make them agree, or set {where} to \"auto\"")
+    if conflicts:
+        raise ValueError("\n".join(conflicts))  # one line per problem
+
+
+def tensorboard_dir(config: dict, output_dir: str, flag: Optional[str] = None) -> str:
+    """The run's TensorBoard directory: ``--tensorboard_dir`` (``flag``), else the config's
+    ``tensorboard`` section as DeepSpeed reads it (``output_path/job_name``; ``output_path`` defaults
+    to ``output_dir``, ``job_name`` to "tensorboard"), so the default is ``<output_dir>/tensorboard``.
+    Both given and different is an error naming both."""
+    section = config.get("tensorboard") or {}
+    output_path, job_name = section.get("output_path") or None, section.get("job_name") or None
+    from_config = str(Path(output_path or output_dir, job_name or "tensorboard"))
+    if flag is None:
+        return from_config
+    if (output_path or job_name) and Path(flag) != Path(from_config):
+        raise ValueError(f"--tensorboard_dir {flag} but the DeepSpeed config's tensorboard section says "
+                         f"output_path={output_path!r}, job_name={job_name!r} (= {from_config}); drop one")
+    return str(flag)
 
 
 def _resolve(section: dict, key: str, value) -> None:

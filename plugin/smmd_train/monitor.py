@@ -5,9 +5,9 @@ the Custom Scalars layout and an end-of-run summary (``summary/*``) for comparin
 Names are a contract (what dashboards key on):
 
     loss/total  loss/ce  loss/numeric
-    loss/smmd  loss/mmd  loss/smooth  loss/ntl_was  loss/ntl_mse   (the numeric losses of the run)
+    loss/<statistic>   (each numeric loss of the run: smmd_scale.registry, e.g. loss/smmd, loss/ntl_was)
     numeric/accuracy  numeric/mae  numeric/tokens
-    perf/tokens_per_second  perf/tokens_per_second_per_device  perf/tflops_per_device
+    perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
     perf/step_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
     train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
 
@@ -34,10 +34,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import tensorboard
+from smmd_scale.registry import statistic_names
 
-# The per-position statistics the numeric losses report (SMMDOutput.stats), logged as loss/<name>.
-NUMERIC_PARTS = ("smmd", "mmd", "smooth", "ntl_was", "ntl_mse")
+from . import dashboards
+
+# The per-position statistics the registered numeric losses report (their output's stats), logged as loss/<name>.
+NUMERIC_PARTS = statistic_names()
 # Sums kept per step, in this order, reduced over the data-parallel group.
 _SUMS = ("total", "ce", "numeric", *NUMERIC_PARTS, "numeric_tokens", "correct", "abs_error", "tokens",
          "micro_batches")
@@ -54,7 +56,7 @@ class TrainingMonitor:
     """Accumulate a step's loss statistics and write the contract scalars once per step.
 
     ``flops_per_token``: model FLOPs per trained token for forward + backward (6 x parameters
-    plus attention), used for ``perf/tflops_per_device``. ``tensorboard_dir``: where rank 0 writes
+    plus attention), used for ``perf/tflops_per_rank``. ``tensorboard_dir``: where rank 0 writes
     the run's events (None: no TensorBoard); ``hparams``: the run's settings for the HParams view.
     """
 
@@ -68,10 +70,10 @@ class TrainingMonitor:
         self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
         self.writer = None
         if tensorboard_dir and rank_zero:
-            self.writer = tensorboard.open_writer(tensorboard_dir)
-            tensorboard.write_layout(self.writer)
+            self.writer = dashboards.open_writer(tensorboard_dir)
+            dashboards.write_layout(self.writer)
             if hparams:
-                tensorboard.write_hparams(self.writer, hparams, description=Path(tensorboard_dir).name)
+                dashboards.write_hparams(self.writer, hparams, description=Path(tensorboard_dir).name)
                 self.writer.add_text("run/settings", "\n".join(f"* {key}: {value}" for key, value in hparams.items()))
         self._steps_seen = 0
         self._after_warmup = []  # per step after warm-up: (tokens/s, peak GiB, loss bytes)
@@ -137,8 +139,8 @@ class TrainingMonitor:
                             "numeric/mae": totals["abs_error"] / numeric, "numeric/tokens": totals["numeric_tokens"]})
         metrics.update({
             "perf/tokens_per_second": tokens_per_second,
-            "perf/tokens_per_second_per_device": tokens_per_second / self.world_size,
-            "perf/tflops_per_device": tokens_per_second * self.flops_per_token / self.world_size / 1e12,
+            "perf/tokens_per_second_per_rank": tokens_per_second / self.world_size,
+            "perf/tflops_per_rank": tokens_per_second * self.flops_per_token / self.world_size / 1e12,
             "perf/step_seconds": step_seconds,
             "memory/peak_gib": peak.item(),
             "comm/loss_bytes": float(self._loss_bytes),

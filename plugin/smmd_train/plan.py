@@ -1,10 +1,12 @@
 """What a training run will be, decided before any weight or batch exists: the tokenizer, the model
-architecture, the resolved DeepSpeed config and the parallel layout. Every rank computes the same
-plan from the same arguments, so a bad combination raises the same error on every rank, before
-the model is built, and it can be checked in a single process without a launcher.
+architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary and the
+numeric loss. Every rank computes the same plan from the same arguments, so a bad combination
+(a flag that contradicts the DeepSpeed config, a bad loss option such as ``--smmd_sigmas -1``)
+raises the same error on every rank, before the model is built, and it can be checked in a single
+process without a launcher.
 
     plan = plan_run(parse_args(argv), world_size=8, accelerator="cuda", bf16_supported=True)
-    plan.topology.tp_size, plan.ds_config["train_batch_size"], plan.model_config.vocab_size
+    plan.topology.tp_size, plan.ds_config["train_batch_size"], plan.numeric_loss
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config import Topology, load_config, resolve_config, set_tensor_parallel, tensor_parallel_size
+from .config import (
+    Topology,
+    check_flags_agree,
+    load_config,
+    resolve_config,
+    set_tensor_parallel,
+    tensor_parallel_size,
+    tensorboard_dir,
+)
 from .data import check_tokenizer_fits_model
 from .model import model_config
 from .presets import PRESETS
@@ -27,26 +37,22 @@ class RunPlan:
     topology: Topology
     pretrained_dir: Optional[str]  # None: a preset trained from scratch
     tensorboard: bool  # the config's tensorboard.enabled: train.py writes the run's TensorBoard events
+    tensorboard_dir: str  # where (--tensorboard_dir, or the config's tensorboard output_path/job_name)
     warmup_steps: int  # the warmup actually used (smmd_train.schedule.warmup_steps_for)
+    numeric_vocab: object  # smmd_scale.NumericVocab for the model's (padded) vocabulary
+    numeric_loss: object  # the smmd_scale numeric loss on numeric_vocab (None with --framework_loss)
+    numeric_weight: float  # multiplies the numeric loss (1; the deprecated --smmd_weight changes it)
     warnings: list = field(default_factory=list)
 
 
 def numeric_loss(args, vocab):
     """The run's numeric loss from ``--numeric_loss`` (and the SMMD / NTL options), on ``vocab``:
     one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``)."""
-    import smmd_scale
+    from smmd_scale.registry import build_numeric_loss
 
-    def build(name):
-        if name == "smmd":
-            return smmd_scale.SMMDLoss(vocab, mode=args.smmd_mode, kernel=args.smmd_kernel,
-                                       sigmas=tuple(args.smmd_sigmas))
-        return smmd_scale.NTLoss(vocab, kind=name.split("-")[1], reweigh=args.ntl_reweigh,
-                                 squash_factor=args.ntl_squash_factor)
-
-    terms = [(build(name), weight) for name, weight in args.numeric_loss]
-    if len(terms) == 1 and terms[0][1] == 1.0:
-        return terms[0][0]
-    return smmd_scale.WeightedNumericLosses(terms)
+    return build_numeric_loss(vocab, args.numeric_loss, {
+        "smmd": {"mode": args.smmd_mode, "kernel": args.smmd_kernel, "sigmas": tuple(args.smmd_sigmas)},
+        "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
 
 
 def check_tensor_parallel_split(config, tp_size: int) -> None:
@@ -69,12 +75,17 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
     from transformers import AutoTokenizer
 
+    import smmd_scale
+
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    raw_config = set_tensor_parallel(load_config(args.deepspeed_config), args.tp)
+    explicit = {name: getattr(args, name) for name in args.explicit}
+    json_config = load_config(args.deepspeed_config)
+    check_flags_agree(json_config, explicit)
+    raw_config = set_tensor_parallel(json_config, args.tp)
     config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
                           args.trust_remote_code)
     check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
-    warnings = [check_tokenizer_fits_model(tokenizer, config.vocab_size)]
+    warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
@@ -84,7 +95,12 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
         warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
                         f"most {MAX_WARMUP_FRACTION:.0%} of --max_steps {args.max_steps}")
+    vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
+                                                   max_value=args.numeric_max_value, vocab_size=config.vocab_size)
     return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if args.model in PRESETS else args.model,
                    tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
-                   warmup_steps=warmup_steps, warnings=[warning for warning in warnings if warning])
+                   tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
+                   warmup_steps=warmup_steps, numeric_vocab=vocab,
+                   numeric_loss=None if args.framework_loss else numeric_loss(args, vocab),
+                   numeric_weight=args.smmd_weight, warnings=[warning for warning in warnings if warning])

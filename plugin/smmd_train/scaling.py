@@ -18,8 +18,9 @@ degree is measured against the same baseline, so TP and data parallelism compare
 world size.
 
 Before anything is launched, every configuration is planned in this process through train.py's
-own parser and plan (tokenizer, model, DeepSpeed config, TP against the world size, the heads and
-the vocabulary): one that cannot run is refused with its reason, a sweep that cannot run at all
+own parser and the plan stage of ``smmd_train.run.prepare_run`` (tokenizer, model, DeepSpeed config
+and the flags against it, TP against the world size, the heads and the vocabulary, the numeric
+vocabulary and loss): one that cannot run is refused with its reason, a sweep that cannot run at all
 (options train.py does not know, a world size the machine or the hostfile cannot place, a
 directory holding another sweep) fails in seconds. A run that fails is reported (exit code, log)
 and the sweep goes on; finished runs are kept, and a sweep re-run in the same directory (same
@@ -45,9 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import tensorboard
-from .arguments import TRAIN_SCRIPT, launch_command, train_flags
+from . import dashboards
+from .arguments import TRAIN_SCRIPT, train_flags
 from .arguments import parse_args as parse_train_args
+from .launcher import launch_command
 from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
@@ -174,12 +176,12 @@ def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
 
 def run_label(train_args) -> str:
     """What every run of the sweep trains, for its run names: ``zero3-smmd``, ``zero3-smmd+ntl-was-fused``,
-    ``zero3-ce`` (CE only: --framework_loss or a numeric weight of 0)."""
+    ``zero3-ce`` (CE only: --framework_loss, or every weight in --numeric_loss 0)."""
     from .config import load_config
 
     stage = (load_config(train_args.deepspeed_config).get("zero_optimization") or {}).get("stage", 0)
-    loss = "ce" if train_args.framework_loss or train_args.smmd_weight == 0 else \
-        "+".join(name for name, _ in train_args.numeric_loss)
+    ce_only = train_args.smmd_weight == 0 or all(weight == 0 for _, weight in train_args.numeric_loss)
+    loss = "ce" if train_args.framework_loss or ce_only else "+".join(name for name, _ in train_args.numeric_loss)
     return f"zero{stage}-{loss}" + ("-fused" if train_args.fused_linear else "")
 
 
@@ -257,8 +259,8 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
         if run_dir.exists():  # a re-run replaces the view rather than adding a second set of points
             for old in run_dir.glob("events.out.tfevents.*"):
                 old.unlink()
-        writer = tensorboard.open_writer(str(run_dir))
-        tensorboard.write_layout(writer)
+        writer = dashboards.open_writer(str(run_dir))
+        dashboards.write_layout(writer)
         writer.add_text("sweep/settings", f"{mode(sweep)}, TP {tp}, x = world size")
         for row in sorted(points, key=lambda row: row["world_size"]):
             for key in SCALING_SCALARS:
@@ -288,7 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sweep, train_argv = parse_args(list(sys.argv[1:] if argv is None else argv))
     from deepspeed.accelerator import get_accelerator
 
-    from .plan import plan_run
+    from .distributed import Launch
+    from .run import prepare_run
 
     accelerator = get_accelerator()
     output_dir = Path(sweep.output_dir)
@@ -303,8 +306,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             options[config.name] = run_options(sweep, train_args, config, output_dir)  # a bad batch fails the sweep
             try:
-                plan = plan_run(parse_train_args([*train_argv, *train_flags(**options[config.name])]),
-                                config.world_size, accelerator.device_name(), accelerator.is_bf16_supported())
+                plan = prepare_run(parse_train_args([*train_argv, *train_flags(**options[config.name])]),
+                                   Launch(0, config.world_size, 0, config.world_size, "plan"), until="plan").plan
             except ValueError as error:
                 refused[config.name] = str(error)
                 continue
@@ -368,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
                                                                   for c in runnable},
                "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
-    tensorboard.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
+    dashboards.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
                                  differs=[name for name, values in varying.items() if len(values) > 1])
     views = write_scaling_view(output_dir / "tensorboard", rows, sweep)
     (output_dir / "scaling.json").write_text(json.dumps(

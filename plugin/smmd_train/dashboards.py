@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from smmd_scale import compat
+from smmd_scale.registry import statistic_names
 
 # Charts compared across runs; tags are anchored regexes over the scalars train.py writes
 # (smmd_train.monitor) and the sweep's summary runs write (scaling/*).
@@ -24,8 +25,8 @@ LAYOUT = {
     },
     "throughput (x = step)": {
         "tokens/s": ["Multiline", [r"^perf/tokens_per_second$"]],
-        "tokens/s per rank": ["Multiline", [r"^perf/tokens_per_second_per_device$"]],
-        "TFLOP/s per rank": ["Multiline", [r"^perf/tflops_per_device$"]],
+        "tokens/s per rank": ["Multiline", [r"^perf/tokens_per_second_per_rank$"]],
+        "TFLOP/s per rank": ["Multiline", [r"^perf/tflops_per_rank$"]],
         "seconds per step": ["Multiline", [r"^perf/step_seconds$"]],
     },
     "memory and communication (x = step)": {
@@ -35,7 +36,7 @@ LAYOUT = {
     },
     "loss parts (x = step)": {
         "total, CE, numeric term": ["Multiline", [r"^loss/(total|ce|numeric)$"]],
-        "numeric losses": ["Multiline", [r"^loss/(smmd|mmd|smooth|ntl_was|ntl_mse)$"]],
+        "numeric losses": ["Multiline", [rf"^loss/({'|'.join(statistic_names())})$"]],
         "held-out CE": ["Multiline", [r"^eval/ce$"]],
     },
     "numeric metrics (x = step)": {
@@ -72,17 +73,22 @@ RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "numeric_loss", "fused_linear
 
 
 def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
-    """A train.py run's :data:`RUN_HPARAMS` from its arguments and plan (smmd_train.plan.RunPlan)."""
-    topology, zero = plan.topology, plan.ds_config.get("zero_optimization", {})
+    """A train.py run's :data:`RUN_HPARAMS` from its plan (smmd_train.plan.RunPlan): the numbers the
+    DeepSpeed config and the flags share come from the resolved config (what the run used); the
+    rest (loss, sequence length, model, steps) from its arguments."""
+    topology, ds_config = plan.topology, plan.ds_config
+    zero = ds_config.get("zero_optimization", {})
+    optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
         "numeric_loss": "none (framework loss)" if framework_loss else
         " + ".join(f"{weight:g} {name}" for name, weight in args.numeric_loss),
-        "fused_linear": bool(args.fused_linear), "numeric_weight": args.smmd_weight,
+        "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
-        "micro_batch": plan.ds_config["train_micro_batch_size_per_gpu"],
-        "grad_accum": plan.ds_config["gradient_accumulation_steps"], "global_batch": plan.ds_config["train_batch_size"],
-        "seq_len": args.seq_len, "model": str(args.model), "lr": args.lr, "warmup_steps": plan.warmup_steps,
+        "micro_batch": ds_config["train_micro_batch_size_per_gpu"],
+        "grad_accum": ds_config["gradient_accumulation_steps"], "global_batch": ds_config["train_batch_size"],
+        "seq_len": args.seq_len, "model": str(args.model), "lr": optimizer.get("lr", args.lr),
+        "warmup_steps": plan.warmup_steps,
         "max_steps": args.max_steps, "launcher": launcher,
     }
     return values

@@ -1,0 +1,66 @@
+"""Held-out evaluation during training: CE, perplexity and the numeric metrics on ``--eval_data``,
+split across the data-parallel replicas, every ``--eval_steps`` optimizer steps and at the end."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .data import eval_batches
+
+
+@torch.no_grad()
+def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batches: int, dp_rank: int,
+                     dp_size: int, dp_group) -> dict:
+    """CE and numeric metrics on held-out blocks, split across the data-parallel replicas."""
+    engine.eval()
+    sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # ce*tokens, tokens, correct, abs err, numeric
+    for batch in itertools.islice(eval_batches(dataset, micro_batch_size, max_batches), dp_rank, None, dp_size):
+        input_ids = batch["input_ids"].to(engine.device)
+        engine(input_ids=input_ids, labels=input_ids)
+        stats, (_, ce, _) = installed.last_stats, installed.hook.last_losses
+        numeric = stats["numeric_tokens"]
+        sums += torch.tensor([float(ce) * stats["tokens"], stats["tokens"], stats["numeric_accuracy"] * numeric,
+                              stats["numeric_mae"] * numeric, numeric], dtype=torch.float64, device=engine.device)
+    engine.train()
+    if dp_size > 1:
+        dist.all_reduce(sums, group=dp_group)
+    ce_sum, tokens, correct, abs_error, numeric = sums.tolist()
+    return {"eval/ce": ce_sum / max(tokens, 1), "eval/perplexity": math.exp(min(ce_sum / max(tokens, 1), 50)),
+            "eval/numeric_accuracy": correct / max(numeric, 1), "eval/numeric_mae": abs_error / max(numeric, 1),
+            "eval/numeric_tokens": numeric}
+
+
+class Evaluator:
+    """The evaluation cadence of a run (``smmd_train.run.PreparedRun``): every ``every_steps`` steps
+    (0: only at the end) and once at the end unless the last step just evaluated; the metrics go to
+    ``monitor``. Off without held-out data or with the model's own loss (no numeric statistics)."""
+
+    def __init__(self, run, monitor, every_steps: int, max_batches: int):
+        self.run, self.monitor, self.every_steps, self.max_batches = run, monitor, every_steps, max_batches
+        self.enabled = run.eval_blocks is not None and run.installed is not None
+        self.last: Optional[tuple] = None  # (step, metrics) of the latest evaluation
+
+    def evaluate(self, step: int) -> dict:
+        run = self.run
+        metrics = held_out_metrics(run.engine, run.installed, run.eval_blocks, run.micro_batch_size,
+                                   self.max_batches, run.dp_rank, run.plan.topology.dp_size, run.dp_group)
+        self.monitor.write_eval(step, metrics)
+        self.last = (step, metrics)
+        return metrics
+
+    def maybe_evaluate(self, step: int) -> None:
+        if self.enabled and self.every_steps and step % self.every_steps == 0:
+            self.evaluate(step)
+
+    def finish(self, step: int) -> Optional[dict]:
+        """The final evaluation at ``step`` (reused if that step just ran one); None when off."""
+        if not self.enabled:
+            return None
+        if self.last is None or self.last[0] != step:
+            self.evaluate(step)
+        return self.last[1]

@@ -1,0 +1,208 @@
+"""A training run set up by one call, in the order that lets every bad option fail early:
+
+    plan     tokenizer, architecture, resolved DeepSpeed config, parallel layout, numeric vocabulary
+             and numeric loss (``smmd_train.plan``): no process group, no weights
+    data     rank 0 tokenizes and packs into the cache first, the others then read the cache
+    engine   the model (partitioned as it is built), ``deepspeed.initialize`` (AutoTP shards it and
+             makes the LM head vocabulary-parallel), the planned numeric loss installed on the head
+
+    launch = init_distributed()
+    run = prepare_run(args, launch)                         # all of it: what launch/train.py trains
+    run = prepare_run(args, Launch(0, 4, 0, 4, "single"), until="data")  # the checks alone: one process,
+                                                            # no launcher (the sweep's pre-launch check, tests)
+
+A bad option of the plan or the data raises :class:`RunRefused` (a ValueError, one line per problem)
+on every rank, before any model exists. :func:`train_step` is one optimizer step of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from .data import pack_files
+from .distributed import Launch, rank_zero_first
+from .plan import RunPlan, plan_run
+
+STAGES = ("plan", "data", "engine")
+
+
+class RunRefused(ValueError):
+    """The options, the DeepSpeed config or the data cannot make a run; one line per problem."""
+
+
+def log(*parts) -> None:
+    """Print on rank 0 (or in a process without a process group)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print("[train]", *parts, flush=True)
+
+
+@dataclass
+class PreparedRun:
+    """What :func:`prepare_run` built; the fields of the stages not run stay None."""
+
+    args: object
+    launch: Launch
+    plan: RunPlan
+    train_blocks: object = None  # datasets.Dataset of packed [seq_len] blocks
+    eval_blocks: object = None  # the same for --eval_data, or None
+    engine: object = None  # deepspeed.DeepSpeedEngine
+    installed: object = None  # smmd_scale.InstalledLoss (None with --framework_loss)
+    batches: object = None  # smmd_train.data.PackedBatches: this data-parallel rank's micro-batches
+    dp_rank: int = 0
+    dp_group: object = None  # None: the world is the data-parallel group
+    flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
+    fused_linear_ran: Optional[bool] = None  # did the last micro-batch run the fused head (no logits)?
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.plan.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def accumulation(self) -> int:
+        return self.plan.ds_config["gradient_accumulation_steps"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.accumulation * self.plan.topology.dp_size * self.args.seq_len
+
+
+def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
+    """Set up the run of ``args`` (``smmd_train.arguments.parse_args``) on ``launch``'s ranks, up to
+    and including the stage ``until`` (one of :data:`STAGES`)."""
+    if until not in STAGES:
+        raise ValueError(f"until={until!r} must be one of {STAGES}")
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    try:
+        plan = plan_run(args, launch.world_size, accelerator.device_name(), accelerator.is_bf16_supported())
+        run = PreparedRun(args=args, launch=launch, plan=plan)
+        if until == "plan":
+            return run
+        run.train_blocks = _packed(args, plan, args.data)
+        run.eval_blocks = _packed(args, plan, args.eval_data) if args.eval_data else None
+    except (ValueError, FileNotFoundError) as error:
+        raise RunRefused(str(error)) from error
+    if until == "engine":
+        _build_engine(run)
+    return run
+
+
+def _packed(args, plan: RunPlan, paths):
+    return rank_zero_first(lambda: pack_files(paths, plan.tokenizer, args.seq_len, text_field=args.text_field,
+                                              num_proc=args.num_proc, cache_dir=args.cache_dir))
+
+
+def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, pretrained_dir: Optional[str] = None,
+                 trust_remote_code: bool = False, gradient_checkpointing: bool = False, lr_scheduler=None) -> tuple:
+    """The model, partitioned over the data-parallel group as it is built or loaded, inside a
+    DeepSpeed engine; returns (engine, training FLOPs per token at ``seq_len``, counted before AutoTP
+    shards the model). Also what launch/export_hf.py loads an AutoTP checkpoint into.
+
+    ``model.parameters()`` stays lazy so that the optimizer sees the parameters after AutoTP replaced
+    the modules, in module order (an engine built the same way loads the run's checkpoints)."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from smmd_scale import compat
+
+    from .distributed import destroy_at_shutdown
+    from .model import build_model, flops_per_token, zero_init_config
+
+    if tp_size > 1:
+        compat.init_tensor_parallel_groups(tp_size)  # ZeRO-3 partitions over these groups
+    model, zero_init = build_model(model_config, zero_init_config(ds_config), pretrained_dir, trust_remote_code,
+                                   gradient_checkpointing)
+    model_flops_per_token = flops_per_token(model, seq_len)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           lr_scheduler=lr_scheduler, mpu=groups if tp_size > 1 else None)
+    destroy_at_shutdown(engine)
+    del zero_init
+    return engine, model_flops_per_token
+
+
+def _build_engine(run: PreparedRun) -> None:
+    from deepspeed.utils import groups
+
+    import smmd_scale
+
+    from .data import PackedBatches
+    from .schedule import warmup_cosine
+
+    args, plan, topology = run.args, run.plan, run.plan.topology
+    log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel "
+        f"({run.launch.launcher})")
+    run.engine, run.flops_per_token = build_engine(
+        plan.model_config, plan.ds_config, topology.tp_size, args.seq_len, pretrained_dir=plan.pretrained_dir,
+        trust_remote_code=args.trust_remote_code, gradient_checkpointing=args.gradient_checkpointing,
+        lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps, args.min_lr_ratio))
+    run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank()
+    run.dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
+    run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed)
+    if plan.numeric_loss is not None:
+        run.installed = smmd_scale.install(run.engine, plan.numeric_vocab, weight=plan.numeric_weight,
+                                           fused_linear=args.fused_linear, numeric_loss=plan.numeric_loss)
+        log(f"loss: {run.installed!r} ({'vocab-parallel' if run.installed.vocab_parallel else 'full logits'})")
+    else:
+        log(f"loss: the model's own ({type(run.engine.module.loss_function).__name__}), no numeric loss")
+
+
+def fused_linear_ran(installed) -> bool:
+    """Whether the installed loss's last call ran the fused linear head (from the head's input, no
+    logits). The one place that infers it: only the fused path reports its backward's collective
+    (``backward_comm_calls`` in the call's statistics); smmd_scale reports no explicit field yet."""
+    return "backward_comm_calls" in (installed.last_stats or {})
+
+
+def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
+    """One optimizer step: ``run.accumulation`` micro-batches forward and backward (a non-finite loss
+    on any rank is neutralised by ``guard``), the update, the step's metrics (``monitor``)."""
+    engine, installed = run.engine, run.installed
+    began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
+    for _ in range(run.accumulation):
+        input_ids = next(run.batches)["input_ids"].to(engine.device)
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(guard.checked(loss))
+        engine.step()
+        if installed is None:
+            monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
+            continue
+        run.fused_linear_ran = fused_linear_ran(installed)
+        if run.args.fused_linear and not run.fused_linear_ran:
+            raise RuntimeError("--fused_linear is installed but this training step computed the logits (the fused "
+                               "path runs only for a training-mode forward with labels)")
+        monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
+    guard.end_step(engine.was_step_applied())
+    return monitor.end_step(step, time.perf_counter() - began, run.tokens_per_step, learning_rate,
+                            skipped_steps=guard.total_skips)
+
+
+def open_monitor(run: PreparedRun):
+    """The run's :class:`~smmd_train.monitor.TrainingMonitor` (metrics.jsonl, TensorBoard, HParams)."""
+    from .dashboards import run_hparams
+    from .monitor import TrainingMonitor
+
+    plan, topology = run.plan, run.plan.topology
+    return TrainingMonitor(run.engine, world_size=topology.world_size, tp_size=topology.tp_size,
+                           dp_size=topology.dp_size, dp_group=run.dp_group, flops_per_token=run.flops_per_token,
+                           metrics_path=str(Path(run.args.output_dir, "metrics.jsonl")),
+                           tensorboard_dir=plan.tensorboard_dir if plan.tensorboard else None,
+                           hparams=run_hparams(run.args, plan, run.launch.launcher, run.installed is None))
+
+
+def write_run_config(run: PreparedRun) -> None:
+    """``<output_dir>/run_config.json`` on rank 0: how the run was built (launch/export_hf.py reads it)."""
+    if dist.get_rank() != 0:
+        return
+    plan, topology = run.plan, run.plan.topology
+    Path(run.args.output_dir, "run_config.json").write_text(json.dumps(
+        {"args": vars(run.args), "deepspeed_config": plan.ds_config, "world_size": topology.world_size,
+         "tp_size": topology.tp_size, "dp_size": topology.dp_size, "launcher": run.launch.launcher,
+         "tensorboard_dir": plan.tensorboard_dir, "model_config": run.engine.module.config.to_dict(),
+         "numeric_vocab": repr(plan.numeric_vocab)}, indent=1, default=str))

@@ -1,0 +1,35 @@
+"""The console commands in setup.cfg: each names a callable that imports and answers --help, and
+the launch/ scripts that launchers start by path run the same programs."""
+
+import configparser
+import importlib
+
+import pytest
+
+from launching import REPO
+
+LAUNCH_SCRIPTS = {"smmd-train": "train.py", "smmd-sweep": "scaling.py", "smmd-estimate": "estimate.py",
+                  "smmd-evaluate": "evaluate.py"}
+
+
+def console_scripts() -> dict:
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    lines = config["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict(tuple(part.strip() for part in line.split("=")) for line in lines)
+
+
+def test_the_four_commands_are_declared():
+    assert sorted(console_scripts()) == sorted(LAUNCH_SCRIPTS)
+
+
+@pytest.mark.parametrize("command", sorted(LAUNCH_SCRIPTS))
+def test_each_command_s_target_imports_and_answers_help(command, capsys):
+    module_name, function_name = console_scripts()[command].split(":")
+    target = getattr(importlib.import_module(module_name), function_name)
+    with pytest.raises(SystemExit) as exit_status:
+        target(["--help"])
+    assert exit_status.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    # The launch/ script of the same program calls into the same module.
+    assert module_name in (REPO / "launch" / LAUNCH_SCRIPTS[command]).read_text()
