@@ -6,7 +6,7 @@ vocabulary-parallel head where the world allows), train the same model on the sa
 same config through launch/train.py and the deepspeed launcher, with
   ce             the model's own loss, what users run today (``--framework_loss``: HF's
                  ForCausalLMLoss, or DeepSpeed's VocabParallelCausalLMLoss under AutoTP);
-  ce+smmd        smmd_scale's fused CE + SMMD on the head's logits (``--smmd_weight 1``);
+  ce+smmd        smmd_scale's fused CE + SMMD on the head's logits (``--numeric_loss smmd:1``);
   ce+smmd fused  the same loss from the head's input, no logits (``--fused_linear``).
 Each set runs ``--repeats`` times in rotating order; a run's throughput is the median
 ``perf/tokens_per_second`` over its steps after the first few (warm-up), its peak memory the
@@ -38,8 +38,8 @@ from smmd_train.metrics_file import read_metrics
 from smmd_train.tables import markdown_table
 
 WARMUP_STEPS = 3
-LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(smmd_weight=1.0),
-          "ce+smmd fused": dict(smmd_weight=1.0, fused_linear=True)}
+LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(numeric_loss=["smmd:1"]),
+          "ce+smmd fused": dict(numeric_loss=["smmd:1"], fused_linear=True)}
 
 
 def parse_args():

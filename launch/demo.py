@@ -75,8 +75,9 @@ def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight
                             eval_data=[data["eval"]], eval_batches=8, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size, max_steps=steps, lr=lr,
                             warmup_steps=max(steps // 10, 1), seed=args.seed, output_dir=output_dir,
-                            tensorboard_dir=Path(args.work_dir) / "tensorboard" / name, smmd_weight=smmd_weight,
-                            export_hf=export_dir, fused_linear=args.fused_linear)
+                            tensorboard_dir=Path(args.work_dir) / "tensorboard" / name,
+                            numeric_loss=[f"smmd:{smmd_weight:g}"], export_hf=export_dir,
+                            fused_linear=args.fused_linear)
     log = output_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:

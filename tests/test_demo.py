@@ -26,8 +26,8 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
         assert config["tp_size"] == 2 and config["args"]["model"] == str(work / "pretrained")
         assert list((work / "tensorboard" / name).rglob("events.out.tfevents.*"))
         assert (work / name / "hf" / "numeric_eval.json").is_file()
-    smmd_weights = [json.loads((work / name / "run_config.json").read_text())["args"]["smmd_weight"]
-                    for name in ("ce", "smmd")]
-    assert smmd_weights == [0.0, 1.0]
+    numeric_losses = [json.loads((work / name / "run_config.json").read_text())["args"]["numeric_loss"]
+                      for name in ("ce", "smmd")]
+    assert numeric_losses == [[["smmd", 0.0]], [["smmd", 1.0]]]
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
     assert len(list((work / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the HParams experiment, once

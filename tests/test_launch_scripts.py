@@ -52,7 +52,7 @@ def test_pretrain_single_node_command(tmp_path):
     assert flag(argv, "--model") == "7b" and flag(argv, "--tokenizer") == "/data/tok"
     data = argv.index("--data")
     assert argv[data + 1:data + 3] == ["/data/a.jsonl", "/data/b.jsonl"]  # several files stay several
-    assert flag(argv, "--smmd_weight") == "1.0" and "--resume" in argv
+    assert flag(argv, "--numeric_loss") == "smmd:1" and "--resume" in argv
     assert argv[-2:] == ["--seed", "7"]  # extra arguments reach train.py last
 
 

@@ -367,7 +367,7 @@ def power_text(power: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def _options_text(options: dict) -> str:
-    """train.py options as the flags they become: ``{"smmd_weight": 1}`` -> ``--smmd_weight 1``."""
+    """train.py options as the flags they become: ``{"smmd_mode": "mmd"}`` -> ``--smmd_mode mmd``."""
     return " ".join(f"--{name} {value}" for name, value in options.items())
 
 

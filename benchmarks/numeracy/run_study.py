@@ -48,17 +48,17 @@ TASKS = ("arithmetic", "clock", "word_problems")
 # sigma 2, distances squashed to [1, 9], alpha auto); the ablation kernels are seeded (seed 42)
 # inside the loss, so they are the same matrix for every training seed.
 METHODS = {
-    "ce": {"smmd_weight": 0},
-    "smmd": {"smmd_weight": 1},
-    "mmd_only": {"smmd_weight": 1, "smmd_mode": "mmd"},
-    "smooth_only": {"smmd_weight": 1, "smmd_mode": "smooth"},
-    "random_kernel": {"smmd_weight": 1, "smmd_kernel": "random"},
-    "shuffled_kernel": {"smmd_weight": 1, "smmd_kernel": "shuffled"},
+    "ce": {"numeric_loss": ["smmd:0"]},
+    "smmd": {"numeric_loss": ["smmd:1"]},
+    "mmd_only": {"numeric_loss": ["smmd:1"], "smmd_mode": "mmd"},
+    "smooth_only": {"numeric_loss": ["smmd:1"], "smmd_mode": "smooth"},
+    "random_kernel": {"numeric_loss": ["smmd:1"], "smmd_kernel": "random"},
+    "shuffled_kernel": {"numeric_loss": ["smmd:1"], "smmd_kernel": "shuffled"},
     # The Number Token Loss, the plugin's own (same exchange as SMMD): NTL-WAS with the distances
     # squashed like SMMD's (factor 9); NTL-MSE's squared errors of values up to 999 reach 1e6, hence
     # its weight.
-    "ntl_was": {"smmd_weight": 1, "numeric_loss": ["ntl-was"], "ntl_squash_factor": 9.0},
-    "ntl_mse": {"smmd_weight": 1e-4, "numeric_loss": ["ntl-mse"]},
+    "ntl_was": {"numeric_loss": ["ntl-was:1"], "ntl_squash_factor": 9.0},
+    "ntl_mse": {"numeric_loss": ["ntl-mse:0.0001"]},
 }
 
 

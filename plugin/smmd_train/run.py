@@ -155,9 +155,8 @@ def _build_engine(run: PreparedRun) -> None:
 
 def fused_linear_ran(installed) -> bool:
     """Whether the installed loss's last call ran the fused linear head (from the head's input, no
-    logits). The one place that infers it: only the fused path reports its backward's collective
-    (``backward_comm_calls`` in the call's statistics); smmd_scale reports no explicit field yet."""
-    return "backward_comm_calls" in (installed.last_stats or {})
+    logits), as the installed loss records it."""
+    return installed.last_path == "fused_linear"
 
 
 def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
