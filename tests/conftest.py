@@ -64,7 +64,7 @@ def generator(request):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """A Llama-3-style tokenizer (0..999 single tokens) saved as a Hugging Face directory."""
-    from style_tokenizers import llama3_style
+    from helpers.style_tokenizers import llama3_style
 
     directory = tmp_path_factory.mktemp("tokenizer")
     llama3_style().save_pretrained(directory)

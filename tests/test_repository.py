@@ -4,7 +4,7 @@ docstrings cite exist in the repository."""
 
 import re
 
-from launching import REPO
+from helpers.launching import REPO
 
 # This file names the patterns it looks for, so it is left out.
 SOURCES = sorted(path for folder in ("plugin", "launch", "benchmarks", "tests")

@@ -3,7 +3,7 @@ functions), and no module reaches for another module's private names."""
 
 import ast
 
-from launching import REPO
+from helpers.launching import REPO
 
 PLUGIN = REPO / "plugin"
 

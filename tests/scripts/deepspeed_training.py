@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher (or as one plain process for TP=1) by tests/test_deepspeed.py.
+"""Run under the deepspeed launcher (or as one plain process for TP=1) by tests/train/test_deepspeed.py.
 
 Per variant (tied or untied embeddings; the materialized loss or ``fused_linear``; with ``--offload``,
 ZeRO-3 with and without parameter and optimizer offload), in one process: a tiny LlamaForCausalLM

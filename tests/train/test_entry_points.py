@@ -5,8 +5,7 @@ import configparser
 import importlib
 
 import pytest
-
-from launching import REPO
+from helpers.launching import REPO
 
 LAUNCH_SCRIPTS = {"smmd-train": "train.py", "smmd-sweep": "scaling.py", "smmd-estimate": "estimate.py",
                   "smmd-evaluate": "evaluate.py"}

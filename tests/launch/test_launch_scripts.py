@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import REPO
 
 from smmd_train.launcher import launch_command
-
-from launching import REPO
 
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD"

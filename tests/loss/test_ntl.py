@@ -6,14 +6,14 @@ import ntloss
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import style_tokenizers
+from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
+from helpers.reference import reference_ntl, reference_smmd, relative_error
 
 import smmd_scale
 from smmd_scale import NTLoss, NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
 
-import style_tokenizers
 from conftest import random_problem
-from distributed import CollectiveSpy, run_ranks, values_or_raise
-from reference import reference_ntl, reference_smmd, relative_error
 
 OPTIONS = [dict(kind="was"), dict(kind="was", reweigh=False), dict(kind="was", squash_factor=9.0),
            dict(kind="mse"), dict(kind="mse", reweigh=False)]

@@ -4,12 +4,7 @@ plain float64 reference on fresh random inputs."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy, vocab_parallel_numeric_cross_entropy
-from smmd_scale.value_kernel import build_kernel
-
-from conftest import random_problem
-from reference import (
+from helpers.reference import (
     FP32_CE_TOLERANCE,
     FP32_GRAD_TOLERANCE,
     FP32_OFFSETS,
@@ -19,6 +14,11 @@ from reference import (
     reference_total,
     relative_error,
 )
+
+from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy, vocab_parallel_numeric_cross_entropy
+from smmd_scale.value_kernel import build_kernel
+
+from conftest import random_problem
 
 
 def _loss_for(case):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from corpora import write_corpus
-from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
+from helpers.corpora import write_corpus
+from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
+from helpers.models import tiny_llama
 
 pytestmark = pytest.mark.slow
 SEQ_LEN = 48
@@ -71,13 +71,10 @@ def test_a_rank_killed_mid_step_ends_the_job_quickly(tmp_path, tokenizer_dir):
 def _model_with_a_nan_embedding_row(directory, tokenizer_dir, token: str):
     """A tiny untied Llama whose *input* embedding of ``token`` is NaN: any sequence containing the
     token gets a NaN loss, sequences without it are unaffected."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128, tie_word_embeddings=False))
+    model = tiny_llama(len(tokenizer), tie_word_embeddings=False)
     token_id = tokenizer.convert_tokens_to_ids(token)
     with torch.no_grad():
         model.model.embed_tokens.weight[token_id] = float("nan")

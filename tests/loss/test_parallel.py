@@ -7,11 +7,10 @@ on the full logits, then the vocab-parallel result on its own shard, and asserts
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
+from helpers.reference import FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE, FP32_OFFSETS, fp32_ce_errors
 
 from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy, vocab_parallel_numeric_cross_entropy
-
-from distributed import CollectiveSpy, run_ranks, values_or_raise
-from reference import FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE, FP32_OFFSETS, fp32_ce_errors
 
 pytestmark = pytest.mark.gloo
 

@@ -8,10 +8,9 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.launching import REPO
 
 from benchmarks.numeracy import analyze, run_study  # scipy and matplotlib come with the test extras
-
-from launching import REPO
 
 STUDY = [sys.executable, "-m", "benchmarks.numeracy.run_study"]
 

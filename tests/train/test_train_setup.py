@@ -8,15 +8,14 @@ import json
 import re
 
 import pytest
+from helpers.corpora import write_corpus
+from helpers.launching import REPO, TRAIN, train_command, train_flags
 
 from smmd_train.arguments import parse_args
 from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
 from smmd_train.dashboards import RUN_HPARAMS, run_hparams
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
-
-from corpora import write_corpus
-from launching import REPO, TRAIN, train_command, train_flags
 
 SEQ_LEN = 48
 ZERO3 = REPO / "ds_configs" / "zero3.json"

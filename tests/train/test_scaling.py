@@ -15,6 +15,8 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from helpers.corpora import write_corpus
+from helpers.launching import REPO, environment, run
 
 from smmd_train.launcher import free_port, launch_command
 from smmd_train.metrics_file import read_metrics
@@ -28,9 +30,6 @@ from smmd_train.scaling import (
     scaling_table,
     write_scaling_view,
 )
-
-from corpora import write_corpus
-from launching import REPO, environment, run
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 

@@ -5,8 +5,7 @@ import json
 import sys
 
 import pytest
-
-from launching import REPO, environment, run
+from helpers.launching import REPO, environment, run
 
 pytestmark = pytest.mark.slow
 

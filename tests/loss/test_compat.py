@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.distributed import run_ranks, values_or_raise
+from helpers.launching import REPO
+from helpers.models import tiny_llama
 
 from smmd_scale import compat
-
-from distributed import run_ranks, values_or_raise
-from launching import REPO
 
 HEAVY = ("deepspeed", "transformers", "datasets", "tensorboard", "mpi4py", "accelerate", "tokenizers")
 
@@ -42,9 +42,8 @@ def test_the_loss_plugin_requires_only_torch_and_numpy():
 
 
 def test_model_token_to_id_of_fast_and_python_tokenizers():
+    from helpers.style_tokenizers import llama3_style
     from transformers import ByT5Tokenizer
-
-    from style_tokenizers import llama3_style
 
     fast = llama3_style()
     assert compat.model_token_to_id(fast)("42") == fast.convert_tokens_to_ids("42")
@@ -53,11 +52,9 @@ def test_model_token_to_id_of_fast_and_python_tokenizers():
 
 
 def test_assigned_loss_function_of_an_hf_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = tiny_llama(32, hidden_size=16, layers=1, heads=2, kv_heads=2, seed=None)
     assert compat.assigned_loss_function(model) == (False, None)
 
     def hook(**kwargs):

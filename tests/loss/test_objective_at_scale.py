@@ -13,10 +13,9 @@ shard, and absent from the step.
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import run_ranks, values_or_raise
 
 from smmd_scale import NTLoss, NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
-
-from distributed import run_ranks, values_or_raise
 
 SEQUENCES, LENGTH, HIDDEN = 8, 12, 6
 LOSSES = ("smmd", "ntl", "sum")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import models
 
 from smmd_numeracy import evaluate_qa, load_qa, parse_number
 from smmd_numeracy.evaluate_cli import main as evaluate_main
@@ -29,13 +30,8 @@ BATCH_SIZE = 3  # several batches, the last one short
 
 
 def tiny_llama(tokenizer, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    return LlamaForCausalLM(config)
+    return models.tiny_llama(len(tokenizer), kv_heads=4, max_positions=64, seed=seed,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 def memorize(model, tokenizer, qa, steps: int = 200) -> float:
@@ -69,9 +65,8 @@ def write_jsonl(path, items):
 @pytest.fixture(scope="module")
 def memorized(tmp_path_factory):
     """(model dir, model loaded back from it, tokenizer): a tiny Llama that memorized QA."""
+    from helpers.style_tokenizers import llama3_style
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from style_tokenizers import llama3_style
 
     torch.set_num_threads(1)
     tokenizer = llama3_style()
@@ -157,9 +152,8 @@ def test_untrained_model_scores_low(memorized):
 
 def test_batching_does_not_change_results_on_an_absolute_position_model():
     """GPT-2's learned positions would shift under left padding unless position ids follow the mask."""
+    from helpers.style_tokenizers import gpt2_style
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from style_tokenizers import gpt2_style
 
     tokenizer = gpt2_style()
     torch.manual_seed(1)

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.distributed import run_ranks, values_or_raise
 
 from smmd_train.metrics_file import read_metrics
-
-from distributed import run_ranks, values_or_raise
 
 pytestmark = pytest.mark.gloo
 STEP_SECONDS = {1: 5.0, 2: 1.0, 3: 2.0}  # step 1 is the warm-up

@@ -8,11 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import run_ranks, values_or_raise
+from helpers.launching import REPO
 
 from smmd_scale import NumericVocab, SMMDLoss, numeric_cross_entropy
-
-from distributed import run_ranks, values_or_raise
-from launching import REPO
 
 # ------------------------------------------------------------------------------------------------
 # The loss-level catalogue, on 2 and 4 gloo ranks: (scenario, rank that gets the bad input or "all")

@@ -9,12 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import style_tokenizers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
 from smmd_scale.vocab import NumericVocab
-
-import style_tokenizers
 
 STYLES = ("gpt2_style", "llama2_style", "llama3_style", "qwen_style")
 
@@ -81,7 +80,7 @@ def test_construction_copies_inputs_to_cpu():
 def test_fingerprint_is_deterministic_and_sees_every_field():
     rng, seed = fresh_rng()
     vocab_size = rng.randint(20, 2000)
-    ids = rng.sample(range(vocab_size), rng.randint(2, 30))
+    ids = rng.sample(range(vocab_size), rng.randint(2, min(30, vocab_size - 1)))  # one id stays unused
     values = [float(rng.randint(0, 999)) for _ in ids]
     base = NumericVocab(ids, values, vocab_size)
     assert 0 <= base.fingerprint < 2**62

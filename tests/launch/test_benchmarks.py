@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from launching import REPO
+from helpers.launching import REPO
 
 CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours"]
 RESULTS = {"pass", "fail", "not measured"}

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
+from helpers.models import tiny_llama
 
 from smmd_train.launcher import free_port
 from smmd_train.metrics_file import read_metrics
-
-from launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 
 pytestmark = pytest.mark.slow
 EXPORT = REPO / "launch" / "export_hf.py"
@@ -35,7 +35,7 @@ def corpus(tmp_path_factory):
     """A Llama-3-style tokenizer and small numeric corpora written to disk, as a user would have."""
     import random
 
-    from style_tokenizers import llama3_style
+    from helpers.style_tokenizers import llama3_style
 
     root = tmp_path_factory.mktemp("corpus")
     llama3_style().save_pretrained(root / "tokenizer")
@@ -155,13 +155,10 @@ def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_tri
 
 def local_hf_checkpoint(directory, corpus):
     """A small Llama with the corpus tokenizer saved as a Hugging Face dir, as a user's checkpoint."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128)).save_pretrained(directory)
+    tiny_llama(len(tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

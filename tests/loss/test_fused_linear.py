@@ -5,12 +5,11 @@ real gloo groups of 2 and 4 ranks (uneven head shards), with its collectives cou
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import run_ranks, values_or_raise
 from test_parallel import CollectiveSpy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smmd_scale import NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
-
-from distributed import run_ranks, values_or_raise
 
 
 def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, ignore_share=0.15, shape=None,

@@ -2,23 +2,20 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from helpers import models
+from helpers.reference import reference_total
+from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import smmd_scale
 from smmd_scale import NumericVocab
-
-from reference import reference_total
 
 VOCAB_SIZE = 96
 NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config)
+    return models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=seed)
 
 
 def numeric_vocab():

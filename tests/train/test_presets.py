@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from smmd_train import memory as estimate_cli
 from smmd_train.presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The brief's real-world shapes: (hidden, layers, heads, kv heads, intermediate, tied).
 REAL_WORLD = {"1b": (2048, 16, 32, 8, 8192, True), "3b": (3072, 28, 24, 8, 8192, True),

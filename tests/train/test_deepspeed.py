@@ -8,8 +8,7 @@ import json
 import sys
 
 import pytest
-
-from launching import REPO, launch_command, run
+from helpers.launching import REPO, launch_command, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "deepspeed_training.py"

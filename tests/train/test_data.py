@@ -17,6 +17,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from helpers import style_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from smmd_train import data
@@ -28,7 +29,6 @@ from smmd_train.data import (
     tokenize_and_pack,
 )
 
-import style_tokenizers
 from conftest import SESSION_SEED
 
 _WORDS = ("the", "of", "sold", "cars", "in", "2024", "12", "3.75", "1,000", "café", "naïve", "日本", "🙂", "x=7;",

@@ -13,10 +13,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import run_ranks, values_or_raise
 
 from smmd_train.distributed import shutdown_distributed
-
-from distributed import run_ranks, values_or_raise
 
 pytestmark = pytest.mark.gloo
 NATIVE_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore_uv")

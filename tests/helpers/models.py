@@ -1,0 +1,17 @@
+"""One factory for the tiny Llama models the tests train, export and load."""
+
+import torch
+
+
+def tiny_llama(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               max_positions: int = 128, seed=0, **config):
+    """A randomly initialised ``LlamaForCausalLM`` (``intermediate_size = 2 * hidden_size``), seeded
+    with ``torch.manual_seed(seed)`` unless ``seed`` is None; ``config``: more ``LlamaConfig`` fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                                        intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                        max_position_embeddings=max_positions, **config))
