@@ -42,7 +42,7 @@ LAYOUT = {
     "numeric metrics (x = step)": {
         "numeric-token accuracy": ["Multiline", [r"^(numeric/accuracy|eval/numeric_accuracy)$"]],
         "numeric-token MAE": ["Multiline", [r"^(numeric/mae|eval/numeric_mae)$"]],
-        "numeric tokens per step": ["Multiline", [r"^numeric/tokens$"]],
+        "numeric-target positions per step": ["Multiline", [r"^numeric/positions$"]],
     },
 }
 

@@ -6,15 +6,22 @@ Names are a contract (what dashboards key on):
 
     loss/total  loss/ce  loss/numeric
     loss/<statistic>   (each numeric loss of the run: smmd_scale.registry, e.g. loss/smmd, loss/ntl_was)
-    numeric/accuracy  numeric/mae  numeric/tokens
+    numeric/accuracy  numeric/mae  numeric/positions
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
     perf/step_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
     train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
 
-``loss/total = loss/ce + weight x loss/numeric``: means over the step's micro-batches. The numeric
-losses' own values (SMMD and its two terms, NTL-WAS, NTL-MSE) and the numeric statistics are
-means over the step's numeric-target positions. Everything is summed over the micro-batches and
-the data-parallel replicas (one small all-reduce per step) before it is averaged.
+The losses are the optimizer step's objective (the trainer passes the step's counts to the loss,
+:meth:`TrainingMonitor.record_step_counts`): ``loss/ce`` the mean CE over the step's valid targets,
+``loss/numeric`` the numeric term, the mean over the step's numeric-target positions, and
+``loss/total = loss/ce + weight x loss/numeric``, whatever the micro-batch, accumulation or DP
+layout; each numeric loss's own value (``loss/smmd``, ``loss/ntl_was``, ...; for a weighted sum
+``loss/numeric = sum_i w_i loss/<term_i>``) and the numeric statistics are means over the step's
+numeric-target positions. A step without numeric targets logs the numeric losses as 0 with
+``numeric/positions`` 0 (accuracy and MAE are left out: they are undefined). Without counts (the
+model's own loss, ``--framework_loss``) the losses are means over the step's micro-batches.
+Everything is summed over the micro-batches and the data-parallel replicas (one small all-reduce
+per step).
 ``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
 ``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
 the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
@@ -84,6 +91,12 @@ class TrainingMonitor:
         self._sums = dict.fromkeys(_SUMS, 0.0)
         self._loss_bytes = self._loss_backward_bytes = 0
         self._parts = set()
+        self._step_counts = None
+
+    def record_step_counts(self, valid_targets: int, numeric_positions: int) -> None:
+        """The step's global counts, passed to the loss: its micro-batches' losses are then shares
+        of the step's objective and add up to it (they are summed, not averaged)."""
+        self._step_counts = (valid_targets, numeric_positions)
 
     def log_run_shape(self) -> None:
         """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
@@ -126,17 +139,21 @@ class TrainingMonitor:
         if self.world_size > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         totals = dict(zip(_SUMS, sums.tolist()))
-        micro_batches = max(totals["micro_batches"], 1)
+        # Shares of the step's objective add up to it; per-micro-batch means are averaged.
+        divisor = 1.0 if self._step_counts is not None else max(totals["micro_batches"], 1)
         grad_norm = self.engine.get_global_grad_norm()
         tokens_per_second = tokens_in_step / step_seconds if step_seconds > 0 else 0.0
-        metrics = {"loss/total": totals["total"] / micro_batches, "loss/ce": totals["ce"] / micro_batches}
+        metrics = {"loss/total": totals["total"] / divisor, "loss/ce": totals["ce"] / divisor}
         if self._parts:  # a run on the model's own loss has no numeric statistics: none are written
-            # Averages over no numeric position are undefined (NaN): a step without numeric targets.
-            numeric = totals["numeric_tokens"] or float("nan")
-            metrics["loss/numeric"] = totals["numeric"] / micro_batches
-            metrics.update({f"loss/{name}": totals[name] / numeric for name in NUMERIC_PARTS if name in self._parts})
-            metrics.update({"numeric/accuracy": totals["correct"] / numeric,
-                            "numeric/mae": totals["abs_error"] / numeric, "numeric/tokens": totals["numeric_tokens"]})
+            positions = totals["numeric_tokens"]
+            metrics["loss/numeric"] = totals["numeric"] / divisor
+            # A step without numeric targets has numeric loss 0 (nothing to score), not NaN.
+            metrics.update({f"loss/{name}": totals[name] / positions if positions else 0.0
+                            for name in NUMERIC_PARTS if name in self._parts})
+            metrics["numeric/positions"] = positions
+            if positions:
+                metrics.update({"numeric/accuracy": totals["correct"] / positions,
+                                "numeric/mae": totals["abs_error"] / positions})
         metrics.update({
             "perf/tokens_per_second": tokens_per_second,
             "perf/tokens_per_second_per_rank": tokens_per_second / self.world_size,

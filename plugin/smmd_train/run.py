@@ -144,7 +144,8 @@ def _build_engine(run: PreparedRun) -> None:
         lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps, args.min_lr_ratio))
     run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank()
     run.dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
-    run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed)
+    run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed,
+                                accumulation=run.accumulation)
     if plan.numeric_loss is not None:
         run.installed = smmd_scale.install(run.engine, plan.numeric_vocab, weight=plan.numeric_weight,
                                            fused_linear=args.fused_linear, numeric_loss=plan.numeric_loss)
@@ -159,15 +160,44 @@ def fused_linear_ran(installed) -> bool:
     return installed.last_path == "fused_linear"
 
 
+def step_counts(run: PreparedRun, micro_batches: list) -> tuple:
+    """The optimizer step's (valid targets, numeric-target positions) as int64 device tensors: this
+    rank's micro-batches ``[B, S]`` counted before the first forward (the model's labels are its
+    inputs, shifted: position t's target is token t + 1), summed over the data-parallel group with
+    one all-reduce of two numbers. Tensor-parallel peers hold the same micro-batches and count the same."""
+    import torch
+
+    targets = [input_ids[:, 1:] for input_ids in micro_batches]
+    counts = torch.stack([sum((target != -100).sum() for target in targets),
+                          sum(run.plan.numeric_loss.numeric_mask(target).sum() for target in targets)]).long()
+    if run.plan.topology.dp_size > 1:
+        dist.all_reduce(counts, group=run.dp_group)
+    return counts[0], counts[1]
+
+
 def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
-    """One optimizer step: ``run.accumulation`` micro-batches forward and backward (a non-finite loss
-    on any rank is neutralised by ``guard``), the update, the step's metrics (``monitor``)."""
+    """One optimizer step: its ``run.accumulation`` micro-batches fetched and counted first, then
+    forward and backward (a non-finite loss on any rank is neutralised by ``guard``), the update, the
+    step's metrics (``monitor``).
+
+    With the numeric loss installed each micro-batch's loss is its share of the step's objective
+    (``sum CE / n_valid + weight * sum numeric / n_numeric`` over the whole step on every DP rank,
+    :func:`step_counts`), so the step trains the same objective for any micro-batch, accumulation or
+    parallel layout. DeepSpeed divides what ``backward`` gets by the accumulation steps and averages
+    gradients over the DP group; the share is multiplied back by both so that the gradient is the
+    objective's."""
     engine, installed = run.engine, run.installed
     began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
-    for _ in range(run.accumulation):
-        input_ids = next(run.batches)["input_ids"].to(engine.device)
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
-        engine.backward(guard.checked(loss))
+    micro_batches = [next(run.batches)["input_ids"].to(engine.device) for _ in range(run.accumulation)]
+    counts = {}
+    if installed is not None:
+        num_items, num_numeric = step_counts(run, micro_batches)
+        counts = {"num_items_in_batch": num_items, "num_numeric_in_batch": num_numeric}
+        monitor.record_step_counts(int(num_items), int(num_numeric))
+    unscale = run.accumulation * run.plan.topology.dp_size if installed is not None else 1
+    for input_ids in micro_batches:
+        loss = engine(input_ids=input_ids, labels=input_ids, **counts).loss
+        engine.backward(guard.checked(loss) * unscale)
         engine.step()
         if installed is None:
             monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 EXPORT = REPO / "launch" / "export_hf.py"
 CONTRACT_SCALARS = {"loss/total", "loss/ce", "loss/numeric", "loss/smmd", "loss/mmd", "loss/smooth",
                     "comm/loss_backward_bytes", "numeric/accuracy",
-                    "numeric/mae", "numeric/tokens", "perf/tokens_per_second", "perf/tokens_per_second_per_rank",
+                    "numeric/mae", "numeric/positions", "perf/tokens_per_second", "perf/tokens_per_second_per_rank",
                     "perf/tflops_per_rank", "perf/step_seconds", "memory/peak_gib", "comm/loss_bytes", "train/lr",
                     "train/grad_norm", "train/skipped_steps", "summary/tokens_per_second", "summary/peak_memory_gib"}
 SEQ_LEN, EVAL_BATCHES = 48, 3
@@ -121,7 +121,7 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     assert [record["step"] for record in records if "eval/ce" in record] == [3, 6]
     first, last = logged[1], logged[6]
     assert first["loss/total"] == pytest.approx(first["loss/ce"] + first["loss/numeric"], rel=1e-5)
-    assert first["numeric/tokens"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
+    assert first["numeric/positions"] > 0 and first["loss/smmd"] > 0 and first["comm/loss_bytes"] == 0
     assert last["loss/ce"] < first["loss/ce"]
     scalars, hparams = tensorboard_run(output)
     assert CONTRACT_SCALARS <= scalars
@@ -179,7 +179,7 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, corpus, zero3_run):
     run(deepspeed_command(2, *train_args(corpus, output, save_steps=2, resume=True, steps=6)), timeout=600)
     resumed = metrics(output)
     for step in (5, 6):
-        for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/tokens", "train/lr"):
+        for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/positions", "train/lr"):
             assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
 
 
@@ -249,4 +249,4 @@ def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
     assert "loss: the model's own" in completed.stdout
     logged = metrics(output)
     assert logged[2]["loss/total"] == logged[2]["loss/ce"] > 0
-    assert not {"numeric/accuracy", "numeric/tokens", "loss/numeric", "loss/smmd"} & set(logged[2])
+    assert not {"numeric/accuracy", "numeric/positions", "loss/numeric", "loss/smmd"} & set(logged[2])

@@ -445,24 +445,74 @@ def test_resume_refuses_a_different_data_order(rng):
     state = original.state_dict()
     for changed, expected in (
             (PackedBatches(dataset, 2, 0, 3, seed=8), "seed: checkpoint 7, now 8"),
-            (PackedBatches(dataset, 2, 0, 2, seed=7), "dp_size: checkpoint 3, now 2"),
-            (PackedBatches(dataset, 3, 0, 3, seed=7), "micro_batch_size: checkpoint 2, now 3"),
+            (PackedBatches(dataset, 2, 0, 2, seed=7), "global_batch_size: checkpoint 6, now 4"),
+            (PackedBatches(dataset, 3, 0, 3, seed=7), "global_batch_size: checkpoint 6, now 9"),
+            (PackedBatches(dataset, 2, 0, 3, seed=7, accumulation=2), "global_batch_size: checkpoint 6, now 12"),
             (PackedBatches(block_dataset(rng, 30), 2, 0, 3, seed=7), "num_blocks: checkpoint 24, now 30")):
         with pytest.raises(ValueError, match=f"cannot resume the data order: {expected}"):
             changed.load_state_dict(state)
     fresh = PackedBatches(dataset, 2, 0, 3, seed=7)
     with pytest.raises(ValueError, match=r"missing \['position'\]"):
         fresh.load_state_dict({key: value for key, value in state.items() if key != "position"})
-    with pytest.raises(ValueError, match="position=5 is not a micro-step start"):
+    with pytest.raises(ValueError, match="position=5 is not an optimizer-step start"):
         fresh.load_state_dict({**state, "position": 5})
+    mid_step = PackedBatches(dataset, 1, 0, 3, seed=7, accumulation=2)
+    next(mid_step)
+    with pytest.raises(RuntimeError, match="between optimizer steps, not after micro-step 1 of 2"):
+        mid_step.state_dict()
+
+
+def layout_steps(dataset, seed, micro_batch_size, dp_size, accumulation, steps):
+    """The set of blocks each optimizer step trains on, over all DP ranks and micro-steps."""
+    ranks = [PackedBatches(dataset, micro_batch_size, rank, dp_size, seed, accumulation=accumulation)
+             for rank in range(dp_size)]
+    return [sorted(row for batches in ranks for _ in range(accumulation) for row in next(batches)["input_ids"][:, 0]
+                   .tolist()) for _ in range(steps)]
+
+
+def test_every_layout_of_a_global_batch_trains_the_same_blocks_in_every_step(rng):
+    """Micro-batch x DP x accumulation = 8 in every way: step k holds the same blocks (Megatron's
+    sampler), across epoch boundaries too (the dataset is not a multiple of 8)."""
+    dataset = block_dataset(rng, rng.randint(17, 60))
+    seed = rng.randrange(2**32)
+    steps = 3 * (len(dataset) // 8) + 2
+    layouts = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8), (2, 1, 4), (1, 8, 1)]
+    expected = layout_steps(dataset, seed, *layouts[0], steps)
+    assert all(len(set(blocks)) == 8 for blocks in expected)
+    for layout in layouts[1:]:
+        assert layout_steps(dataset, seed, *layout, steps) == expected, layout
+
+
+def test_resume_under_another_layout_continues_the_same_steps(rng):
+    dataset = block_dataset(rng, rng.randint(24, 50))
+    seed = rng.randrange(2**32)
+    before, after = (2, 2, 2), (1, 2, 4)  # micro-batch, DP, accumulation: global batch 8 both
+    done = rng.randint(1, 7)
+    ranks = [PackedBatches(dataset, before[0], rank, before[1], seed, accumulation=before[2])
+             for rank in range(before[1])]
+    for _ in range(done * before[2]):
+        for batches in ranks:
+            next(batches)
+    state = json.loads(json.dumps(ranks[0].state_dict()))
+    resumed = [PackedBatches(dataset, after[0], rank, after[1], seed, accumulation=after[2])
+               for rank in range(after[1])]
+    for batches in resumed:
+        batches.load_state_dict(state)
+    assert resumed[0].samples_consumed == ranks[0].samples_consumed
+    following = layout_steps(dataset, seed, 8, 1, 1, done + 4)[done:]
+    got = [sorted(row for batches in resumed for _ in range(after[2]) for row in next(batches)["input_ids"][:, 0]
+                  .tolist()) for _ in range(4)]
+    assert got == following
 
 
 def test_batches_need_one_global_micro_step_and_valid_ranks(rng):
     dp_size, micro_batch_size = rng.randint(1, 4), rng.randint(2, 4)
     dataset = block_dataset(rng, dp_size * micro_batch_size - 1)
-    with pytest.raises(ValueError, match=rf"{len(dataset)} blocks, fewer than one global micro-step of "
-                                         rf"micro_batch_size={micro_batch_size} x dp_size={dp_size}"):
+    with pytest.raises(ValueError, match=rf"{len(dataset)} blocks, fewer than one optimizer step of "
+                                         rf"micro_batch_size={micro_batch_size} x dp_size={dp_size} x accumulation=1"):
         PackedBatches(dataset, micro_batch_size, 0, dp_size, seed=0)
+    with pytest.raises(ValueError, match="accumulation must be a positive int, got 0"):
+        PackedBatches(dataset, 1, 0, 1, seed=0, accumulation=0)
     with pytest.raises(ValueError, match=r"dp_rank must be an int in \[0, dp_size=2\), got 2"):
         PackedBatches(dataset, 1, 2, 2, seed=0)
     with pytest.raises(ValueError, match="micro_batch_size must be a positive int, got 0"):

@@ -62,7 +62,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     first = steps0[0]
     assert first["loss/total"] == pytest.approx(2.5) and first["loss/ce"] == pytest.approx(2.0)
     assert first["loss/smmd"] == pytest.approx((0.5 * 4 + 1.5 * 8) / 12)  # per numeric position, over replicas
-    assert first["numeric/mae"] == pytest.approx((3.0 * 4 + 4.0 * 8) / 12) and first["numeric/tokens"] == 12
+    assert first["numeric/mae"] == pytest.approx((3.0 * 4 + 4.0 * 8) / 12) and first["numeric/positions"] == 12
     assert [step["train/lr"] for step in steps0] == pytest.approx([1e-3, 2e-3, 3e-3])
     # The summary: throughput medians over the steps after the warm-up (1000 tokens in 1 s and 2 s).
     assert summary0["summary/tokens_per_second"] == pytest.approx(750.0)
@@ -126,3 +126,40 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
 def test_read_metrics_leaves_out_a_record_still_being_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce": 2.4}\n{"step": 3, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss/ce": 2.5}, {"step": 2, "loss/ce": 2.4}]
+
+
+def _shares(rank, world_size):
+    from smmd_train.monitor import TrainingMonitor
+
+    monitor = TrainingMonitor(RecordingEngine(), world_size=world_size, tp_size=1, dp_size=world_size, dp_group=None,
+                              flops_per_token=6e6)
+    steps = []
+    # Step 1: two micro-batches per rank, each a share of the step's objective (n_valid 400, n_numeric 12).
+    monitor.record_step_counts(400, 12)
+    for micro in range(2):
+        stats = {"numeric_tokens": 3, "smmd": 0.5 + rank + micro, "mmd": 0.5, "smooth": 0.0, "numeric_accuracy": 1.0,
+                 "numeric_mae": 2.0, "tokens": 100, "comm_bytes": 0}
+        ce, numeric = 0.25 * (rank + 1), (0.5 + rank + micro) * 3 / 12
+        monitor.record_micro_batch((ce + 0.5 * numeric, ce, numeric), stats)
+    steps.append(monitor.end_step(1, 1.0, tokens_in_step=400, learning_rate=1e-3))
+    # Step 2: no numeric target anywhere.
+    monitor.record_step_counts(400, 0)
+    for _ in range(2):
+        stats = {"numeric_tokens": 0, "smmd": 0.0, "mmd": 0.0, "smooth": 0.0, "numeric_accuracy": 0.0,
+                 "numeric_mae": 0.0, "tokens": 100, "comm_bytes": 0}
+        monitor.record_micro_batch((0.5, 0.5, 0.0), stats)
+    steps.append(monitor.end_step(2, 1.0, tokens_in_step=400, learning_rate=1e-3))
+    return steps
+
+
+def test_shares_of_the_step_add_up_and_a_step_without_numbers_logs_zero():
+    first, second = values_or_raise(run_ranks(_shares, 2))[0]
+    # Summed over 2 micro-batches x 2 ranks (shares), not averaged.
+    assert first["loss/ce"] == pytest.approx(2 * 0.25 + 2 * 0.5)
+    smmd_sum = sum((0.5 + rank + micro) * 3 for rank in range(2) for micro in range(2))
+    assert first["loss/numeric"] == pytest.approx(smmd_sum / 12) == pytest.approx(first["loss/smmd"])
+    assert first["loss/total"] == pytest.approx(first["loss/ce"] + 0.5 * first["loss/numeric"])
+    assert first["numeric/positions"] == 12
+    assert second["loss/numeric"] == 0.0 and second["loss/smmd"] == 0.0 and second["numeric/positions"] == 0
+    assert second["loss/total"] == pytest.approx(2.0) and "numeric/accuracy" not in second
+    assert all(value == value for value in second.values() if isinstance(value, float))  # no NaN
