@@ -48,6 +48,15 @@ def model_token_to_id(tokenizer) -> Callable[[str], Optional[int]]:
                     "tell a tokenizer's own tokens from tokens added on top of it")
 
 
+def trainer_count_items(trainer, batch_samples: list, device):
+    """What ``transformers.Trainer`` passes as ``num_items_in_batch`` for ``batch_samples`` (the
+    step's micro-batches): its own count of labels != -100, gathered and divided exactly as it does
+    for the devices (``Trainer._get_num_items_in_batch``, private)."""
+    count = _private(trainer, "_get_num_items_in_batch", "transformers",
+                     "count the numeric targets of a Trainer step the way the Trainer counts its tokens")
+    return count(batch_samples, device)
+
+
 # HF causal LMs keep an assigned ``loss_function`` in this instance attribute (the property's setter);
 # reading it tells whether the model had its own hook before smmd_scale.install replaced it.
 _LOSS_FUNCTION_ATTRIBUTE = "_loss_function"

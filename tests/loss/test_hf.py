@@ -162,3 +162,46 @@ def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
     assert installed.last_stats["ntl_was"] == pytest.approx(ntl.item(), rel=1e-6)
     with pytest.raises(TypeError, match=r"pass SMMD options \(\['mode'\]\) to SMMDLoss inside numeric_loss"):
         smmd_scale.install(model, numeric_vocab, numeric_loss=smmd_scale.NTLoss(numeric_vocab), mode="mmd")
+
+
+def _trainer_weights(tmp_path, rows, accumulation, attach):
+    """Weights after 3 SGD steps of 4 sequences each (micro-batch 4 / accumulation) with the hook."""
+    ids, labels = rows
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, index):
+            return {"input_ids": ids[index], "labels": labels[index]}
+
+    model = tiny_llama(seed=3)
+    installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
+    arguments = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulation}{attach}"), max_steps=3,
+                                  per_device_train_batch_size=4 // accumulation,
+                                  gradient_accumulation_steps=accumulation, learning_rate=0.5, optim="sgd",
+                                  lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+                                  seed=0, data_seed=0)
+    trainer = Trainer(model=model, args=arguments, train_dataset=Rows())
+    if attach:
+        installed.attach_to_trainer(trainer)
+    trainer.train()
+    return torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
+
+
+def test_trainer_gradient_accumulation_trains_the_same_objective(tmp_path, generator):
+    """With attach_to_trainer the Trainer's steps are the same for accumulation 1, 2 and 4, numeric
+    term included, although the numbers sit in a few sequences; without it they are not."""
+    ids, labels = batch(generator, rows=12, length=16)
+    numeric = torch.isin(labels, torch.tensor(NUMERIC_IDS))
+    labels[3:] = torch.where(numeric[3:], NUMERIC_IDS[0] - 1, labels[3:])  # numbers only in the first 3 rows
+    ids[3:] = torch.where(numeric[3:], NUMERIC_IDS[0] - 1, ids[3:])
+    assert torch.isin(labels[:3, 1:], torch.tensor(NUMERIC_IDS)).any()
+    start = torch.cat([parameter.detach().reshape(-1) for parameter in tiny_llama(seed=3).parameters()])
+    reference = _trainer_weights(tmp_path, (ids, labels), 1, attach=True)
+    assert (reference - start).abs().max() > 1e-3  # the steps train
+    for accumulation in (2, 4):
+        weights = _trainer_weights(tmp_path, (ids, labels), accumulation, attach=True)
+        assert (weights - reference).abs().max().item() <= 1e-5 * reference.abs().max().item(), accumulation
+    unattached = _trainer_weights(tmp_path, (ids, labels), 4, attach=False)
+    assert (unattached - reference).abs().max().item() > 1e-4  # per-micro-batch numeric means train another thing

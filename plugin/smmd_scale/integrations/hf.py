@@ -49,6 +49,8 @@ class NumericCausalLMLoss:
         self.last_stats: Optional[dict] = None
         self.last_losses: Optional[DetachedLosses] = None
         self.last_path: Optional[str] = None
+        # (the Trainer's num_items_in_batch object, the step's numeric-target count): InstalledLoss.attach_to_trainer
+        self.trainer_step_counts: Optional[tuple] = None
 
     def __repr__(self):
         where = "full logits" if self.tp_group is None else f"vocab shard from {self.vocab_start_index}"
@@ -72,8 +74,18 @@ class NumericCausalLMLoss:
                  num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
                  num_numeric_in_batch=None, **kwargs) -> torch.Tensor:
         shift_labels = self.shifted(labels, shift_labels, ignore_index)
+        num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch, num_numeric_in_batch)
         return output.total
+
+    def numeric_count_for(self, num_items_in_batch, num_numeric_in_batch):
+        """The numeric count to use: the one given, else the one counted with the Trainer step whose
+        ``num_items_in_batch`` this is (the very object the Trainer passes to every micro-batch)."""
+        if num_numeric_in_batch is None and self.trainer_step_counts is not None and num_items_in_batch is not None:
+            step_items, step_numeric = self.trainer_step_counts
+            if step_items is num_items_in_batch:
+                return step_numeric
+        return num_numeric_in_batch
 
     def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None,
                 num_numeric_in_batch=None) -> NumericOutput:
@@ -91,6 +103,7 @@ class NumericCausalLMLoss:
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
         ``call_through_module`` so that its weight is gathered and released like the head's own."""
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
+        num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         outputs = []
 
         def head_loss(hidden_states):
@@ -105,6 +118,13 @@ class NumericCausalLMLoss:
         total = call_through_module(head, head_loss, hidden)
         self._record(outputs[0], "fused_linear")
         return total
+
+    def numeric_labels(self, batch: dict) -> dict:
+        """``batch`` with its ``labels`` (and ``shift_labels``) kept only at numeric targets (the rest
+        ``ignore_index``): counting its labels counts numeric-target positions."""
+        ignore = self.numeric_loss.ignore_index
+        return {**batch, **{key: torch.where(self.numeric_loss.numeric_mask(batch[key]), batch[key], ignore)
+                            for key in ("labels", "shift_labels") if key in batch}}
 
     @property
     def smmd(self) -> NumericLoss:
@@ -141,6 +161,27 @@ class InstalledLoss:
     @property
     def vocab_parallel(self) -> bool:
         return self.hook.tp_group is not None
+
+    def attach_to_trainer(self, trainer) -> None:
+        """Make a ``transformers.Trainer`` train the same objective for any gradient accumulation:
+        when the Trainer counts a step's tokens for ``num_items_in_batch`` (its ``get_batch_samples``),
+        the step's numeric-target positions are counted the same way (gathered and divided across
+        devices as the Trainer does) and the hook divides the numeric term by them, so each
+        micro-batch returns its share of the step's objective. Without it the Trainer's steps weigh
+        each micro-batch's numeric mean by its tokens, not by its numbers."""
+        fetch = trainer.get_batch_samples
+        hook = self.hook
+
+        def get_batch_samples(epoch_iterator, num_batches, device):
+            batch_samples, num_items_in_batch = fetch(epoch_iterator, num_batches, device)
+            hook.trainer_step_counts = None
+            if num_items_in_batch is not None:
+                numeric_only = [hook.numeric_labels(batch) for batch in batch_samples]
+                hook.trainer_step_counts = (num_items_in_batch,
+                                            compat.trainer_count_items(trainer, numeric_only, device))
+            return batch_samples, num_items_in_batch
+
+        trainer.get_batch_samples = get_batch_samples
 
     def restore(self) -> None:
         """Put back the loss function (and, with ``fused_linear``, the forward) the model had before ``install``."""
