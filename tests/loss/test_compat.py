@@ -120,3 +120,16 @@ def _tensor_parallel_groups(rank, world_size):
 @pytest.mark.slow
 def test_init_tensor_parallel_groups_on_two_gloo_ranks():
     assert values_or_raise(run_ranks(_tensor_parallel_groups, 2)) == [(2, 1), (2, 1)]
+
+
+def test_trainer_count_items_is_the_trainers_own_token_count(tmp_path):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama(32, hidden_size=16, layers=1, heads=2, kv_heads=2, seed=None)
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    labels = torch.tensor([[-100, 3, 4, -100, 5], [1, 2, -100, 7, 8]])
+    batches = [{"input_ids": labels.clamp_min(0), "labels": labels}, {"input_ids": labels[:1].clamp_min(0),
+                                                                        "labels": labels[:1]}]
+    # Causal LMs shift: position 0's label is never a target, so it is not counted.
+    assert int(compat.trainer_count_items(trainer, batches, torch.device("cpu"))) == 3 + 3 + 3

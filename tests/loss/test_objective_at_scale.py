@@ -202,3 +202,49 @@ def test_data_and_tensor_parallel_layouts_give_the_step(world_size, tp_size, acc
     assert all(result == results[0] for result in results)  # every rank counted the same step
     assert len(results[0]) == len(LOSSES) * 3
     assert all(counts[1] == 0 for _, placement, counts in results[0] if placement == "none")
+
+
+def _megatron_micro_batches(rank, world_size, seed):
+    """Megatron's layout on TP=2 ranks: [s, b, V/2] shards of micro-batches; the loss_func outputs
+    summed over micro-batches give the step's sums and counts, whatever the split."""
+    from smmd_scale.integrations.megatron import loss_func_outputs, vocab_parallel_numeric_cross_entropy
+
+    vocab, logits, targets = step_problem(seed, "one_block")
+    loss = numeric_loss("sum", vocab)
+    logits, targets = logits.transpose(0, 1), targets.transpose(0, 1)  # [s, b, V], [s, b]
+    mask = (targets != -100).double()
+    width = vocab.vocab_size // world_size
+    results = {}
+    for split in (1, 2, 4):
+        leaf = logits.clone().requires_grad_(True)
+        loss_sum, tokens, numeric_sum, numeric_positions = 0.0, 0, 0.0, 0.0
+        for part in range(split):
+            columns = slice(part * SEQUENCES // split, (part + 1) * SEQUENCES // split)
+            shard = leaf[:, columns, rank * width:(rank + 1) * width]
+            ce, numeric = vocab_parallel_numeric_cross_entropy(shard, targets[:, columns].contiguous(), loss,
+                                                               tp_group=dist.group.WORLD)
+            total, count, report = loss_func_outputs(ce, numeric, mask[:, columns], targets[:, columns], loss,
+                                                     weight=0.7)
+            total.backward()
+            loss_sum, tokens = loss_sum + total.item(), tokens + int(count)
+            numeric_sum += report["numeric loss"][0].item()
+            numeric_positions += report["numeric loss"][1].item()
+            assert report["lm loss"][1].item() == count
+        results[split] = (loss_sum, tokens, numeric_sum, numeric_positions, leaf.grad[..., rank * width:
+                                                                                      (rank + 1) * width].clone())
+    expected = numeric_cross_entropy(logits.transpose(0, 1), targets.transpose(0, 1), loss, weight=0.7)
+    valid, numeric_count = step_counts(loss, targets)
+    for split, (loss_sum, tokens, numeric_sum, numeric_positions, grad) in results.items():
+        assert tokens == valid and numeric_positions == numeric_count, split
+        assert abs(numeric_sum / numeric_positions - expected.numeric.item()) <= 1e-10 * expected.numeric.item()
+        # Megatron divides by the step's tokens: CE mean + weight x numeric sum per token.
+        per_token = expected.ce.item() + 0.7 * numeric_sum / tokens
+        assert abs(loss_sum / tokens - per_token) <= 1e-10 * per_token, split
+        assert (grad - results[1][4]).abs().max().item() <= 1e-10 * results[1][4].abs().max().item(), split
+    return True
+
+
+@pytest.mark.gloo
+def test_megatron_loss_func_pairs_add_up_over_micro_batches():
+    seed = int(torch.randint(0, 2**31, (1, )))
+    assert values_or_raise(run_ranks(_megatron_micro_batches, 2, seed)) == [True, True]
