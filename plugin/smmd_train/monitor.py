@@ -8,7 +8,7 @@ Names are a contract (what dashboards key on):
     loss/<statistic>   (each numeric loss of the run: smmd_scale.registry, e.g. loss/smmd, loss/ntl_was)
     numeric/accuracy  numeric/mae  numeric/positions
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
-    perf/step_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
+    perf/step_seconds  perf/count_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
     train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
 
 The losses are the optimizer step's objective (the trainer passes the step's counts to the loss,
@@ -93,10 +93,12 @@ class TrainingMonitor:
         self._parts = set()
         self._step_counts = None
 
-    def record_step_counts(self, valid_targets: int, numeric_positions: int) -> None:
+    def record_step_counts(self, valid_targets: int, numeric_positions: int, seconds: float = 0.0) -> None:
         """The step's global counts, passed to the loss: its micro-batches' losses are then shares
-        of the step's objective and add up to it (they are summed, not averaged)."""
+        of the step's objective and add up to it (they are summed, not averaged). ``seconds``: what
+        counting took, its all-reduce included (``perf/count_seconds``)."""
         self._step_counts = (valid_targets, numeric_positions)
+        self._count_seconds = seconds
 
     def log_run_shape(self) -> None:
         """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
@@ -159,6 +161,7 @@ class TrainingMonitor:
             "perf/tokens_per_second_per_rank": tokens_per_second / self.world_size,
             "perf/tflops_per_rank": tokens_per_second * self.flops_per_token / self.world_size / 1e12,
             "perf/step_seconds": step_seconds,
+            **({"perf/count_seconds": self._count_seconds} if self._step_counts is not None else {}),
             "memory/peak_gib": peak.item(),
             "comm/loss_bytes": float(self._loss_bytes),
             "comm/loss_backward_bytes": float(self._loss_backward_bytes),

@@ -191,9 +191,10 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
     micro_batches = [next(run.batches)["input_ids"].to(engine.device) for _ in range(run.accumulation)]
     counts = {}
     if installed is not None:
+        counting = time.perf_counter()
         num_items, num_numeric = step_counts(run, micro_batches)
         counts = {"num_items_in_batch": num_items, "num_numeric_in_batch": num_numeric}
-        monitor.record_step_counts(int(num_items), int(num_numeric))
+        monitor.record_step_counts(int(num_items), int(num_numeric), time.perf_counter() - counting)
     unscale = run.accumulation * run.plan.topology.dp_size if installed is not None else 1
     for input_ids in micro_batches:
         loss = engine(input_ids=input_ids, labels=input_ids, **counts).loss
