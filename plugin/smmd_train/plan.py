@@ -59,7 +59,7 @@ def check_tensor_parallel_split(config, tp_size: int) -> None:
     """AutoTP gives each rank whole attention heads and an equal slice of the vocabulary-parallel
     head: refuse a TP degree that does not divide the query heads, the key/value heads or the
     vocabulary (a ValueError naming the model's counts). The presets pad their vocabulary to a
-    multiple of 64 x TP."""
+    multiple of lcm(512, 64 x TP) (smmd_train.model.padded_vocab_size)."""
     heads = getattr(config, "num_attention_heads", None)
     for name, count, what in (("num_attention_heads", heads, "whole heads"),
                               ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads,

@@ -73,7 +73,8 @@ def _check_tp_size(config, tp_size: int) -> None:
     if uneven:
         raise ValueError(f"tp_size={tp_size} does not divide {uneven}: AutoTP would shard them unevenly (or, past "
                          "the KV head count, leave ranks without attention); pick a tp_size that divides them all "
-                         "(a vocabulary can be padded to a multiple of 64 * tp_size, as training/model.py does)")
+                         "(a vocabulary can be padded to a multiple of 64 * tp_size, as "
+                         "smmd_train.model.padded_vocab_size does)")
 
 
 def _attention_params(config, tp_size: int) -> dict:

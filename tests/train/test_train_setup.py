@@ -351,6 +351,11 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     args, plan = prepared(arguments, world_size=4)
     assert (plan.topology.tp_size, plan.topology.dp_size) == (2, 2) and plan.pretrained_dir is None
     assert plan.model_config.vocab_size % (64 * 2) == 0 and plan.model_config.vocab_size >= len(plan.tokenizer)
+    # The same padded vocabulary (the same model) at TP 1, 2, 4 and 8.
+    from smmd_train.model import padded_vocab_size
+
+    assert {padded_vocab_size(len(plan.tokenizer), tp) for tp in (1, 2, 4, 8)} == {plan.model_config.vocab_size}
+    assert padded_vocab_size(513, 16) == 1024 and padded_vocab_size(512, 1) == 512
     assert plan.ds_config["train_batch_size"] == 2 * 2 and plan.warnings == []
     assert plan.ds_config["optimizer"]["params"]["lr"] == args.lr
     # train.py writes TensorBoard and schedules the rate itself: DeepSpeed's writer and scheduler stay off.
