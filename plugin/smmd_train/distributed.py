@@ -9,9 +9,9 @@ set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
 
 from __future__ import annotations
 
-import builtins
 import datetime
 import os
+import pickle
 import socket
 import warnings
 from dataclasses import dataclass, replace
@@ -263,32 +263,73 @@ def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
 
 
 Result = TypeVar("Result")
-# Exceptions that are re-raised with their own type on the ranks that did not see them.
-_SHARED_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
+
+# How long the other ranks wait for rank 0's own work (tokenizing a corpus, writing an export): far
+# beyond the process-group timeout, which is sized for collectives. A rank 0 that dies ends the wait
+# at once (its gloo connection closes); one that hangs is stopped by this.
+RANK_ZERO_WORK_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def run_on_rank_zero(work: Callable[[], Result], timeout: datetime.timedelta = RANK_ZERO_WORK_TIMEOUT
+                     ) -> Optional[Result]:
+    """Run ``work`` on rank 0 while the other ranks wait; returns its result on rank 0, None elsewhere.
+
+    The others wait on a gloo group made for this wait, with ``timeout`` rather than the process
+    group's (30 minutes by default: NCCL's watchdog would kill ranks that wait inside a collective
+    while rank 0 tokenizes a corpus or writes a 70b export). Any exception on rank 0 reaches every
+    rank as soon as it is raised: the same type with the message prefixed "on rank 0: " where the type
+    can be rebuilt from a message, else a RuntimeError naming the type. Call on every rank.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    waiting = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        outcome, result = [None], None
+        if dist.get_rank() == 0:
+            try:
+                result = work()
+            except BaseException as error:
+                outcome = [_portable(error)]
+                dist.broadcast_object_list(outcome, src=0, group=waiting)
+                raise
+        dist.broadcast_object_list(outcome, src=0, group=waiting)
+    finally:
+        dist.destroy_process_group(waiting)
+    if outcome[0] is not None:
+        raise _rebuilt(*outcome[0])
+    return result
+
+
+def _portable(error: BaseException) -> tuple:
+    """(the error's class, or None when it cannot be pickled, its type name, its message)."""
+    error_type = type(error)
+    try:
+        pickle.loads(pickle.dumps(error_type))
+    except Exception:  # a class defined inside a function, say
+        error_type = None
+    return error_type, type(error).__qualname__, str(error)
+
+
+def _rebuilt(error_type, name: str, message: str) -> BaseException:
+    if error_type is not None:
+        try:
+            return error_type(f"on rank 0: {message}")
+        except Exception:  # a constructor that takes other arguments than a message
+            pass
+    return RuntimeError(f"on rank 0: {name}: {message}")
 
 
 def rank_zero_first(build: Callable[[], Result]) -> Result:
     """Run ``build`` on rank 0, then on the other ranks (which then reuse what rank 0 cached).
 
-    If rank 0 fails, every rank raises the same error instead of the others waiting for it: the
-    outcome is broadcast before any other rank starts.
+    While rank 0 builds, the others wait as :func:`run_on_rank_zero` does: however long it takes,
+    and an error of any type on rank 0 is raised on every rank at once, before any other rank starts.
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return build()
-    outcome = [None]
-    if dist.get_rank() == 0:
-        try:
-            result = build()
-        except _SHARED_ERRORS as error:
-            outcome = [(type(error).__name__, str(error))]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
-        dist.broadcast_object_list(outcome, src=0)
-        return result
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        name, message = outcome[0]
-        raise getattr(builtins, name)(f"on rank 0: {message}")
-    return build()
+    result = run_on_rank_zero(build)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        result = build()
+    return result
