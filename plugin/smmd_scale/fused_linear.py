@@ -88,83 +88,85 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int):
-        compute_dtype = plan.compute_dtype
-        tokens = hidden.shape[0]
-        running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
-                                   torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
-        target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
-        for start, end in _blocks(head_weight.shape[0], chunk_size):
-            logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
-                                  compute_dtype)
-            in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
-            picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
-            target_logits = torch.where(in_block, picked, target_logits)
-            running = merge_block_logsumexp(running, logits)
-        local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
+        with torch.autocast(hidden.device.type, enabled=False):  # the block GEMMs in the inputs' dtype
+            compute_dtype = plan.compute_dtype
+            tokens = hidden.shape[0]
+            running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
+                                       torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
+            target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+            for start, end in _blocks(head_weight.shape[0], chunk_size):
+                logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
+                                      compute_dtype)
+                in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
+                picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
+                target_logits = torch.where(in_block, picked, target_logits)
+                running = merge_block_logsumexp(running, logits)
+            local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
 
-        numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
-        numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
-                                      compute_dtype).to(plan.spec.dtype)
-        pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
-        ce = cross_entropy_per_token(pieces.lse, pieces.target_logits.to(compute_dtype), plan.valid)
-        numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
-        sums = stat_sums(plan, numeric, pieces.comm)
-        ctx.mark_non_differentiable(sums)
+            numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
+            numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
+                                          compute_dtype).to(plan.spec.dtype)
+            pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
+            ce = cross_entropy_per_token(pieces.lse, pieces.target_logits.to(compute_dtype), plan.valid)
+            numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
+            sums = stat_sums(plan, numeric, pieces.comm)
+            ctx.mark_non_differentiable(sums)
 
-        ctx.consumed = False
-        ctx.plan, ctx.chunk_size = plan, chunk_size
-        ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
-        ctx.save_for_backward(hidden, head_weight, bias)
-        return ce, numeric_per_token(plan, numeric, ce), sums
+            ctx.consumed = False
+            ctx.plan, ctx.chunk_size = plan, chunk_size
+            ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
+            ctx.save_for_backward(hidden, head_weight, bias)
+            return ce, numeric_per_token(plan, numeric, ce), sums
 
     @staticmethod
     def backward(ctx, grad_ce, grad_numeric, _grad_stats):
         claim_single_backward(ctx)
-        hidden, head_weight, bias = ctx.saved_tensors
-        plan, lse = ctx.plan, ctx.lse
-        compute_dtype = plan.compute_dtype
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype)
-        grad_ce = grad_ce.to(compute_dtype)
-        grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
-        grad_weight = torch.empty_like(head_weight) if needs_weight else None
-        grad_bias = torch.empty_like(bias) if needs_bias else None
-        owned_rows = plan.owned.nonzero().squeeze(1)
-        owned_targets = plan.local_targets[owned_rows]
-        lo, hi = plan.numeric_columns
-        local_columns = plan.local_numeric_columns.tolist()
-        numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as in the forward
+            hidden, head_weight, bias = ctx.saved_tensors
+            plan, lse = ctx.plan, ctx.lse
+            compute_dtype = plan.compute_dtype
+            needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+            multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype)
+            grad_ce = grad_ce.to(compute_dtype)
+            grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
+            grad_weight = torch.empty_like(head_weight) if needs_weight else None
+            grad_bias = torch.empty_like(bias) if needs_bias else None
+            owned_rows = plan.owned.nonzero().squeeze(1)
+            owned_targets = plan.local_targets[owned_rows]
+            lo, hi = plan.numeric_columns
+            local_columns = plan.local_numeric_columns.tolist()
+            numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
 
-        for start, end in _blocks(head_weight.shape[0], ctx.chunk_size):
-            head_rows = head_weight[start:end]
-            bias_rows = None if bias is None else bias[start:end]
-            grad_logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
-            # softmax = exp((z - shift) - log_sum), times each row's multiplier
-            grad_logits.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
-            in_block = (owned_targets >= start) & (owned_targets < end)
-            rows = owned_rows[in_block]
-            grad_logits.index_put_((rows, owned_targets[in_block] - start), -grad_ce[rows], accumulate=True)
-            first, last = _numeric_columns_in_block(local_columns, start, end)
-            if last > first and plan.positions.numel():
-                columns = torch.tensor(local_columns[first:last], device=hidden.device) - start
-                grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
-                                       accumulate=True)
-            grad_logits = grad_logits.to(hidden.dtype)
-            if needs_weight:
-                torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
-            if needs_bias:
-                grad_bias[start:end] = grad_logits.sum(dim=0)
+            for start, end in _blocks(head_weight.shape[0], ctx.chunk_size):
+                head_rows = head_weight[start:end]
+                bias_rows = None if bias is None else bias[start:end]
+                grad_logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
+                # softmax = exp((z - shift) - log_sum), times each row's multiplier
+                grad_logits.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
+                in_block = (owned_targets >= start) & (owned_targets < end)
+                rows = owned_rows[in_block]
+                grad_logits.index_put_((rows, owned_targets[in_block] - start), -grad_ce[rows], accumulate=True)
+                first, last = _numeric_columns_in_block(local_columns, start, end)
+                if last > first and plan.positions.numel():
+                    columns = torch.tensor(local_columns[first:last], device=hidden.device) - start
+                    grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
+                                           accumulate=True)
+                grad_logits = grad_logits.to(hidden.dtype)
+                if needs_weight:
+                    torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
+                if needs_bias:
+                    grad_bias[start:end] = grad_logits.sum(dim=0)
+                if needs_hidden:
+                    if hidden.dtype == compute_dtype:
+                        grad_hidden.addmm_(grad_logits, head_rows)
+                    else:
+                        grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
+
             if needs_hidden:
-                if hidden.dtype == compute_dtype:
-                    grad_hidden.addmm_(grad_logits, head_rows)
-                else:
-                    grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
-
-        if needs_hidden:
-            if plan.tensor_parallel:
-                reduce_input_gradient(grad_hidden, plan.tp_group)
-            grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+                if plan.tensor_parallel:
+                    reduce_input_gradient(grad_hidden, plan.tp_group)
+                grad_hidden = grad_hidden.to(hidden.dtype)
+            return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,

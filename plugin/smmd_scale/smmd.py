@@ -81,7 +81,8 @@ class SMMDLoss(NumericLoss):
         rows = torch.arange(q.shape[0], device=q.device)
         residual = q.index_put((rows, numeric_targets), torch.tensor(-1.0, dtype=q.dtype, device=q.device),
                                accumulate=True)
-        kernel_residual = residual @ kernel
+        with torch.autocast(q.device.type, enabled=False):  # in compute_dtype under autocast too, not bf16
+            kernel_residual = residual @ kernel
         mmd = (residual * kernel_residual).sum(dim=-1)
         laplacian_residual = degree * residual - kernel_residual
         smooth = self.alpha * (residual * laplacian_residual).sum(dim=-1)

@@ -77,23 +77,20 @@ class NumericGradient:
 def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype) -> tuple:
     """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its :class:`ShiftedLogSumExp`).
 
-    The softmax is the working buffer, written in ``compute_dtype``. On CUDA that is torch's fused
-    softmax. On other devices the steps are spelled out: ``logits - max`` computed in the compute
-    dtype straight into the buffer (never a float32 copy of half logits), then exp, sum and
-    normalise in place; torch's CPU softmax kernel accumulates its row sums with about 4x the error
-    of ``sum``, which the fp32 accuracy target cannot afford.
+    The softmax is the working buffer, written in ``compute_dtype``. The same steps on every device:
+    ``logits - max`` computed in the compute dtype straight into the buffer (a bf16 or fp16 shard is
+    read as it is, never first copied to fp32: the buffer is the only ``[T, V_local]`` allocation),
+    then exp, sum and normalise in place. Not torch's softmax: with ``dtype=float32`` it converts a
+    half shard to an fp32 copy first (about 10 bytes per logit at peak, not 6); its CPU kernel
+    accumulates row sums with about 4x the error of ``sum``, and reading log-sum-exp back from the
+    largest probability misses the fp32 gradient target at some inputs.
     """
     max_logits = logits.amax(dim=-1).to(compute_dtype)
-    if logits.is_cuda:
-        softmax = torch.softmax(logits, dim=-1, dtype=compute_dtype)
-        log_sum = -softmax.amax(dim=-1).log()  # the max's probability is 1 / sum, at least 1 / V_local
-    else:
-        softmax = torch.sub(logits, max_logits[:, None])  # promotes to compute_dtype
-        softmax.exp_()
-        row_sums = softmax.sum(dim=-1)
-        softmax.div_(row_sums[:, None])
-        log_sum = row_sums.log()
-    return softmax, ShiftedLogSumExp(max_logits, log_sum)
+    softmax = torch.sub(logits, max_logits[:, None])  # promotes to compute_dtype
+    softmax.exp_()
+    row_sums = softmax.sum(dim=-1)
+    softmax.div_(row_sums[:, None])
+    return softmax, ShiftedLogSumExp(max_logits, row_sums.log())
 
 
 def merge_block_logsumexp(running: ShiftedLogSumExp, block_logits: torch.Tensor) -> ShiftedLogSumExp:

@@ -94,6 +94,33 @@ def find_resume_tag(output_dir: str) -> Optional[str]:
     return committed[-1] if committed else None
 
 
+def agreed_resume_tag(output_dir: str) -> Optional[str]:
+    """:func:`find_resume_tag` as rank 0 sees it, on every rank; call on every rank.
+
+    Only rank 0 writes the commit files, so a rank that sees ``output_dir`` differently (a node-local
+    disk, or a stale network-filesystem cache) would start at another step and the job would hang at
+    its first mismatched collective. Every rank checks that it sees rank 0's choice committed and no
+    newer checkpoint (and, when rank 0 sees none, none at all); otherwise all raise the same
+    ValueError naming each rank's view."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return find_resume_tag(output_dir)
+    decided = [find_resume_tag(output_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(decided, src=0)
+    tag = decided[0]
+    own = find_resume_tag(output_dir)
+    # A stale `latest` may name an older tag than rank 0's; a newer one means the directories differ.
+    agrees = own is None if tag is None else is_committed(output_dir, tag) and (own is None or own <= tag)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (agrees, own))
+    if all(agreed for agreed, _ in views):
+        return tag
+    disagreeing = ", ".join(f"rank {rank} sees {view or 'none'}" for rank, (agreed, view) in enumerate(views)
+                            if not agreed)
+    raise ValueError(f"the ranks see different checkpoints in --output_dir {output_dir}: rank 0 resumes from "
+                     f"{tag or 'none (step 0)'} but {disagreeing}; the output directory must be one directory on a "
+                     "filesystem every node shares (not a node-local disk), written by rank 0 and read by all")
+
+
 def load(engine, output_dir: str, tag: str) -> dict:
     """Load model, optimizer and scheduler state and this rank's RNG state; returns client state."""
     committed = json.loads(Path(output_dir, tag, COMMIT_FILE).read_text())
@@ -137,9 +164,10 @@ class Checkpointer:
         self.last_tag: Optional[str] = None
 
     def resume(self, state: TrainState) -> Optional[str]:
-        """Load the newest committed checkpoint into the engine and ``state``; returns its tag, or None
-        (and leaves ``state`` alone) when ``output_dir`` holds none."""
-        tag = find_resume_tag(self.output_dir)
+        """Load the newest committed checkpoint (rank 0's choice, :func:`agreed_resume_tag`) into the
+        engine and ``state``; returns its tag, or None (and leaves ``state`` alone) when ``output_dir``
+        holds none."""
+        tag = agreed_resume_tag(self.output_dir)
         if tag is not None:
             state.load_state_dict(load(self.engine, self.output_dir, tag))
             self.last_tag = tag

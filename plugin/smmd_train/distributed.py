@@ -9,12 +9,12 @@ set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
 
 from __future__ import annotations
 
-import builtins
 import datetime
 import os
+import pickle
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -31,39 +31,112 @@ class Launch:
     local_rank: int
     local_size: int
     launcher: str  # "deepspeed/torchrun", "mpirun", "slurm" or "single"
+    device_index: Optional[int] = None  # the accelerator this rank drives (None: local_rank)
+
+
+# What each MPI launcher exports before the program starts: (rank, size, local rank, local size).
+_OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE")
+_MPICH = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")  # hydra (mpiexec of MPICH, Intel MPI)
+# What srun exports as well with --mpi=pmi2 / --mpi=pmix: the same numbering as SLURM_PROCID.
+_PMI_RANKS = (("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None))
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``"8(x2),4"``) -> the count on node ``node_id``."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def _srun_started_this_task(environ) -> bool:
+    """Whether srun itself started this process (one task of a job step), not an MPI launcher run
+    inside a Slurm allocation (whose ranks inherit SLURM_PROCID from the step that started its
+    daemons): any PMI/PMIx rank that srun's --mpi plugin exported agrees with SLURM_PROCID."""
+    if "SLURM_PROCID" not in environ or "OMPI_COMM_WORLD_RANK" in environ:
+        return False
+    size = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+    for rank_key, size_key in _PMI_RANKS:
+        if rank_key in environ and environ[rank_key] != environ["SLURM_PROCID"]:
+            return False
+        if size_key in environ and environ[size_key] != size:
+            return False
+    return size is not None
+
+
+def _device_index(local_rank: int, local_size: int, environ) -> int:
+    """The accelerator a rank drives: its local rank when it sees every device of its node, device 0
+    when the scheduler gave each task one device (Slurm ``--gpus-per-task=1``, ``--gpu-bind``)."""
+    visible = [device for device in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    if not visible or len(visible) >= local_size:
+        return local_rank
+    if len(visible) == 1:
+        return 0
+    raise RuntimeError(f"this task sees {len(visible)} devices (CUDA_VISIBLE_DEVICES="
+                       f"{environ['CUDA_VISIBLE_DEVICES']}) but its node runs {local_size} tasks: train.py drives "
+                       "one device per rank; give each task "
+                       "one device (srun --gpus-per-task=1) or every task the node's devices (--gpus-per-node)")
 
 
 def discover_launch(environ=os.environ) -> Launch:
-    """Work out rank/size and set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+    """Work out rank/size and set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+
+    The launcher is recognised in this order: RANK and WORLD_SIZE (the deepspeed launcher, torchrun,
+    also inside srun); a task that srun started (SLURM_PROCID; srun --mpi=pmix / pmi2 export PMIx /
+    PMI ranks too, with the same numbering, and MPI is never initialised under srun); mpirun (Open
+    MPI's OMPI_COMM_WORLD_*, or PMI_RANK from MPICH's hydra); else a single process. MPI (mpi4py)
+    is initialised only under mpirun, and only to agree on a master address the user did not set.
+
+    LOCAL_RANK is exported as the device index (``Launch.device_index``), which DeepSpeed takes it for
+    (``set_device(LOCAL_RANK)``, ZeRO-3's local device): with one device per task it is 0 whatever
+    the task's place on its node (``Launch.local_rank``).
+    """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         launch = Launch(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
                         int(environ.get("LOCAL_SIZE", environ.get("LOCAL_WORLD_SIZE", 1))), "deepspeed/torchrun")
-    elif any(key in environ for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+    elif _srun_started_this_task(environ):
+        size = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS")))
+        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE"))
+        local_size = _tasks_on_node(per_node, int(environ.get("SLURM_NODEID", 0))) if per_node else size
+        launch = Launch(int(environ["SLURM_PROCID"]), size, int(environ.get("SLURM_LOCALID", 0)), local_size, "slurm")
+        if "MASTER_ADDR" not in environ:
+            raise RuntimeError("under Slurm set MASTER_ADDR to the first node of the allocation (launch/slurm.sbatch "
+                               "does: scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)")
+    elif any(names[0] in environ for names in (_OPEN_MPI, _MPICH)) or "PMIX_RANK" in environ:
+        launch = _mpirun_launch(environ)
+    else:
+        launch = Launch(0, 1, 0, 1, "single")
+        environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        environ.setdefault("MASTER_PORT", str(free_port()))
+    launch = replace(launch, device_index=_device_index(launch.local_rank, launch.local_size, environ))
+    environ.setdefault("MASTER_PORT", "29500")
+    environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.device_index),
+                   LOCAL_SIZE=str(launch.local_size))
+    return launch
+
+
+def _mpirun_launch(environ) -> Launch:
+    """Rank and size from the variables mpirun exported (MPI itself where one is missing), and rank 0's
+    master address and port broadcast over MPI unless both are set."""
+    names = _OPEN_MPI if _OPEN_MPI[0] in environ else _MPICH
+    known = [environ.get(name) for name in names]
+    world = None
+    if None in known or "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
         node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        launch = Launch(world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), "mpirun")
+        known = [value if value is not None else measured for value, measured in
+                 zip(known, (world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size()))]
+    if world is not None and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
         master = environ.get("MASTER_ADDR") or socket.gethostname()
         port = environ.get("MASTER_PORT") or str(free_port())
         master, port = world.bcast((master, port), root=0)  # every rank uses rank 0's choice
         environ.setdefault("MASTER_ADDR", master)
         environ.setdefault("MASTER_PORT", port)
-    elif "SLURM_PROCID" in environ:
-        launch = Launch(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
-                        int(environ.get("SLURM_LOCALID", 0)),
-                        int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), "slurm")
-        if "MASTER_ADDR" not in environ:
-            raise RuntimeError("under Slurm set MASTER_ADDR to the first node of the allocation (launch/slurm.sbatch "
-                               "does: scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)")
-    else:
-        launch = Launch(0, 1, 0, 1, "single")
-        environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        environ.setdefault("MASTER_PORT", str(free_port()))
-    environ.setdefault("MASTER_PORT", "29500")
-    environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank),
-                   LOCAL_SIZE=str(launch.local_size))
-    return launch
+    return Launch(*(int(value) for value in known), "mpirun")
 
 
 def init_distributed(timeout_minutes: float = 30.0) -> Launch:
@@ -82,7 +155,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() or 1) // max(launch.local_size, 1)
         torch.set_num_threads(max(1, threads))
     else:
-        accelerator.set_device(launch.local_rank)
+        accelerator.set_device(launch.device_index)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
     release_cpu_allreduce_segment()
@@ -190,32 +263,73 @@ def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
 
 
 Result = TypeVar("Result")
-# Exceptions that are re-raised with their own type on the ranks that did not see them.
-_SHARED_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
+
+# How long the other ranks wait for rank 0's own work (tokenizing a corpus, writing an export): far
+# beyond the process-group timeout, which is sized for collectives. A rank 0 that dies ends the wait
+# at once (its gloo connection closes); one that hangs is stopped by this.
+RANK_ZERO_WORK_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def run_on_rank_zero(work: Callable[[], Result], timeout: datetime.timedelta = RANK_ZERO_WORK_TIMEOUT
+                     ) -> Optional[Result]:
+    """Run ``work`` on rank 0 while the other ranks wait; returns its result on rank 0, None elsewhere.
+
+    The others wait on a gloo group made for this wait, with ``timeout`` rather than the process
+    group's (30 minutes by default: NCCL's watchdog would kill ranks that wait inside a collective
+    while rank 0 tokenizes a corpus or writes a 70b export). Any exception on rank 0 reaches every
+    rank as soon as it is raised: the same type with the message prefixed "on rank 0: " where the type
+    can be rebuilt from a message, else a RuntimeError naming the type. Call on every rank.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    waiting = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        outcome, result = [None], None
+        if dist.get_rank() == 0:
+            try:
+                result = work()
+            except BaseException as error:
+                outcome = [_portable(error)]
+                dist.broadcast_object_list(outcome, src=0, group=waiting)
+                raise
+        dist.broadcast_object_list(outcome, src=0, group=waiting)
+    finally:
+        dist.destroy_process_group(waiting)
+    if outcome[0] is not None:
+        raise _rebuilt(*outcome[0])
+    return result
+
+
+def _portable(error: BaseException) -> tuple:
+    """(the error's class, or None when it cannot be pickled, its type name, its message)."""
+    error_type = type(error)
+    try:
+        pickle.loads(pickle.dumps(error_type))
+    except Exception:  # a class defined inside a function, say
+        error_type = None
+    return error_type, type(error).__qualname__, str(error)
+
+
+def _rebuilt(error_type, name: str, message: str) -> BaseException:
+    if error_type is not None:
+        try:
+            return error_type(f"on rank 0: {message}")
+        except Exception:  # a constructor that takes other arguments than a message
+            pass
+    return RuntimeError(f"on rank 0: {name}: {message}")
 
 
 def rank_zero_first(build: Callable[[], Result]) -> Result:
     """Run ``build`` on rank 0, then on the other ranks (which then reuse what rank 0 cached).
 
-    If rank 0 fails, every rank raises the same error instead of the others waiting for it: the
-    outcome is broadcast before any other rank starts.
+    While rank 0 builds, the others wait as :func:`run_on_rank_zero` does: however long it takes,
+    and an error of any type on rank 0 is raised on every rank at once, before any other rank starts.
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return build()
-    outcome = [None]
-    if dist.get_rank() == 0:
-        try:
-            result = build()
-        except _SHARED_ERRORS as error:
-            outcome = [(type(error).__name__, str(error))]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
-        dist.broadcast_object_list(outcome, src=0)
-        return result
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        name, message = outcome[0]
-        raise getattr(builtins, name)(f"on rank 0: {message}")
-    return build()
+    result = run_on_rank_zero(build)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        result = build()
+    return result

@@ -3,16 +3,17 @@
 ``smmd_scale.compat.consolidated_state_dict`` gathers the ZeRO-3 partitions and, under AutoTP,
 the tensor-parallel shards (DeepSpeed's ``GatherReplacedLayerParams``) into full tensors on rank 0
 (in the training dtype: fp32 stays fp32). It is a collective: every rank calls :func:`export_hf`.
-Rank 0 then builds a fresh model from the config and writes it.
+Rank 0 then builds a fresh model from the config and writes it
+(``smmd_train.distributed.run_on_rank_zero``: the others wait past the process-group timeout).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
-
 from smmd_scale import compat
+
+from .distributed import run_on_rank_zero
 
 
 def export_hf(engine, output_dir: str, tokenizer=None) -> None:
@@ -21,7 +22,8 @@ def export_hf(engine, output_dir: str, tokenizer=None) -> None:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     state_dict = compat.consolidated_state_dict(engine)
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         config = engine.module.config
         unset_hf_deepspeed_config()  # or from_config would partition the fresh model with zero.Init
         model = AutoModelForCausalLM.from_config(config, torch_dtype=next(iter(state_dict.values())).dtype)
@@ -35,4 +37,7 @@ def export_hf(engine, output_dir: str, tokenizer=None) -> None:
         model.save_pretrained(output_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
-    dist.barrier()
+
+    # Building and writing a large model on rank 0 can outlast the process-group timeout: the others
+    # wait outside any collective, and see rank 0's error if it fails.
+    run_on_rank_zero(write)

@@ -1,6 +1,7 @@
 """What a training run will be, decided before any weight or batch exists: the tokenizer, the model
-architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary and the
-numeric loss. Every rank computes the same plan from the same arguments, so a bad combination
+architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary, the
+numeric loss, and whether the DeepSpeed ops the config needs can be compiled
+(``smmd_train.preflight``). Every rank computes the same plan from the same arguments, so a bad combination
 (a flag that contradicts the DeepSpeed config, a bad loss option such as ``--smmd_sigmas -1``)
 raises the same error on every rank, before the model is built, and it can be checked in a single
 process without a launcher.
@@ -25,6 +26,7 @@ from .config import (
 )
 from .data import check_tokenizer_fits_model
 from .model import model_config
+from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
 from .schedule import MAX_WARMUP_FRACTION, warmup_steps_for
 
@@ -91,6 +93,11 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
         weight_decay=args.weight_decay, bf16_supported=bf16_supported, hidden_size=config.hidden_size,
         accelerator=accelerator)
+    compiled = ops_to_compile(ds_config, accelerator)
+    build_notes, build_problems = check_ops(compiled, BuildEnvironment.detect()) if compiled else ([], [])
+    if build_problems:  # else deepspeed.initialize would fail on every rank, after the model was built
+        raise ValueError("\n".join(build_problems))
+    warnings += build_notes
     warmup_steps = warmup_steps_for(args.warmup_steps, args.max_steps)
     if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
         warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "

@@ -121,3 +121,17 @@ def test_the_builder_s_command_line_entry_reports_a_bad_placement():
     completed = subprocess.run([sys.executable, "-m", "smmd_train.launcher", "--nodes", "2", "train.py"],
                                capture_output=True, text=True, timeout=60)
     assert completed.returncode == 2 and "nodes=2 needs a hostfile naming them" in completed.stderr
+
+
+@pytest.mark.parametrize("script, required", [("pretrain.sh", {"TOKENIZER": "/t"}),
+                                              ("continue_pretrain.sh", {"MODEL_DIR": "/models/m"})])
+def test_neither_launcher_passes_a_device_count_or_master_the_user_did_not_set(tmp_path, script, required):
+    """Multi-node from a login node: a forced --num_gpus would start that many ranks whatever a node
+    has (and drop CUDA_VISIBLE_DEVICES); a forced --master_addr would make every rank dial the login
+    node. DeepSpeed's defaults (the devices it counts, the hostfile's first host) are right."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-001 slots=8\nnode-002 slots=8\n")
+    completed, argv = launch(tmp_path, script, DATA="/d", NUM_NODES=2, HOSTFILE=hostfile, **required)
+    assert completed.returncode == 0, completed.stderr
+    launcher_args = argv[:argv.index("launch/train.py")]
+    assert launcher_args == ["--hostfile", str(hostfile), "--num_nodes", "2"]

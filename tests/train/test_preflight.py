@@ -1,0 +1,79 @@
+"""The plan says which DeepSpeed ops a GPU run compiles at start-up and refuses the run, before any
+model exists, when one cannot be compiled: no prebuilt op and no nvcc (or C++ compiler). The build
+environment is described, not detected, so every case runs here on CPU."""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.launching import REPO, train_flags
+
+from smmd_train.arguments import parse_args
+from smmd_train.config import load_config, resolve_config
+from smmd_train.plan import plan_run
+from smmd_train.preflight import BuildEnvironment, check_ops, ops_to_compile
+
+NOTHING_PREBUILT = {"fused_adam": False, "cpu_adam": False, "async_io": False}
+
+
+def resolved(name: str, accelerator: str = "cuda", **optimizer_params) -> dict:
+    config = load_config(str(REPO / "ds_configs" / name))
+    config["optimizer"]["params"].update(optimizer_params)
+    return resolve_config(config, world_size=8, micro_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4,
+                          weight_decay=0.0, bf16_supported=True, hidden_size=64, accelerator=accelerator)[0]
+
+
+def environment(tmp_path, nvcc=None, cxx="/usr/bin/c++", **prebuilt) -> BuildEnvironment:
+    return BuildEnvironment(installed_ops={**NOTHING_PREBUILT, **prebuilt}, nvcc=nvcc, cxx=cxx,
+                            extensions_dir=Path(tmp_path, "torch_extensions"))
+
+
+def test_the_ops_each_config_compiles():
+    assert [op.name for op in ops_to_compile(resolved("zero3.json"), "cuda")] == ["fused_adam"]
+    assert [op.name for op in ops_to_compile(resolved("zero3_offload.json"), "cuda")] == ["cpu_adam"]
+    assert ops_to_compile(resolved("zero3.json", torch_adam=True), "cuda") == []
+    assert ops_to_compile(resolved("zero3.json", accelerator="cpu"), "cpu") == []  # torch's AdamW on the CPU
+    nvme = resolved("zero3.json")
+    nvme["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local_nvme"}
+    assert [op.name for op in ops_to_compile(nvme, "cuda")] == ["fused_adam", "async_io"]
+
+
+def test_no_nvcc_and_no_prebuilt_op_is_a_problem_that_names_the_ways_out(tmp_path):
+    notes, problems = check_ops(ops_to_compile(resolved("zero3.json"), "cuda"), environment(tmp_path))
+    assert notes == [] and len(problems) == 1
+    assert "optimizer AdamW (FusedAdam) is compiled at start-up" in problems[0]
+    assert "needs nvcc (no CUDA toolkit found: set CUDA_HOME)" in problems[0]
+    assert "DS_BUILD_FUSED_ADAM=1" in problems[0] and '"torch_adam": true' in problems[0]
+    _, problems = check_ops(ops_to_compile(resolved("zero3_offload.json"), "cuda"), environment(tmp_path, cxx=None))
+    assert "needs a C++ compiler" in problems[0] and "DS_BUILD_CPU_ADAM=1" in problems[0]
+
+
+def test_a_prebuilt_op_needs_nothing_and_a_jit_build_is_announced(tmp_path):
+    ops = ops_to_compile(resolved("zero3.json"), "cuda")
+    assert check_ops(ops, environment(tmp_path, fused_adam=True)) == ([], [])
+    notes, problems = check_ops(ops, environment(tmp_path, nvcc="/usr/local/cuda/bin/nvcc"))
+    assert problems == [] and len(notes) == 1
+    assert "DeepSpeed compiles fused_adam" in notes[0] and "/usr/local/cuda/bin/nvcc" in notes[0]
+
+
+@pytest.mark.parametrize("layout", ["fused_adam/lock", "py311_cu121/fused_adam/lock"])
+def test_a_lock_left_by_an_earlier_build_is_named(tmp_path, layout):
+    lock = tmp_path / "torch_extensions" / layout
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    notes, _ = check_ops(ops_to_compile(resolved("zero3.json"), "cuda"), environment(tmp_path, nvcc="/cuda/nvcc"))
+    assert notes[1] == f"{lock} exists: if no build is running, delete it, or every rank waits on it forever " \
+                       "('Waiting for lock')"
+
+
+def test_the_plan_refuses_a_gpu_run_that_cannot_build_its_optimizer(tmp_path, tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(BuildEnvironment, "detect", classmethod(lambda cls: environment(tmp_path)))
+    flags = dict(model="tiny", tokenizer=tokenizer_dir, data=["unused.jsonl"], max_steps=2, output_dir=tmp_path)
+    with pytest.raises(ValueError, match="needs nvcc"):
+        plan_run(parse_args(train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", **flags)), 8, "cuda",
+                 True)
+    torch_adam = load_config(str(REPO / "ds_configs" / "zero3.json"))
+    torch_adam["optimizer"]["params"]["torch_adam"] = True
+    (tmp_path / "torch_adam.json").write_text(json.dumps(torch_adam))
+    plan = plan_run(parse_args(train_flags(deepspeed_config=tmp_path / "torch_adam.json", **flags)), 8, "cuda", True)
+    assert plan.ds_config["optimizer"]["params"]["torch_adam"] is True
