@@ -10,6 +10,7 @@ set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import socket
@@ -148,6 +149,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    # Imported after the default group exists, torch._dynamo (which transformers imports for its
+    # model and config classes) keeps a reference to the group that destroy_process_group cannot
+    # drop, so every run ended with "process group(s) are still referenced"; imported first, it
+    # holds none.
+    importlib.import_module("torch._dynamo")
     launch = discover_launch()
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":

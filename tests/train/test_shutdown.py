@@ -85,3 +85,33 @@ def test_a_group_still_referenced_is_reported():
 def test_on_an_error_path_it_skips_the_barrier_and_frees_the_failed_frames_groups():
     (leftover, threads), _ = values_or_raise(run_ranks(_error_path, 2, timeout=120, pg_timeout=30))
     assert leftover == 0 and threads == []
+
+
+def _a_run_that_loads_a_config(rank, world_size, port, config_dir):
+    import sys
+
+    from smmd_train.distributed import init_distributed
+
+    preloaded = "torch._dynamo" in sys.modules
+    dist.destroy_process_group()  # run_ranks' group: init_distributed starts its own, as train.py does
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed(timeout_minutes=1)
+    from transformers import LlamaConfig  # imports torch._dynamo, which kept the group referenced
+
+    LlamaConfig.from_pretrained(config_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        leftover = shutdown_distributed()
+    return preloaded, leftover, [str(w.message) for w in caught if "still referenced" in str(w.message)]
+
+
+def test_a_training_process_that_loads_a_config_leaves_no_group_behind(tmp_path):
+    from transformers import LlamaConfig
+
+    from smmd_train.launcher import free_port
+
+    LlamaConfig(vocab_size=64).save_pretrained(tmp_path)
+    for preloaded, leftover, messages in values_or_raise(run_ranks(_a_run_that_loads_a_config, 2, free_port(),
+                                                                   str(tmp_path))):
+        assert (leftover, messages) == (0, []), preloaded
