@@ -50,10 +50,12 @@ def test_autotp_vocab_parallel_training_equals_tp1(trained, layout, name):
         assert tp2_stats["numeric_tokens"] == tp1_stats["numeric_tokens"] > 0
         assert tp2_stats["mmd"] == pytest.approx(tp1_stats["mmd"], abs=1e-5)
 
-    # What crossed the wire: one all-reduce per forward after the first, far below the logits.
+    # What crossed the wire: one all-reduce per forward, far below the logits. The exchange's capacity
+    # is kept per (group, loss options), so only the group's first call with these options (the CE
+    # probe above, or the first step) may pay the second round that grows it.
     logits_bytes = 4 * 24 * 2048 * 4
-    assert len(parallel["stats"]) == 5
-    assert [s["comm_calls"] for s in parallel["stats"]] == [2, 1, 1, 1, 1]
+    calls = [s["comm_calls"] for s in parallel["stats"]]
+    assert len(calls) == 5 and calls[0] in (1, 2) and calls[1:] == [1, 1, 1, 1]
     assert all(0 < s["comm_bytes"] < 0.02 * logits_bytes for s in parallel["stats"])
     assert all(s["comm_calls"] == 0 and s["comm_bytes"] == 0 for s in single["stats"])
 
