@@ -9,12 +9,13 @@ Names are a contract (what dashboards key on):
     numeric/accuracy  numeric/mae  numeric/tokens
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
     perf/step_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
-    train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
+    train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size  run/sp_size
 
 ``loss/total = loss/ce + weight x loss/numeric``: means over the step's micro-batches. The numeric
 losses' own values (SMMD and its two terms, NTL-WAS, NTL-MSE) and the numeric statistics are
 means over the step's numeric-target positions. Everything is summed over the micro-batches and
-the data-parallel replicas (one small all-reduce per step) before it is averaged.
+the data-parallel replicas (one small all-reduce per step) before it is averaged; with sequence
+parallelism each rank's losses are its shard's share of a micro-batch's, summed over the SP ranks.
 ``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
 ``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
 the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
@@ -62,9 +63,11 @@ class TrainingMonitor:
 
     def __init__(self, engine, *, world_size: int, tp_size: int, dp_size: int, dp_group, flops_per_token: float,
                  metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 hparams: Optional[dict] = None):
+                 hparams: Optional[dict] = None, sp_size: int = 1):
         self.engine = engine
         self.world_size, self.tp_size, self.dp_size, self.dp_group = world_size, tp_size, dp_size, dp_group
+        # With sequence parallelism (dp_group then holds the SP ranks too) a rank computes 1/sp of a micro-batch.
+        self.sp_size = sp_size
         self.flops_per_token = flops_per_token
         rank_zero = dist.get_rank() == 0
         self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
@@ -88,7 +91,7 @@ class TrainingMonitor:
     def log_run_shape(self) -> None:
         """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
         self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
-                     ("run/dp_size", self.dp_size)], step=0, tensorboard=False)
+                     ("run/dp_size", self.dp_size), ("run/sp_size", self.sp_size)], step=0, tensorboard=False)
 
     def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
         """``losses``: detached (total, ce, numeric term) of one micro-batch; ``stats``: its
@@ -96,7 +99,7 @@ class TrainingMonitor:
         total, ce, numeric_term = (float(value) for value in losses)
         self._sums["total"] += total
         self._sums["ce"] += ce
-        self._sums["micro_batches"] += 1
+        self._sums["micro_batches"] += 1 / self.sp_size
         if stats is None:
             return
         numeric = stats["numeric_tokens"]
@@ -120,7 +123,7 @@ class TrainingMonitor:
         """
         device = self.engine.device
         sums = torch.tensor([self._sums[key] for key in _SUMS], dtype=torch.float64, device=device)
-        if self.dp_size > 1:
+        if self.dp_size * self.sp_size > 1:
             dist.all_reduce(sums, group=self.dp_group)
         peak = torch.tensor([peak_memory_gib()], dtype=torch.float64, device=device)
         if self.world_size > 1:

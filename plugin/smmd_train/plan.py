@@ -27,6 +27,7 @@ from .data import check_tokenizer_fits_model
 from .model import model_config
 from .presets import PRESETS
 from .schedule import MAX_WARMUP_FRACTION, warmup_steps_for
+from .sequence_parallel import check_sequence_parallel
 
 
 @dataclass
@@ -85,12 +86,13 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
                           args.trust_remote_code)
     check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
+    check_sequence_parallel(config, args.sp, args.seq_len, tensor_parallel_size(raw_config), world_size)
     warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
         weight_decay=args.weight_decay, bf16_supported=bf16_supported, hidden_size=config.hidden_size,
-        accelerator=accelerator)
+        accelerator=accelerator, sp_size=args.sp)
     warmup_steps = warmup_steps_for(args.warmup_steps, args.max_steps)
     if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
         warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
