@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.distributed import run_ranks, values_or_raise
-from helpers.models import tiny_llama
+from helpers.models import saved_activation_bytes, tiny_llama
 
 from smmd_scale import NumericVocab
 from smmd_train.presets import preset_config
@@ -149,3 +149,35 @@ def test_shift_reference_is_hfs():
     hf = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB_SIZE), input_ids[:, 1:].reshape(-1))
     ours = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), shifted_reference(input_ids).reshape(-1))
     assert torch.allclose(hf, ours, rtol=0, atol=1e-12)
+
+
+def _saved_activation_bytes_per_rank(rank, world_size, kv_heads, micro_batch, seq_len):
+    """What autograd saves on this rank (distinct non-parameter storages) in a bf16 forward of a
+    1-layer and a 2-layer Llama through Ulysses, and the planner's count for the same layout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from smmd_train import memory
+    from smmd_train.sequence_parallel import UlyssesAttention
+
+    _deepspeed_comm()
+    configs = [LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+                           intermediate_size=176, num_hidden_layers=layers, attn_implementation="sdpa")
+               for layers in (1, 2)]
+    models = [LlamaForCausalLM(config).to(torch.bfloat16) for config in configs]
+    ulysses = UlyssesAttention(models[0], world_size, micro_batch, seq_len)
+    input_ids = torch.randint(0, 128, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    inputs = forward_inputs(input_ids, rank, world_size)
+    try:
+        saved_bytes = [saved_activation_bytes(model, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+                       for model in models]
+    finally:
+        ulysses.destroy()
+    return (saved_bytes[1] - saved_bytes[0],
+            memory.layer_activation_bytes(configs[0], seq_len, micro_batch, sp_size=world_size))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_planner_counts_what_a_ulysses_layer_saves_per_rank(kv_heads):
+    for saved, planned in values_or_raise(run_ranks(_saved_activation_bytes_per_rank, 2, kv_heads, 2, 24)):
+        assert saved == planned
