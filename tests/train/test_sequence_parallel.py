@@ -98,13 +98,12 @@ def test_shards_equal_deepspeeds_adapter_and_counts_cover_the_group():
 def _shares_add_up(rank, world_size, fused_linear, seed):
     """Loss and gradients of the whole micro-batch on this process (reference), then the rank's shard
     through Ulysses with the micro-batch's counts: the shares, summed over the ranks, must match."""
+    torch.set_default_dtype(torch.float64)
     import torch.distributed as dist
 
     import smmd_scale
     from smmd_train.sequence_parallel import UlyssesAttention, shard_loss_counts
 
-    _deepspeed_comm()
-    torch.set_default_dtype(torch.float64)
     vocab = NumericVocab(NUMERIC_IDS, list(range(len(NUMERIC_IDS))), VOCAB_SIZE)
     input_ids = random_ids(seed, batch=2, seq_len=16)
 
@@ -135,12 +134,17 @@ def _shares_add_up(rank, world_size, fused_linear, seed):
     return float(abs(total - whole) / whole), max(errors), path
 
 
+def _shares_add_up_with_and_without_the_fused_head(rank, world_size, seed):
+    _deepspeed_comm()
+    return [_shares_add_up(rank, world_size, fused_linear, seed) for fused_linear in (False, True)]
+
+
 @pytest.mark.gloo
-@pytest.mark.parametrize("fused_linear", [False, True])
-def test_two_shards_add_up_to_the_whole_sequence(fused_linear):
-    for loss_error, gradient_error, path in values_or_raise(run_ranks(_shares_add_up, 2, fused_linear, 3)):
-        assert loss_error < 1e-10 and gradient_error < 1e-10, (loss_error, gradient_error)
-        assert (path == "fused_linear") == fused_linear
+def test_two_shards_add_up_to_the_whole_sequence():
+    for outcomes in values_or_raise(run_ranks(_shares_add_up_with_and_without_the_fused_head, 2, 3)):
+        for fused_linear, (loss_error, gradient_error, path) in zip((False, True), outcomes):
+            assert loss_error < 1e-10 and gradient_error < 1e-10, (fused_linear, loss_error, gradient_error)
+            assert (path == "fused_linear") == fused_linear
 
 
 def test_shift_reference_is_hfs():
@@ -159,7 +163,6 @@ def _saved_activation_bytes_per_rank(rank, world_size, kv_heads, micro_batch, se
     from smmd_train import memory
     from smmd_train.sequence_parallel import UlyssesAttention
 
-    _deepspeed_comm()
     configs = [LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
                            intermediate_size=176, num_hidden_layers=layers, attn_implementation="sdpa")
                for layers in (1, 2)]
@@ -176,8 +179,15 @@ def _saved_activation_bytes_per_rank(rank, world_size, kv_heads, micro_batch, se
             memory.layer_activation_bytes(configs[0], seq_len, micro_batch, sp_size=world_size))
 
 
+def _saved_activation_bytes_per_rank_for_kv_heads(rank, world_size, micro_batch, seq_len):
+    """KV heads 4 and 2 split over the 2 ranks, 1 replicated (each registration undone before the next)."""
+    _deepspeed_comm()
+    return [_saved_activation_bytes_per_rank(rank, world_size, kv_heads, micro_batch, seq_len)
+            for kv_heads in (4, 2, 1)]
+
+
 @pytest.mark.gloo
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_planner_counts_what_a_ulysses_layer_saves_per_rank(kv_heads):
-    for saved, planned in values_or_raise(run_ranks(_saved_activation_bytes_per_rank, 2, kv_heads, 2, 24)):
-        assert saved == planned
+def test_planner_counts_what_a_ulysses_layer_saves_per_rank():
+    for outcomes in values_or_raise(run_ranks(_saved_activation_bytes_per_rank_for_kv_heads, 2, 2, 24)):
+        for kv_heads, (saved, planned) in zip((4, 2, 1), outcomes):
+            assert saved == planned, kv_heads
