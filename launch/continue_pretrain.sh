@@ -3,7 +3,8 @@
 # partitioned while they load). Same variables as pretrain.sh (launch/deepspeed_train.sh), plus
 # MODEL_DIR, LR, WARMUP_STEPS and EXPORT_DIR:
 #   MODEL_DIR=/models/llama-3-8b DATA=/data/math.jsonl NUM_NODES=2 bash launch/continue_pretrain.sh
-# TP=2 (or 4, 8) adds AutoTP tensor parallelism with a vocabulary-parallel LM head; DS_CONFIG=
+# TP=2 (or 4, 8) adds AutoTP tensor parallelism with a vocabulary-parallel LM head, or SP=2 (or 4,
+# 8) Ulysses sequence parallelism for long sequences; DS_CONFIG=
 # ds_configs/zero3_offload.json offloads parameters and optimizer states to the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."

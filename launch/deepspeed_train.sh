@@ -5,7 +5,8 @@
 #   NUM_NODES (1); HOSTFILE (launch/hostfile, read when NUM_NODES > 1); GPUS_PER_NODE (default:
 #   DeepSpeed counts each node's devices); MASTER_ADDR, MASTER_PORT (default: 127.0.0.1 and a free
 #   port on one node, the first host and 29500 with a hostfile); PYTHON; DEEPSPEED (the launcher
-#   program, default: PYTHON's environment's); DS_CONFIG, TP, SEQ_LEN, MICRO_BATCH, GRAD_ACCUM,
+#   program, default: PYTHON's environment's); DS_CONFIG, TP, SP (Ulysses sequence parallelism, default
+#   1; not with TP > 1), SEQ_LEN, MICRO_BATCH, GRAD_ACCUM,
 #   MAX_STEPS, SAVE_STEPS, NUMERIC_LOSS (default smmd:1), DATA, OUTPUT_DIR.
 NUM_NODES="${NUM_NODES:-1}"
 HOSTFILE="${HOSTFILE:-launch/hostfile}"
@@ -25,7 +26,7 @@ fi
 
 # shellcheck disable=SC2086  # DATA may list several files
 exec "${launcher[@]}" launch/train.py \
-  --deepspeed_config "${DS_CONFIG:-ds_configs/zero3.json}" --tp "${TP:-1}" --data $DATA \
+  --deepspeed_config "${DS_CONFIG:-ds_configs/zero3.json}" --tp "${TP:-1}" --sp "${SP:-1}" --data $DATA \
   --seq_len "${SEQ_LEN:-4096}" --micro_batch_size "${MICRO_BATCH:-1}" \
   --gradient_accumulation_steps "${GRAD_ACCUM:-8}" --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" \
   --save_steps "$SAVE_STEPS" --resume --numeric_loss ${NUMERIC_LOSS:-smmd:1} "$@"

@@ -3,8 +3,9 @@
 #   NUM_NODES=4 GPUS_PER_NODE=8 HOSTFILE=launch/hostfile MODEL=7b TOKENIZER=/data/tok TP=2 \
 #   DATA=/data/corpus.jsonl OUTPUT_DIR=/ckpt/7b bash launch/pretrain.sh [extra train.py flags]
 # Every variable can be overridden from the environment (the shared ones: launch/deepspeed_train.sh);
-# TP, the AutoTP degree (vocabulary-parallel LM head), must divide the ranks per node. Extra
-# arguments go to train.py.
+# TP, the AutoTP degree (vocabulary-parallel LM head), must divide the ranks per node; SP=2 (or 4,
+# 8) splits each sequence over that many ranks instead (Ulysses, for long SEQ_LEN). Extra arguments
+# go to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -66,6 +66,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     train = parser.add_argument_group("training")
     train.add_argument("--tp", type=int, help="AutoTP degree, with a vocabulary-parallel LM head (default: the "
                        "config's tensor_parallel.autotp_size, else 1); must divide the world size")
+    train.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (DeepSpeed ALST): each "
+                       "sequence is split over this many consecutive ranks, attention exchanges heads with an "
+                       "all-to-all; must divide the world size, --seq_len and the attention heads; not with --tp > 1")
     train.add_argument("--max_steps", type=int, required=True, help="optimizer steps")
     train.add_argument("--micro_batch_size", type=int, default=1, help="resolves train_micro_batch_size_per_gpu")
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
@@ -137,6 +140,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error(f"--model {args.model} is a preset (training from scratch): pass --tokenizer DIR")
     if args.tp is not None and args.tp < 1:
         parser.error(f"--tp {args.tp} must be >= 1")
+    if args.sp < 1:
+        parser.error(f"--sp {args.sp} must be >= 1")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup_steps {args.warmup_steps} must be >= 0")
     if not 0.0 <= args.min_lr_ratio <= 1.0:

@@ -45,6 +45,7 @@ class Topology:
     world_size: int
     tp_size: int
     dp_size: int
+    sp_size: int = 1  # Ulysses sequence-parallel degree: world = dp x tp x sp
 
 
 def load_config(path: str) -> dict:
@@ -135,11 +136,13 @@ def _resolve_auto(section: dict, key: str, value) -> None:
 
 def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
                    learning_rate: float, weight_decay: float, bf16_supported: bool, hidden_size: int,
-                   accelerator: str = "cuda") -> tuple:
+                   accelerator: str = "cuda", sp_size: int = 1) -> tuple:
     """Return (resolved copy of ``config``, :class:`Topology`); raise ValueError on bad combinations.
 
     ``hidden_size`` sizes the ZeRO-3 buckets left "auto" as the HF integration does (hidden^2 for
-    reduce, 0.9 hidden^2 for prefetch, 10 hidden for the persistence threshold). The copy has no
+    reduce, 0.9 hidden^2 for prefetch, 10 hidden for the persistence threshold). ``sp_size`` (``--sp``,
+    checked by ``smmd_train.sequence_parallel``): the ranks of a sequence-parallel group share their
+    micro-batches, so the data-parallel size is world / (autotp_size x sp_size). The copy has no
     ``tensorboard`` section: train.py writes TensorBoard itself (``smmd_train.monitor``), and
     DeepSpeed's own writer would add a second set of scalars (``Train/Samples/*``) to the same run.
     The learning-rate schedule is train.py's too (``smmd_train.schedule``), so a ``scheduler``
@@ -160,7 +163,9 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
         raise ValueError("tensor_parallel.autotp_size > 1 needs \"vocab_parallel_lm_head\": true so the LM head "
                          "stays vocabulary-sharded and the SMMD loss runs on the shards (gathering full logits "
                          "on every rank defeats the purpose)")
-    dp_size = world_size // tp_size
+    if world_size % (tp_size * sp_size):
+        raise ValueError(f"autotp_size {tp_size} x --sp {sp_size} must divide the world size {world_size}")
+    dp_size = world_size // (tp_size * sp_size)
 
     _resolve(config, "train_micro_batch_size_per_gpu", micro_batch_size)
     _resolve(config, "gradient_accumulation_steps", gradient_accumulation_steps)
@@ -169,8 +174,8 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     if config["train_batch_size"] != micro * accumulation * dp_size:
         raise ValueError(f"train_batch_size={config['train_batch_size']} but train_micro_batch_size_per_gpu={micro} x "
                          f"gradient_accumulation_steps={accumulation} x data-parallel size {dp_size} (world "
-                         f"{world_size} / autotp_size {tp_size}) = {micro * accumulation * dp_size}; set it to "
-                         f"\"auto\" or make the three multiply out")
+                         f"{world_size} / autotp_size {tp_size} / sp {sp_size}) = {micro * accumulation * dp_size}; "
+                         f"set it to \"auto\" or make the three multiply out")
 
     optimizer = config.get("optimizer")
     if optimizer is not None:
@@ -216,7 +221,7 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     if leftover:
         raise ValueError(f"these config values are \"auto\" but train.py has no flag to resolve them: {leftover}; "
                          "give them numbers")
-    return config, Topology(world_size=world_size, tp_size=tp_size, dp_size=dp_size)
+    return config, Topology(world_size=world_size, tp_size=tp_size, dp_size=dp_size, sp_size=sp_size)
 
 
 def _walk(value, path=""):

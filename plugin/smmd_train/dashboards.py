@@ -67,9 +67,9 @@ def open_writer(log_dir: str):
 
 # The settings every train.py run records for the HParams dashboard (smmd_train.monitor), in the
 # order of its columns (the first five show by default).
-RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "numeric_loss", "fused_linear", "numeric_weight", "zero_stage",
-               "offload", "micro_batch", "grad_accum", "global_batch", "seq_len", "model", "lr", "warmup_steps",
-               "max_steps", "launcher")
+RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", "numeric_weight",
+               "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch", "seq_len", "model", "lr",
+               "warmup_steps", "max_steps", "launcher")
 
 
 def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
@@ -81,7 +81,7 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
     optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
-        "numeric_loss": "none (framework loss)" if framework_loss else
+        "sp_size": topology.sp_size, "numeric_loss": "none (framework loss)" if framework_loss else
         " + ".join(f"{weight:g} {name}" for name, weight in args.numeric_loss),
         "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),

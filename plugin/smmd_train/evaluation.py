@@ -11,23 +11,25 @@ import torch
 import torch.distributed as dist
 
 from .data import eval_batches
+from .sequence_parallel import forward_inputs
 
 
 @torch.no_grad()
 def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batches: int, dp_rank: int,
-                     dp_size: int, dp_group) -> dict:
-    """CE and numeric metrics on held-out blocks, split across the data-parallel replicas."""
+                     dp_size: int, dp_group, sp_rank: int = 0, sp_size: int = 1) -> dict:
+    """CE and numeric metrics on held-out blocks, split across the data-parallel replicas; with
+    sequence parallelism each rank of an SP group evaluates its shard of the same blocks, and
+    ``dp_group`` (then the dp x sp ranks) sums the shards."""
     engine.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # ce*tokens, tokens, correct, abs err, numeric
     for batch in itertools.islice(eval_batches(dataset, micro_batch_size, max_batches), dp_rank, None, dp_size):
-        input_ids = batch["input_ids"].to(engine.device)
-        engine(input_ids=input_ids, labels=input_ids)
+        engine(**forward_inputs(batch["input_ids"].to(engine.device), sp_rank, sp_size))
         stats, (_, ce, _) = installed.last_stats, installed.hook.last_losses
         numeric = stats["numeric_tokens"]
         sums += torch.tensor([float(ce) * stats["tokens"], stats["tokens"], stats["numeric_accuracy"] * numeric,
                               stats["numeric_mae"] * numeric, numeric], dtype=torch.float64, device=engine.device)
     engine.train()
-    if dp_size > 1:
+    if dp_size * sp_size > 1:
         dist.all_reduce(sums, group=dp_group)
     ce_sum, tokens, correct, abs_error, numeric = sums.tolist()
     return {"eval/ce": ce_sum / max(tokens, 1), "eval/perplexity": math.exp(min(ce_sum / max(tokens, 1), 50)),
@@ -48,7 +50,8 @@ class Evaluator:
     def evaluate(self, step: int) -> dict:
         run = self.run
         metrics = held_out_metrics(run.engine, run.installed, run.eval_blocks, run.micro_batch_size,
-                                   self.max_batches, run.dp_rank, run.plan.topology.dp_size, run.dp_group)
+                                   self.max_batches, run.dp_rank, run.plan.topology.dp_size, run.dp_group,
+                                   run.sp_rank, run.sp_size)
         self.monitor.write_eval(step, metrics)
         self.last = (step, metrics)
         return metrics

@@ -19,7 +19,12 @@ Per GPU, in bf16 mixed precision with Adam:
   GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes, s*b*h*(10 + 24/t + 5*a*s/(h*t)) under t-way TP;
   HF's Llama layer keeps more: RMSNorm upcasts to fp32 and SwiGLU keeps four intermediate-wide
   tensors). See :func:`layer_activation_bytes`. With gradient checkpointing, each layer's bf16
-  input plus one layer's activations while it is recomputed.
+  input plus one layer's activations while it is recomputed. With ``--sp S`` (Ulysses sequence
+  parallelism, ``train.py --sp``) a rank holds seq_len / S tokens of every sequence and the core
+  attention sees the whole sequence for heads / S heads: every per-token term is divided by S, the
+  eager scores still span the whole sequence, and the attention output exists twice (head-sharded
+  from the core attention, sequence-sharded after the all-to-all back, the o_proj input). ZeRO-3
+  partitions the model states over all GPUs as without SP.
 * **logits and loss**: the vocabulary-parallel bf16 logits, the fused CE + SMMD loss's one fp32
   ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns; with ``--fused_linear``
   (``smmd_scale.linear_smmd_cross_entropy``) no logits at all: one block of them (fp32, and its
@@ -55,7 +60,7 @@ MAX_NODES_TRIED = 1024
 
 
 def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
-                           flash_attention: bool = True) -> int:
+                           flash_attention: bool = True, sp_size: int = 1) -> int:
     """Bytes one HF ``LlamaDecoderLayer`` keeps for backward on one GPU, with bf16 activations,
     causal attention without a mask (packed sequences), and attention dropout 0.
 
@@ -71,16 +76,22 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
       2*I each -> 8I;
 
     everything but the norms split t ways (heads and MLP width are sharded; AutoTP has no
-    sequence parallelism). tests/test_presets.py checks this against the tensors autograd saves.
+    sequence parallelism). Ulysses ``sp_size`` S: per rank, ``seq_len / S`` tokens of each term, the
+    KV heads at least S (Ulysses replicates fewer), the attention output twice with SDPA (its
+    head-sharded copy and the o_proj input after the all-to-all back; eager keeps both already).
+    tests/train/test_presets.py and tests/train/test_sequence_parallel.py check this against the
+    tensors autograd saves.
     """
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch // sp_size
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
     norms = tokens * (16 * config.hidden_size + 8)
     if flash_attention:
-        attention = tokens * (4 * heads * head_dim + 4 * kv_heads * head_dim + 4 * heads)
+        attention = tokens * (4 * heads * head_dim + 4 * kv_heads * head_dim + 4 * heads
+                              + (2 * heads * head_dim if sp_size > 1 else 0))
     else:
         attention = tokens * (8 * heads * head_dim + 6 * heads * seq_len)
     mlp = tokens * 8 * config.intermediate_size
@@ -88,13 +99,14 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
 
 
 def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
-                     flash_attention: bool = True) -> int:
+                     flash_attention: bool = True, sp_size: int = 1) -> int:
     """Bytes of activations kept for backward on one GPU by the whole ``LlamaForCausalLM`` up to
     the lm_head input: every layer (:func:`layer_activation_bytes`), or with gradient
     checkpointing each layer's bf16 input (2h per token) plus one layer being recomputed; and the
-    final RMSNorm (8h + 4 per token: fp32 copy, normalized, weighted = the lm_head input, rsqrt)."""
-    tokens = seq_len * micro_batch
-    layer = layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention)
+    final RMSNorm (8h + 4 per token: fp32 copy, normalized, weighted = the lm_head input, rsqrt); per
+    rank of ``sp_size`` Ulysses ranks, which hold seq_len / sp_size tokens each."""
+    tokens = seq_len * micro_batch // sp_size
+    layer = layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention, sp_size)
     final_norm = tokens * (8 * config.hidden_size + 4)
     if gradient_checkpointing:
         return config.num_hidden_layers * tokens * 2 * config.hidden_size + layer + final_norm
@@ -102,14 +114,15 @@ def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, g
 
 
 def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1,
-                          fused_linear: bool = False, hidden_size: int = 0) -> int:
+                          fused_linear: bool = False, hidden_size: int = 0, sp_size: int = 1) -> int:
     """Bytes of the loss's working set on one GPU; SMMD's ``[P, N]`` numeric part is negligible.
 
     Materialized: bf16 logits ``[tokens, V/T]`` (2 B), the fused loss's fp32 buffer (4 B, the
     softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B).
     ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
-    per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state)."""
-    tokens, rows = seq_len * micro_batch, vocab_size // tp_size
+    per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state).
+    With ``sp_size`` Ulysses ranks, each holds the loss of its seq_len / sp_size tokens."""
+    tokens, rows = seq_len * micro_batch // sp_size, vocab_size // tp_size
     if not fused_linear:
         return tokens * rows * (2 + 4 + 2)
     block = tokens * default_chunk_size(tokens, hidden_size, rows)
@@ -129,9 +142,9 @@ def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1,
             "tp_largest_layer_params": tp_largest}
 
 
-def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib):
+def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib, sp_size=1, config=None):
     for name, value in dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, seq_len=seq_len,
-                            micro_batch=micro_batch).items():
+                            micro_batch=micro_batch, sp_size=sp_size).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if gpus_per_node % tp_size:
@@ -139,13 +152,22 @@ def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memor
                          "placed inside a node (tensor parallelism over the inter-node network is too slow)")
     if not gpu_memory_gib > 0:
         raise ValueError(f"gpu_memory_gib={gpu_memory_gib!r} must be positive")
+    if sp_size > 1:
+        from .sequence_parallel import check_sequence_parallel
+
+        if gpus_per_node % sp_size:
+            raise ValueError(f"sp_size={sp_size} must divide gpus_per_node={gpus_per_node}: the planner places each "
+                             "sequence-parallel group inside a node (two all-to-alls per layer)")
+        check_sequence_parallel(config, sp_size, seq_len, tp_size, nodes * gpus_per_node)
 
 
 def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, offload: bool = False,
              seq_len: int = 4096, micro_batch: int = 1, gradient_checkpointing: bool = False,
-             flash_attention: bool = True, gpu_memory_gib: float = 80.0, fused_linear: bool = False) -> dict:
+             flash_attention: bool = True, gpu_memory_gib: float = 80.0, fused_linear: bool = False,
+             sp_size: int = 1) -> dict:
     """Memory per GPU (and CPU per node) for training ``config`` (a ``LlamaConfig``) on ``nodes``
-    x ``gpus_per_node`` GPUs with ZeRO-3 over world / ``tp_size`` data-parallel ranks.
+    x ``gpus_per_node`` GPUs with ZeRO-3 over world / ``tp_size`` data-parallel ranks, or with
+    ``sp_size`` Ulysses sequence-parallel ranks per sequence (world / ``sp_size`` data-parallel).
 
     Returns ``setup`` (these arguments), ``params``, ``tp_params`` and ``tp_largest_layer_params``
     (one TP rank's share), ``dp_size``, the ``*_bytes`` parts (``model_states_gpu_bytes``,
@@ -153,20 +175,26 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
     ``total_gpu_bytes``) and ``verdict``: "fits", "tight" (within ``HEADROOM_FRACTION`` of
     ``gpu_memory_gib``) or "does not fit".
     """
-    _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib)
+    _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib, sp_size, config)
+    if sp_size > 1 and not flash_attention:
+        raise ValueError("sp_size > 1 needs SDPA / flash attention: DeepSpeed's Ulysses refuses eager attention (its "
+                         "4D mask would span the whole sequence)")
     setup = dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, offload=offload, seq_len=seq_len,
                  micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
-                 flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib, fused_linear=fused_linear)
+                 flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib, fused_linear=fused_linear,
+                 sp_size=sp_size)
     states = model_states_bytes(config, nodes, gpus_per_node, tp_size, offload)
-    activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention)
+    activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention,
+                                   sp_size)
     logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size, fused_linear,
-                                   config.hidden_size)
+                                   config.hidden_size, sp_size)
     total = states["gpu_bytes"] + activations + logits
     gpu_bytes = gpu_memory_gib * GIB
     verdict = ("fits" if total <= (1 - HEADROOM_FRACTION) * gpu_bytes else
                "tight" if total <= gpu_bytes else "does not fit")
     return {"setup": setup, "params": parameter_count(config), "tp_params": states["tp_params"],
-            "tp_largest_layer_params": states["tp_largest_layer_params"], "dp_size": nodes * gpus_per_node // tp_size,
+            "tp_largest_layer_params": states["tp_largest_layer_params"],
+            "dp_size": nodes * gpus_per_node // (tp_size * sp_size),
             "model_states_gpu_bytes": states["gpu_bytes"],
             "model_states_cpu_per_node_bytes": states["cpu_per_node_bytes"], "activation_bytes": activations,
             "logits_and_loss_bytes": logits, "total_gpu_bytes": total, "verdict": verdict}
@@ -197,7 +225,7 @@ def _options(config, setup: dict) -> list:
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
     tp_sizes = [setup["tp_size"]]
-    while setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:
+    while setup.get("sp_size", 1) == 1 and setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:  # TP or SP, not both
         try:
             parameter_count(config, 2 * tp_sizes[-1])
         except ValueError:  # the model's heads or widths do not split that many ways
@@ -311,7 +339,9 @@ def _advice(steps: dict) -> str:
 
 def _describe(setup: dict, vocab_size: int) -> str:
     nodes, gpus, tp = setup["nodes"], setup["gpus_per_node"], setup["tp_size"]
-    return (f"{nodes} node{'s' * (nodes > 1)} x {gpus} GPUs, TP {tp} x DP {nodes * gpus // tp}, ZeRO-3"
+    sp = setup.get("sp_size", 1)
+    return (f"{nodes} node{'s' * (nodes > 1)} x {gpus} GPUs, TP {tp} x DP {nodes * gpus // (tp * sp)}"
+            f"{f' x SP {sp}' if sp > 1 else ''}, ZeRO-3"
             f"{' with CPU offload' if setup['offload'] else ''}; seq {setup['seq_len']}, micro batch "
             f"{setup['micro_batch']}, vocab {vocab_size}, {'SDPA' if setup['flash_attention'] else 'eager'} attention"
             f"{', gradient checkpointing' if setup['gradient_checkpointing'] else ''}"
@@ -364,6 +394,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--tp", type=int, default=1, help="AutoTP size, inside a node (default 1)")
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel size, inside a node (train.py "
+                        "--sp; default 1; not with --tp > 1)")
     parser.add_argument("--offload", action="store_true", help="ZeRO-3 offload of params and optimizer to CPU")
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per micro step")
@@ -384,7 +416,7 @@ def main(argv=None) -> None:
     setup = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp_size=args.tp, offload=args.offload,
                  seq_len=args.seq_len, micro_batch=args.micro_batch, gradient_checkpointing=args.gradient_checkpointing,
                  flash_attention=args.flash_attention, gpu_memory_gib=args.gpu_memory_gib,
-                 fused_linear=args.fused_linear)
+                 fused_linear=args.fused_linear, sp_size=args.sp)
     results = []
     for name in (TABLE_PRESETS if args.all else [args.model]):
         try:

@@ -9,19 +9,19 @@ Names are a contract (what dashboards key on):
     numeric/accuracy  numeric/mae  numeric/positions
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
     perf/step_seconds  perf/count_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
-    train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size
+    train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size  run/sp_size
 
 The losses are the optimizer step's objective (the trainer passes the step's counts to the loss,
 :meth:`TrainingMonitor.record_step_counts`): ``loss/ce`` the mean CE over the step's valid targets,
 ``loss/numeric`` the numeric term, the mean over the step's numeric-target positions, and
-``loss/total = loss/ce + weight x loss/numeric``, whatever the micro-batch, accumulation or DP
+``loss/total = loss/ce + weight x loss/numeric``, whatever the micro-batch, accumulation, DP or SP
 layout; each numeric loss's own value (``loss/smmd``, ``loss/ntl_was``, ...; for a weighted sum
 ``loss/numeric = sum_i w_i loss/<term_i>``) and the numeric statistics are means over the step's
 numeric-target positions. A step without numeric targets logs the numeric losses as 0 with
 ``numeric/positions`` 0 (accuracy and MAE are left out: they are undefined). Without counts (the
 model's own loss, ``--framework_loss``) the losses are means over the step's micro-batches.
-Everything is summed over the micro-batches and the data-parallel replicas (one small all-reduce
-per step).
+Everything is summed over the micro-batches and the data- and sequence-parallel ranks (one small
+all-reduce per step); with sequence parallelism each rank's losses are its shard's share.
 ``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
 ``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
 the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
@@ -69,9 +69,11 @@ class TrainingMonitor:
 
     def __init__(self, engine, *, world_size: int, tp_size: int, dp_size: int, dp_group, flops_per_token: float,
                  metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 hparams: Optional[dict] = None):
+                 hparams: Optional[dict] = None, sp_size: int = 1):
         self.engine = engine
         self.world_size, self.tp_size, self.dp_size, self.dp_group = world_size, tp_size, dp_size, dp_group
+        # With sequence parallelism (dp_group then holds the SP ranks too) a rank computes 1/sp of a micro-batch.
+        self.sp_size = sp_size
         self.flops_per_token = flops_per_token
         rank_zero = dist.get_rank() == 0
         self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
@@ -103,7 +105,7 @@ class TrainingMonitor:
     def log_run_shape(self) -> None:
         """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
         self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
-                     ("run/dp_size", self.dp_size)], step=0, tensorboard=False)
+                     ("run/dp_size", self.dp_size), ("run/sp_size", self.sp_size)], step=0, tensorboard=False)
 
     def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
         """``losses``: detached (total, ce, numeric term) of one micro-batch; ``stats``: its
@@ -111,7 +113,7 @@ class TrainingMonitor:
         total, ce, numeric_term = (float(value) for value in losses)
         self._sums["total"] += total
         self._sums["ce"] += ce
-        self._sums["micro_batches"] += 1
+        self._sums["micro_batches"] += 1 / self.sp_size
         if stats is None:
             return
         numeric = stats["numeric_tokens"]
@@ -135,7 +137,7 @@ class TrainingMonitor:
         """
         device = self.engine.device
         sums = torch.tensor([self._sums[key] for key in _SUMS], dtype=torch.float64, device=device)
-        if self.dp_size > 1:
+        if self.dp_size * self.sp_size > 1:
             dist.all_reduce(sums, group=self.dp_group)
         peak = torch.tensor([peak_memory_gib()], dtype=torch.float64, device=device)
         if self.world_size > 1:

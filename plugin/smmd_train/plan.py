@@ -29,6 +29,7 @@ from .model import model_config
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
 from .schedule import MAX_WARMUP_FRACTION, warmup_steps_for
+from .sequence_parallel import check_sequence_parallel
 
 
 @dataclass
@@ -87,12 +88,13 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
                           args.trust_remote_code)
     check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
+    check_sequence_parallel(config, args.sp, args.seq_len, tensor_parallel_size(raw_config), world_size)
     warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
         weight_decay=args.weight_decay, bf16_supported=bf16_supported, hidden_size=config.hidden_size,
-        accelerator=accelerator)
+        accelerator=accelerator, sp_size=args.sp)
     compiled = ops_to_compile(ds_config, accelerator)
     build_notes, build_problems = check_ops(compiled, BuildEnvironment.detect()) if compiled else ([], [])
     if build_problems:  # else deepspeed.initialize would fail on every rank, after the model was built

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .plan import RunPlan, plan_run
+from .sequence_parallel import forward_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
 
@@ -55,7 +56,11 @@ class PreparedRun:
     installed: object = None  # smmd_scale.InstalledLoss (None with --framework_loss)
     batches: object = None  # smmd_train.data.PackedBatches: this data-parallel rank's micro-batches
     dp_rank: int = 0
-    dp_group: object = None  # None: the world is the data-parallel group
+    dp_group: object = None  # None: the world (with --sp: the dp x sp ranks, whose losses add up) reduces the metrics
+    sp_size: int = 1  # Ulysses sequence parallelism (smmd_train.sequence_parallel): ranks per sequence
+    sp_rank: int = 0  # which shard of each sequence this rank holds
+    sp_group: object = None  # this rank's sequence-parallel group (None without --sp)
+    sp_loss_scale: float = 1.0  # multiplies this rank's loss share before the backward (sequence_parallel)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
     fused_linear_ran: Optional[bool] = None  # did the last micro-batch run the fused head (no logits)?
 
@@ -100,10 +105,13 @@ def _packed(args, plan: RunPlan, paths):
 
 
 def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, pretrained_dir: Optional[str] = None,
-                 trust_remote_code: bool = False, gradient_checkpointing: bool = False, lr_scheduler=None) -> tuple:
+                 trust_remote_code: bool = False, gradient_checkpointing: bool = False, lr_scheduler=None,
+                 sp_size: int = 1) -> tuple:
     """The model, partitioned over the data-parallel group as it is built or loaded, inside a
     DeepSpeed engine; returns (engine, training FLOPs per token at ``seq_len``, counted before AutoTP
-    shards the model). Also what launch/export_hf.py loads an AutoTP checkpoint into.
+    shards the model). Also what launch/export_hf.py loads an AutoTP checkpoint into. With ``sp_size``
+    > 1 the model's attention runs through DeepSpeed Ulysses and ZeRO-3 gets its sequence-parallel
+    layout (``smmd_train.sequence_parallel``).
 
     ``model.parameters()`` stays lazy so that the optimizer sees the parameters after AutoTP replaced
     the modules, in module order (an engine built the same way loads the run's checkpoints)."""
@@ -120,8 +128,15 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
     model, zero_init = build_model(model_config, zero_init_config(ds_config), pretrained_dir, trust_remote_code,
                                    gradient_checkpointing)
     model_flops_per_token = flops_per_token(model, seq_len)
+    mpu = groups if tp_size > 1 else None
+    if sp_size > 1:
+        from .sequence_parallel import UlyssesAttention
+
+        ulysses = destroy_at_shutdown(UlyssesAttention(model, sp_size, ds_config["train_micro_batch_size_per_gpu"],
+                                                       seq_len))
+        mpu = ulysses.mpu
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                           lr_scheduler=lr_scheduler, mpu=groups if tp_size > 1 else None)
+                                           lr_scheduler=lr_scheduler, mpu=mpu)
     destroy_at_shutdown(engine)
     del zero_init
     return engine, model_flops_per_token
@@ -136,14 +151,21 @@ def _build_engine(run: PreparedRun) -> None:
     from .schedule import warmup_cosine
 
     args, plan, topology = run.args, run.plan, run.plan.topology
-    log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel "
-        f"({run.launch.launcher})")
+    log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel x "
+        f"{topology.sp_size} sequence-parallel ({run.launch.launcher})")
     run.engine, run.flops_per_token = build_engine(
         plan.model_config, plan.ds_config, topology.tp_size, args.seq_len, pretrained_dir=plan.pretrained_dir,
         trust_remote_code=args.trust_remote_code, gradient_checkpointing=args.gradient_checkpointing,
-        lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps, args.min_lr_ratio))
-    run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank()
+        lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps, args.min_lr_ratio), sp_size=topology.sp_size)
+    run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank() // topology.sp_size
     run.dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
+    if topology.sp_size > 1:  # the SP groups are consecutive ranks (DeepSpeed's parallel_state_sp)
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        from .sequence_parallel import shard_loss_scale
+
+        run.sp_size, run.sp_group = topology.sp_size, parallel_state_sp.get_sequence_parallel_group()
+        run.sp_rank, run.sp_loss_scale = dist.get_rank(run.sp_group), shard_loss_scale(run.engine, topology.sp_size)
     run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed,
                                 accumulation=run.accumulation)
     if plan.numeric_loss is not None:
@@ -160,19 +182,18 @@ def fused_linear_ran(installed) -> bool:
     return installed.last_path == "fused_linear"
 
 
-def step_counts(run: PreparedRun, micro_batches: list) -> tuple:
-    """The optimizer step's (valid targets, numeric-target positions) as int64 device tensors: this
-    rank's micro-batches ``[B, S]`` counted before the first forward (the model's labels are its
-    inputs, shifted: position t's target is token t + 1), summed over the data-parallel group with
-    one all-reduce of two numbers. Tensor-parallel peers hold the same micro-batches and count the same."""
+def step_counts(run: PreparedRun, micro_batches: list) -> dict:
+    """The optimizer step's counts as the loss's keyword arguments (int64 device tensors):
+    ``num_items_in_batch`` (valid targets) and, with the numeric loss installed,
+    ``num_numeric_in_batch`` (numeric-target positions). The targets of this rank's micro-batches
+    (``forward_inputs``: the whole micro-batch's, or this sequence-parallel rank's shard's) are
+    counted before the first forward and summed over the data- and sequence-parallel ranks with one
+    all-reduce of two numbers; tensor-parallel peers hold the same micro-batches and count the same."""
     import torch
 
-    targets = [input_ids[:, 1:] for input_ids in micro_batches]
-    counts = torch.stack([sum((target != -100).sum() for target in targets),
-                          sum(run.plan.numeric_loss.numeric_mask(target).sum() for target in targets)]).long()
-    if run.plan.topology.dp_size > 1:
-        dist.all_reduce(counts, group=run.dp_group)
-    return counts[0], counts[1]
+    targets = torch.cat([step_targets(inputs).reshape(-1) for inputs in micro_batches])
+    numeric_ids = run.plan.numeric_vocab.token_ids if run.installed is not None else None
+    return target_counts(targets, numeric_ids, run.dp_group)
 
 
 def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
@@ -180,24 +201,28 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
     forward and backward (a non-finite loss on any rank is neutralised by ``guard``), the update, the
     step's metrics (``monitor``).
 
-    With the numeric loss installed each micro-batch's loss is its share of the step's objective
-    (``sum CE / n_valid + weight * sum numeric / n_numeric`` over the whole step on every DP rank,
-    :func:`step_counts`), so the step trains the same objective for any micro-batch, accumulation or
-    parallel layout. DeepSpeed divides what ``backward`` gets by the accumulation steps and averages
-    gradients over the DP group; the share is multiplied back by both so that the gradient is the
-    objective's."""
+    Each micro-batch's loss (a sequence-parallel rank's: its shard's) is its share of the step's
+    objective (``sum CE / n_valid + weight * sum numeric / n_numeric`` over the whole step on every
+    DP and SP rank, :func:`step_counts`), so the step trains the same objective for any micro-batch,
+    accumulation, DP, TP or SP layout. DeepSpeed divides what ``backward`` gets by the accumulation
+    steps and averages gradients over the ranks it reduces over (DP, and SP on ZeRO-3's
+    reduce-scatter path); the share is multiplied back so that the gradient is the objective's."""
     engine, installed = run.engine, run.installed
     began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
-    micro_batches = [next(run.batches)["input_ids"].to(engine.device) for _ in range(run.accumulation)]
+    micro_batches = [forward_inputs(next(run.batches)["input_ids"].to(engine.device), run.sp_rank, run.sp_size)
+                     for _ in range(run.accumulation)]
     counts = {}
-    if installed is not None:
+    # The model's own loss under AutoTP (DeepSpeed's vocabulary-parallel CE) takes no counts: its
+    # micro-batches are means, as DeepSpeed users run it. Everything else gets the step's counts.
+    if installed is not None or run.plan.topology.tp_size == 1:
         counting = time.perf_counter()
-        num_items, num_numeric = step_counts(run, micro_batches)
-        counts = {"num_items_in_batch": num_items, "num_numeric_in_batch": num_numeric}
-        monitor.record_step_counts(int(num_items), int(num_numeric), time.perf_counter() - counting)
-    unscale = run.accumulation * run.plan.topology.dp_size if installed is not None else 1
-    for input_ids in micro_batches:
-        loss = engine(input_ids=input_ids, labels=input_ids, **counts).loss
+        counts = step_counts(run, micro_batches)
+        monitor.record_step_counts(int(counts["num_items_in_batch"]), int(counts.get("num_numeric_in_batch", 0)),
+                                   time.perf_counter() - counting)
+    # DeepSpeed divides by the accumulation steps and averages over the ranks it reduces over.
+    unscale = run.accumulation * run.plan.topology.dp_size * run.sp_loss_scale if counts else 1
+    for inputs in micro_batches:
+        loss = engine(**inputs, **counts).loss
         engine.backward(guard.checked(loss) * unscale)
         engine.step()
         if installed is None:
@@ -220,7 +245,8 @@ def open_monitor(run: PreparedRun):
 
     plan, topology = run.plan, run.plan.topology
     return TrainingMonitor(run.engine, world_size=topology.world_size, tp_size=topology.tp_size,
-                           dp_size=topology.dp_size, dp_group=run.dp_group, flops_per_token=run.flops_per_token,
+                           dp_size=topology.dp_size, sp_size=topology.sp_size, dp_group=run.dp_group,
+                           flops_per_token=run.flops_per_token,
                            metrics_path=str(Path(run.args.output_dir, "metrics.jsonl")),
                            tensorboard_dir=plan.tensorboard_dir if plan.tensorboard else None,
                            hparams=run_hparams(run.args, plan, run.launch.launcher, run.installed is None))
@@ -233,6 +259,7 @@ def write_run_config(run: PreparedRun) -> None:
     plan, topology = run.plan, run.plan.topology
     Path(run.args.output_dir, "run_config.json").write_text(json.dumps(
         {"args": vars(run.args), "deepspeed_config": plan.ds_config, "world_size": topology.world_size,
-         "tp_size": topology.tp_size, "dp_size": topology.dp_size, "launcher": run.launch.launcher,
+         "tp_size": topology.tp_size, "dp_size": topology.dp_size, "sp_size": topology.sp_size,
+         "launcher": run.launch.launcher,
          "tensorboard_dir": plan.tensorboard_dir, "model_config": run.engine.module.config.to_dict(),
          "numeric_vocab": repr(plan.numeric_vocab)}, indent=1, default=str))

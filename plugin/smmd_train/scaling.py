@@ -1,37 +1,39 @@
-"""Scaling sweeps: one training run per (world size, TP degree), each launched as users launch
-train.py, then the scaling view in TensorBoard (throughput, per-rank throughput, efficiency and
+"""Scaling sweeps: one training run per (world size, TP degree, SP degree), each launched as users
+launch train.py, then the scaling view in TensorBoard (throughput, per-rank throughput, efficiency and
 peak memory against world size) and a table.
 
-    bash launch/scaling.sh --world_sizes 8,16,32 --tp 1,2 --hostfile launch/hostfile --max_steps 30 \
+    bash launch/scaling.sh --world_sizes 8,16,32 --tp 1,2 [--sp 1,2] --hostfile launch/hostfile --max_steps 30 \
         --output_dir sweeps/7b --deepspeed_config ds_configs/zero3.json --model 7b \
         --tokenizer /data/tokenizer --data /data/corpus.jsonl --seq_len 4096
     tensorboard --logdir sweeps/7b/tensorboard
 
-Every option the sweep does not own is a train.py option, passed to every run (``--tp`` and
-``--output_dir`` are the sweep's). Strong scaling (default) keeps the global batch fixed
+Every option the sweep does not own is a train.py option, passed to every run (``--tp``, ``--sp`` and
+``--output_dir`` are the sweep's; ``--sp`` is Ulysses sequence parallelism, whose ranks share each
+sequence, so a run's data-parallel size is world / (TP x SP)). Strong scaling (default) keeps the global batch fixed
 (``--global_batch`` sequences per optimizer step: each run gets gradient accumulation global /
 (data-parallel size x micro batch)); ``--weak`` keeps each data-parallel replica's batch fixed
 (micro batch x accumulation from the train.py options), so the global batch grows with the
 replicas. In both, *efficiency* is tokens/s per rank over the baseline's (the fastest run of the
 smallest world size): 1.0 is linear scaling, and it equals speed-up / ideal speed-up. Every TP
 degree is measured against the same baseline, so TP and data parallelism compare at a given
-world size.
+world size (SP degrees likewise).
 
 Before anything is launched, every configuration is planned in this process through train.py's
 own parser and the plan stage of ``smmd_train.run.prepare_run`` (tokenizer, model, DeepSpeed config
-and the flags against it, TP against the world size, the heads and the vocabulary, the numeric
-vocabulary and loss): one that cannot run is refused with its reason, a sweep that cannot run at all
-(options train.py does not know, a world size the machine or the hostfile cannot place, a
-directory holding another sweep) fails in seconds. A run that fails is reported (exit code, log)
-and the sweep goes on; finished runs are kept, and a sweep re-run in the same directory (same
-settings) only runs what has not finished.
+and the flags against it, TP and SP against the world size, the heads and the vocabulary, SP
+against the sequence length and TP, the numeric vocabulary and loss): one that cannot run is
+refused with its reason, a sweep that cannot run at all (options train.py does not know, a world
+size the machine or the hostfile cannot place, a directory holding another sweep) fails in seconds.
+A run that fails is reported (exit code, log) and the sweep goes on; finished runs are kept, and a
+sweep re-run in the same directory (same settings) only runs what has not finished.
 
 Layout of ``--output_dir``: ``sweep.json`` (the settings), ``runs/<name>/`` (each run's
 output_dir: metrics.jsonl, run_config.json), ``logs/<name>.log``, ``tensorboard/<name>/`` (each
 run's scalars, HParams session and the Custom Scalars layout), ``tensorboard/scaling-tp<T>/`` (one
-point per world size: x = world size), the HParams experiment in ``tensorboard/`` itself and
-``scaling.json`` (the table). Run names read ``ws<world size>-tp<TP>-zero<stage>-<loss>``
-(``-fused`` with ``--fused_linear``), e.g. ``ws4-tp2-zero3-smmd``.
+point per world size: x = world size; ``scaling-tp<T>-sp<S>`` with SP), the HParams experiment in
+``tensorboard/`` itself and ``scaling.json`` (the table). Run names read
+``ws<world size>-tp<TP>[-sp<SP>]-zero<stage>-<loss>`` (``-sp`` when SP > 1, ``-fused`` with
+``--fused_linear``), e.g. ``ws4-tp2-zero3-smmd``, ``ws4-tp1-sp2-zero3-smmd``.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
 # train.py options that the sweep sets per run.
-SWEEP_OWNED = ("tensorboard_dir", "resume", "local_rank")  # and --tp, --output_dir: the sweep's own options
-# What each scaling-tp<T> TensorBoard run holds, as scaling/<name> at x = world size.
+SWEEP_OWNED = ("tensorboard_dir", "resume", "local_rank")  # and --tp, --sp, --output_dir: the sweep's own options
+# What each scaling-<layout> TensorBoard run holds, as scaling/<name> at x = world size.
 SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank", "efficiency",
                    "speedup", "peak_memory_gib", "loss_bytes_per_step")
 SUMMARY_KEYS = ("tokens_per_second", "tokens_per_second_per_rank", "tflops_per_rank", "peak_memory_gib",
@@ -69,14 +71,20 @@ class Config:
     nodes: int  # nodes the run spans (1 without a hostfile)
     per_node: int  # processes per node
     label: str = ""  # what every run of the sweep trains, e.g. "zero3-smmd"
+    sp: int = 1  # Ulysses sequence-parallel degree
+
+    @property
+    def layout(self) -> str:
+        """``tp<T>`` or ``tp<T>-sp<S>``: the parallel layout whose runs form one scaling line."""
+        return f"tp{self.tp}" + (f"-sp{self.sp}" if self.sp > 1 else "")
 
     @property
     def name(self) -> str:
-        return f"ws{self.world_size}-tp{self.tp}" + (f"-{self.label}" if self.label else "")
+        return f"ws{self.world_size}-{self.layout}" + (f"-{self.label}" if self.label else "")
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.sp)
 
 
 def sizes(text: str) -> list:
@@ -97,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "--output_dir DIR [options] [train.py options ...]")
     parser.add_argument("--world_sizes", type=sizes, required=True, help="ranks per run, e.g. 1,2,4,8")
     parser.add_argument("--tp", type=sizes, default=[1], help="AutoTP degrees, e.g. 1,2: one run per (world size, TP)")
+    parser.add_argument("--sp", type=sizes, default=[1], help="Ulysses sequence-parallel degrees, e.g. 1,2: one run "
+                        "per (world size, TP, SP); TP and SP do not combine (such pairs are refused)")
     parser.add_argument("--weak", action="store_true", help="weak scaling: each data-parallel replica keeps its batch "
                         "(default: strong scaling, the global batch is fixed)")
     parser.add_argument("--global_batch", type=int,
@@ -145,7 +155,7 @@ def local_slots(accelerator: str) -> int:
 
 
 def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
-    """(configurations, refused, warnings) for the sweep's arguments: every (world size, TP) pair, and
+    """(configurations, refused, warnings) for the sweep's arguments: every (world size, TP, SP), and
     ``refused`` mapping the name of each one that cannot run to the reason. Raises ValueError when a world size cannot
     be placed on this machine or the hostfile's nodes."""
     hosts = read_hostfile(sweep.hostfile) if sweep.hostfile else None
@@ -166,11 +176,14 @@ def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
                              f"({'--hostfile ' + sweep.hostfile if hosts else 'this machine'}); a run larger than one "
                              "node must fill whole nodes")
         for tp in sorted(set(sweep.tp)):
-            config = Config(world_size, tp, nodes, per_node, label)
-            configs.append(config)
-            if world_size % tp:
-                refused[config.name] = (f"TP {tp} is larger than the world size {world_size}" if tp > world_size else
-                                        f"TP {tp} does not divide the world size {world_size}")
+            for sp in sorted(set(sweep.sp)):
+                config = Config(world_size, tp, nodes, per_node, label, sp)
+                configs.append(config)
+                what = f"TP {tp}" + (f" x SP {sp}" if sp > 1 else "")
+                if world_size % (tp * sp):
+                    refused[config.name] = (f"{what} is larger than the world size {world_size}"
+                                            if tp * sp > world_size else
+                                            f"{what} does not divide the world size {world_size}")
     return configs, refused, warnings
 
 
@@ -188,7 +201,7 @@ def run_label(train_args) -> str:
 def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
     """train.py options (``train_flags`` keywords) for one run of the sweep."""
     options = {"output_dir": str(output_dir / "runs" / config.name),
-               "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp,
+               "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp, "sp": config.sp,
                "cache_dir": train_args.cache_dir}  # the runs share one tokenized, packed copy of the data
     if not sweep.weak:
         per_step = config.dp * train_args.micro_batch_size
@@ -230,7 +243,8 @@ def scaling_table(configs: Sequence[Config], results: dict) -> list:
     rows = []
     for config in configs:
         summary = results.get(config.name, {}).get("summary")
-        row = {"name": config.name, "world_size": config.world_size, "tp": config.tp, "dp": config.dp,
+        row = {"name": config.name, "world_size": config.world_size, "tp": config.tp, "sp": config.sp,
+               "layout": config.layout, "dp": config.dp,
                "nodes": config.nodes, "status": results.get(config.name, {}).get("status", "not run")}
         if summary:
             row.update({key: summary[f"summary/{key}"] for key in SUMMARY_KEYS if f"summary/{key}" in summary})
@@ -249,19 +263,20 @@ def scaling_table(configs: Sequence[Config], results: dict) -> list:
 
 
 def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> list:
-    """One TensorBoard run per TP degree (``scaling-tp<T>``), x = world size; returns their dirs."""
+    """One TensorBoard run per layout (``scaling-tp<T>``, ``scaling-tp<T>-sp<S>``), x = world size;
+    returns their dirs."""
     written = []
-    for tp in sorted({row["tp"] for row in rows}):
-        points = [row for row in rows if row["tp"] == tp and "efficiency" in row]
+    for layout in sorted({row["layout"] for row in rows}):
+        points = [row for row in rows if row["layout"] == layout and "efficiency" in row]
         if not points:
             continue
-        run_dir = tensorboard_dir / f"scaling-tp{tp}"
+        run_dir = tensorboard_dir / f"scaling-{layout}"
         if run_dir.exists():  # a re-run replaces the view rather than adding a second set of points
             for old in run_dir.glob("events.out.tfevents.*"):
                 old.unlink()
         writer = dashboards.open_writer(str(run_dir))
         dashboards.write_layout(writer)
-        writer.add_text("sweep/settings", f"{mode(sweep)}, TP {tp}, x = world size")
+        writer.add_text("sweep/settings", f"{mode(sweep)}, {layout.replace('-', ' ').upper()}, x = world size")
         for row in sorted(points, key=lambda row: row["world_size"]):
             for key in SCALING_SCALARS:
                 if key in row:
@@ -271,15 +286,16 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
     return written
 
 
-TABLE_COLUMNS = (("name", "run", ""), ("world_size", "ranks", ""), ("placement", "TP x DP", ""),
+TABLE_COLUMNS = (("name", "run", ""), ("world_size", "ranks", ""), ("placement", "TP x SP x DP", ""),
                  ("nodes", "nodes", ""), ("tokens_per_second", "tokens/s", ".0f"),
                  ("tokens_per_second_per_rank", "per rank", ".0f"), ("speedup", "speed-up", ".2f"),
                  ("efficiency", "efficiency", ".2f"), ("peak_memory_gib", "peak GiB", ".2f"), ("status", "status", ""))
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    # a refused pair (TP above the world size) has no DP degree
-    return markdown_table([{**row, "placement": f"{row['tp']} x {row['dp'] or '-'}"} for row in rows], TABLE_COLUMNS)
+    # a refused layout (TP x SP above the world size) has no DP degree
+    return markdown_table([{**row, "placement": f"{row['tp']} x {row['sp']} x {row['dp'] or '-'}"} for row in rows],
+                          TABLE_COLUMNS)
 
 
 def mode(sweep) -> str:
@@ -298,7 +314,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         train_args = check_train_options(train_argv, sweep)
         if not sweep.weak and sweep.global_batch is None:
-            sweep.global_batch = max(size // min(sweep.tp) for size in sweep.world_sizes) * train_args.micro_batch_size
+            smallest_group = min(sweep.tp) * min(sweep.sp)
+            sweep.global_batch = max(size // smallest_group for size in sweep.world_sizes) * train_args.micro_batch_size
         configs, refused, warnings = plan_sweep(sweep, accelerator.device_name(), run_label(train_args))
         options = {}
         for config in configs:  # train.py's own plan for each run, before any is launched
@@ -317,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
             raise ValueError(f"no configuration can run: {reasons}")
         settings = {"world_sizes": sorted(set(sweep.world_sizes)), "tp": sorted(set(sweep.tp)),
-                    "weak": sweep.weak, "global_batch": sweep.global_batch, "train_options": train_argv}
+                    "sp": sorted(set(sweep.sp)), "weak": sweep.weak, "global_batch": sweep.global_batch,
+                    "train_options": train_argv}
         recorded = output_dir / "sweep.json"
         if recorded.is_file() and json.loads(recorded.read_text()) != settings:
             raise ValueError(f"{output_dir} holds a sweep with other settings ({recorded}); use another --output_dir")
@@ -368,6 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     rows = scaling_table(configs, results)  # refused configurations keep their row, with the reason
     varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
+               "sp_size": {c.sp for c in runnable},
                "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
                                                                   for c in runnable},
                "global_batch": {c.dp for c in runnable} if sweep.weak else set()}

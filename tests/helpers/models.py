@@ -15,3 +15,19 @@ def tiny_llama(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads
                                         intermediate_size=2 * hidden_size, num_hidden_layers=layers,
                                         num_attention_heads=heads, num_key_value_heads=kv_heads,
                                         max_position_embeddings=max_positions, **config))
+
+
+def saved_activation_bytes(model, **inputs) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in ``model(**inputs)``."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**inputs)
+    return sum(saved.values())

@@ -56,3 +56,19 @@ def test_bench_loss_quick_writes_rows_and_targets(tmp_path):
     # The quick shape is neither headline shape; the worst-shape targets are computed.
     assert [target["result"] for target in targets[:2]] == ["not measured", "not measured"]
     assert all(target["result"] in {"pass", "fail"} for target in targets[2:])
+
+
+@pytest.mark.slow
+def test_bench_sp_writes_the_peak_per_rank_of_each_sp_degree(tmp_path):
+    """benchmarks/bench_sp.py at a short sequence: one row per SP degree, the same step-1 loss (the
+    same model and batch), ratios against SP 1."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_sp", "--seq_len", "512", "--short_seq_len", "64",
+                          "--work_dir", str(tmp_path / "work"), "--results_dir", str(tmp_path / "results")],
+                         capture_output=True, text=True, timeout=900, cwd=REPO,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| SP | tokens / sequence | peak GiB / rank |" in run.stdout
+    rows = json.loads((tmp_path / "results" / "bench_sp_cpu.json").read_text())["rows"]
+    assert [row["sp"] for row in rows] == [1, 2] and rows[0]["peak_vs_sp1"] == 1.0
+    assert all(row["peak_gib_per_rank"] > row["fixed_gib_per_rank"] > 0 for row in rows)
+    assert rows[1]["loss_step1"] == pytest.approx(rows[0]["loss_step1"], rel=1e-5)

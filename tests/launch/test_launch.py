@@ -114,7 +114,7 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
-    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
+    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2, "run/sp_size": 1}
     assert sorted(step for step in logged if step) == [1, 2, 3, 4, 5, 6]
     # Evaluated at steps 3 and 6, once each: the last step's evaluation is the final one.
     records = read_metrics(output)
@@ -237,7 +237,8 @@ def test_two_nodes_simulated_on_loopback_continue_a_local_hf_checkpoint(tmp_path
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     logged = metrics(output)
-    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2} and logged[2]["loss/ce"] > 0
+    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2, "run/sp_size": 1}
+    assert logged[2]["loss/ce"] > 0
     assert logged[2]["eval/ce"] == pytest.approx(eval_ce_of_hf_model(start, corpus), rel=1e-5)
 
 
@@ -250,3 +251,31 @@ def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
     logged = metrics(output)
     assert logged[2]["loss/total"] == logged[2]["loss/ce"] > 0
     assert not {"numeric/accuracy", "numeric/positions", "loss/numeric", "loss/smmd"} & set(logged[2])
+
+
+def test_sequence_parallel_sp2_trains_the_sp1_model(tmp_path, corpus):
+    """--sp 2 on 2 processes (one sequence-parallel group: each rank holds half of every sequence) trains
+    the same model as one process on the same global batch: per step loss/total, loss/ce, loss/numeric
+    and the gradient norm (1e-5 relative), the evaluation, and the exported weights (each tensor within
+    1e-5 of the reference's norm; measured 2e-6, 4e-6 fused), also with the fused linear head."""
+    from safetensors.torch import load_file
+
+    options = dict(steps=4, gradient_accumulation_steps=2, eval_steps=4)
+    runs = {"sp1": (1, {}), "sp2": (2, {"sp": 2}), "sp2-fused": (2, {"sp": 2, "fused_linear": True})}
+    for name, (processes, flags) in runs.items():
+        output = tmp_path / name
+        run(deepspeed_command(processes, *train_args(corpus, output, export_hf=output / "hf", **options, **flags)),
+            timeout=600)
+    reference = metrics(tmp_path / "sp1")
+    weights = load_file(tmp_path / "sp1" / "hf" / "model.safetensors")
+    for name in ("sp2", "sp2-fused"):
+        logged = metrics(tmp_path / name)
+        assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 1, "run/sp_size": 2}
+        for step in (1, 2, 3, 4):
+            for key in ("loss/total", "loss/ce", "loss/numeric", "numeric/positions", "train/grad_norm"):
+                assert logged[step][key] == pytest.approx(reference[step][key], rel=1e-5), (name, step, key)
+        assert logged[4]["eval/ce"] == pytest.approx(reference[4]["eval/ce"], rel=1e-5)
+        exported = load_file(tmp_path / name / "hf" / "model.safetensors")
+        assert exported.keys() == weights.keys()
+        for key, tensor in weights.items():  # per tensor, relative: Adam's 1/sqrt(v) magnifies rounding per element
+            assert (exported[key] - tensor).norm() <= 1e-5 * tensor.norm(), (name, key)

@@ -42,12 +42,12 @@ def flag(argv: list, name: str) -> str:
 
 def test_pretrain_single_node_command(tmp_path):
     completed, argv = launch(tmp_path, "pretrain.sh", TOKENIZER="/data/tok", DATA="/data/a.jsonl /data/b.jsonl",
-                             MODEL="7b", GPUS_PER_NODE=4, MASTER_PORT=29811)
+                             MODEL="7b", GPUS_PER_NODE=4, MASTER_PORT=29811, SP=2)
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--num_nodes") == "1" and flag(argv, "--num_gpus") == "4"
     assert flag(argv, "--master_port") == "29811" and "--hostfile" not in argv
-    assert argv[argv.index("launch/train.py") + 1:argv.index("launch/train.py") + 5] == [
-        "--deepspeed_config", "ds_configs/zero3.json", "--tp", "1"]
+    assert argv[argv.index("launch/train.py") + 1:argv.index("launch/train.py") + 7] == [
+        "--deepspeed_config", "ds_configs/zero3.json", "--tp", "1", "--sp", "2"]
     assert flag(argv, "--model") == "7b" and flag(argv, "--tokenizer") == "/data/tok"
     data = argv.index("--data")
     assert argv[data + 1:data + 3] == ["/data/a.jsonl", "/data/b.jsonl"]  # several files stay several
@@ -79,7 +79,7 @@ def test_continue_pretrain_command(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--model") == "/models/llama-3-8b" and "--tokenizer" not in argv
     assert flag(argv, "--deepspeed_config") == "ds_configs/zero3_offload.json" and flag(argv, "--lr") == "1e-5"
-    assert flag(argv, "--tp") == "2"
+    assert flag(argv, "--tp") == "2" and flag(argv, "--sp") == "1"
     assert flag(argv, "--output_dir") == "outputs/continue-llama-3-8b"
     assert flag(argv, "--export_hf") == "outputs/continue-llama-3-8b/hf"
 

@@ -74,7 +74,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
 
     # metrics.jsonl (rank 0 only): step 1 has no perf/ or memory/ values, the later steps have.
     records = read_metrics(tmp_path)
-    assert records[0] == {"step": 0, "run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2}
+    assert records[0] == {"step": 0, "run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2, "run/sp_size": 1}
     by_step = {record["step"]: record for record in records if "loss/total" in record}
     assert not any(key.startswith(("perf/", "memory/")) for key in by_step[1])
     assert by_step[2]["perf/tokens_per_second"] == 1000.0 and "memory/peak_gib" in by_step[3]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+from helpers.models import saved_activation_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from smmd_train import memory as estimate_cli
@@ -101,19 +102,8 @@ def test_preset_config_contract():
 
 def _saved_activation_bytes(config, micro_batch, seq_len):
     """Bytes of the distinct non-parameter storages autograd saves in a bf16 forward."""
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
-    return sum(saved.values())
+    return saved_activation_bytes(LlamaForCausalLM(config).to(torch.bfloat16),
+                                  input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -242,3 +232,17 @@ def test_cli_json(capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["model"] == "1b" and record["params"] == parameter_count(preset_config("1b", 128256))
     assert record["total_gpu_gib"] == pytest.approx(record["total_gpu_bytes"] / 2**30, abs=1e-3)
+
+
+def test_sequence_parallel_divides_what_a_gpu_holds_per_token():
+    config = preset_config("7b", vocab_size=128256)
+    base = estimate_cli.estimate(config, seq_len=32768, gradient_checkpointing=True)
+    split = estimate_cli.estimate(config, seq_len=32768, gradient_checkpointing=True, sp_size=8)
+    assert split["model_states_gpu_bytes"] == base["model_states_gpu_bytes"]  # ZeRO-3 over every GPU either way
+    assert split["logits_and_loss_bytes"] == base["logits_and_loss_bytes"] // 8
+    assert base["activation_bytes"] // 8 < split["activation_bytes"] < base["activation_bytes"] // 6
+    assert (split["dp_size"], base["dp_size"]) == (1, 8)
+    with pytest.raises(ValueError, match="cannot combine Ulysses sequence parallelism with AutoTP"):
+        estimate_cli.estimate(config, tp_size=2, sp_size=2)
+    with pytest.raises(ValueError, match="needs SDPA"):
+        estimate_cli.estimate(config, sp_size=2, flash_attention=False)

@@ -35,8 +35,8 @@ ZERO3 = REPO / "ds_configs" / "zero3.json"
 
 
 def sweep(**values):
-    defaults = dict(world_sizes=[1, 2, 4], tp=[1], weak=False, global_batch=None, output_dir="out", hostfile=None,
-                    slots=None, rerun=False, timeout_minutes=1.0)
+    defaults = dict(world_sizes=[1, 2, 4], tp=[1], sp=[1], weak=False, global_batch=None, output_dir="out",
+                    hostfile=None, slots=None, rerun=False, timeout_minutes=1.0)
     return Namespace(**{**defaults, **values})
 
 
@@ -82,6 +82,19 @@ def test_placement_on_one_machine_and_across_a_hostfile(tmp_path):
                         "contention as much as scaling"]
 
 
+def test_sequence_parallel_layouts_are_planned_and_named():
+    configs, refused, _ = plan_sweep(sweep(world_sizes=[1, 2, 4], tp=[1, 2], sp=[1, 2], slots=4), "cuda")
+    names = [config.name for config in configs]
+    assert names[:4] == ["ws1-tp1", "ws1-tp1-sp2", "ws1-tp2", "ws1-tp2-sp2"] and len(names) == 12
+    assert refused == {"ws1-tp1-sp2": "TP 1 x SP 2 is larger than the world size 1",
+                       "ws1-tp2": "TP 2 is larger than the world size 1",
+                       "ws1-tp2-sp2": "TP 2 x SP 2 is larger than the world size 1",
+                       "ws2-tp2-sp2": "TP 2 x SP 2 is larger than the world size 2"}
+    layout = {config.name: (config.layout, config.dp) for config in configs}
+    assert layout["ws4-tp1-sp2"] == ("tp1-sp2", 2) and layout["ws4-tp2"] == ("tp2", 2)
+    assert layout["ws4-tp2-sp2"] == ("tp2-sp2", 1)  # planned here; train.py's plan refuses TP with SP
+
+
 @pytest.mark.parametrize("case, pattern", [
     (dict(world_sizes=[16], slots=8), r"world size 16 does not fit: 1 node\(s\) of 8 slots \(this machine\)"),
     (dict(world_sizes=[12], hostfile="HOSTFILE"), r"world size 12 does not fit: 2 node\(s\) of 8 slots .*whole nodes"),
@@ -122,9 +135,10 @@ def test_table_speedup_and_efficiency_against_the_smallest_world_size():
     assert rows["ws4-tp2"]["efficiency"] == pytest.approx(0.5) and rows["ws1-tp1"]["efficiency"] == 1.0
     assert "efficiency" not in rows["ws4-tp1"] and rows["ws4-tp1"]["status"] == "failed (exit 1)"
     table = format_table(list(rows.values()))
-    assert "| ws2-tp1 | 2 | 1 x 2 | 1 | 180 | 90 | 1.80 | 0.90 | 1.00 | ok |" in table
-    assert "| ws4-tp1 | 4 | 1 x 4 | 1 | - | - | - | - | - | failed (exit 1) |" in table
-    assert "| ws1-tp2 | 1 | 2 x - | 1 | - | - | - | - | - | refused: TP 2 is larger than the world size 1 |" in table
+    assert "| ws2-tp1 | 2 | 1 x 1 x 2 | 1 | 180 | 90 | 1.80 | 0.90 | 1.00 | ok |" in table
+    assert "| ws4-tp1 | 4 | 1 x 1 x 4 | 1 | - | - | - | - | - | failed (exit 1) |" in table
+    assert ("| ws1-tp2 | 1 | 2 x 1 x - | 1 | - | - | - | - | - | refused: TP 2 is larger than the world size 1 |"
+            in table)
 
 
 def test_the_scaling_view_has_one_point_per_world_size(tmp_path):
@@ -191,7 +205,7 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
     command = ["bash", REPO / "launch" / "scaling.sh", "--world_sizes", "1,2", "--max_steps", "3", "--output_dir", out,
                *train_options(tokenizer_dir, corpus, max_steps=None, micro_batch_size=2, lr=3e-3)]
     completed = run(command, timeout=600, env=environment(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
-    assert "| ws2-tp1-zero3-smmd | 2 | 1 x 2 | 1 |" in completed.stdout
+    assert "| ws2-tp1-zero3-smmd | 2 | 1 x 1 x 2 | 1 |" in completed.stdout
     names = ("ws1-tp1-zero3-smmd", "ws2-tp1-zero3-smmd")
     table = json.loads((out / "scaling.json").read_text())
     rows = {row["name"]: row for row in table["rows"]}
@@ -253,3 +267,22 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_sweep_over_sequence_parallel_degrees(tmp_path, tokenizer_dir):
+    """launch/scaling.sh --sp 1,2 on 2 ranks: SP 1 (2 data-parallel replicas) and SP 2 (one sequence
+    split over both ranks) train the same global batch, and the run records its SP degree."""
+    corpus = write_corpus(tmp_path / "train.jsonl", 300)
+    out = tmp_path / "sweep"
+    command = ["bash", REPO / "launch" / "scaling.sh", "--world_sizes", "2", "--sp", "1,2", "--max_steps", "2",
+               "--output_dir", out, *train_options(tokenizer_dir, corpus, max_steps=None, micro_batch_size=2)]
+    completed = run(command, timeout=600, env=environment(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    assert "| ws2-tp1-sp2-zero3-smmd | 2 | 1 x 2 x 1 | 1 |" in completed.stdout
+    rows = {row["name"]: row for row in json.loads((out / "scaling.json").read_text())["rows"]}
+    assert [rows[name]["status"] for name in ("ws2-tp1-zero3-smmd", "ws2-tp1-sp2-zero3-smmd")] == ["ok", "ok"]
+    configs = [json.loads((out / "runs" / name / "run_config.json").read_text())
+               for name in ("ws2-tp1-zero3-smmd", "ws2-tp1-sp2-zero3-smmd")]
+    assert [(config["sp_size"], config["dp_size"], config["deepspeed_config"]["train_batch_size"])
+            for config in configs] == [(1, 2, 4), (2, 1, 4)]
+    assert (out / "tensorboard" / "scaling-tp1-sp2").is_dir()

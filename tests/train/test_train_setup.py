@@ -234,6 +234,12 @@ BAD_SETUPS = {
         r"has a \"scheduler\" section, but train.py schedules the learning rate itself"),
     "tp_does_not_divide_the_heads": (lambda tmp, tok: {"tp": 4, "world_size": 4},
                                      r"--tp 4 does not divide the model's num_key_value_heads=2"),
+    "sp_with_tp": (lambda tmp, tok: {"tp": 2, "sp": 2, "world_size": 4},
+                   r"--sp 2 with --tp 2: DeepSpeed cannot combine Ulysses sequence parallelism with AutoTP"),
+    "sp_does_not_divide_the_sequence": (lambda tmp, tok: {"sp": 2, "seq_len": 47, "world_size": 2},
+                                        r"--seq_len 47 must be a multiple of --sp 2"),
+    "sp_does_not_divide_the_world": (lambda tmp, tok: {"sp": 2, "world_size": 3},
+                                     r"--sp 2 must divide the world size 3"),
     # Options of the numeric loss and vocabulary: the loss is built in the plan, before the model.
     "smmd_sigmas_negative": (lambda tmp, tok: {"smmd_sigmas": [-1.0]},
                              r"sigmas=\(-1.0,\) must be a non-empty sequence of finite positive numbers"),
