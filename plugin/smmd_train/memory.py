@@ -42,6 +42,7 @@ from typing import Optional
 
 from smmd_scale.fused_linear import default_chunk_size
 
+from .autotp import kv_head_shares, near_even_shares
 from .presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
@@ -71,20 +72,23 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
       2*I each -> 8I;
 
     everything but the norms split t ways (heads and MLP width are sharded; AutoTP has no
-    sequence parallelism). tests/test_presets.py checks this against the tensors autograd saves.
+    sequence parallelism), counted for TP rank 0, which holds the largest share when the KV heads or
+    the MLP width do not divide by t (:mod:`smmd_train.autotp`). tests/train/test_presets.py checks
+    this against the tensors autograd saves.
     """
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
     tokens = seq_len * micro_batch
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[0]  # this rank's
+    heads, head_dim = config.num_attention_heads // config.num_key_value_heads * kv_heads, config.head_dim
     norms = tokens * (16 * config.hidden_size + 8)
     if flash_attention:
         attention = tokens * (4 * heads * head_dim + 4 * kv_heads * head_dim + 4 * heads)
     else:
         attention = tokens * (8 * heads * head_dim + 6 * heads * seq_len)
-    mlp = tokens * 8 * config.intermediate_size
-    return norms + (attention + mlp) // tp_size
+    mlp = tokens * 8 * near_even_shares(config.intermediate_size, tp_size)[0]
+    return norms + attention + mlp
 
 
 def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
@@ -109,7 +113,7 @@ def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_si
     softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B).
     ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
     per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state)."""
-    tokens, rows = seq_len * micro_batch, vocab_size // tp_size
+    tokens, rows = seq_len * micro_batch, near_even_shares(vocab_size, tp_size)[0]  # rank 0: the most rows
     if not fused_linear:
         return tokens * rows * (2 + 4 + 2)
     block = tokens * default_chunk_size(tokens, hidden_size, rows)
@@ -191,8 +195,8 @@ def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
 def _options(config, setup: dict) -> list:
     """Every setup reachable from ``setup`` by the changes this estimate knows: the fused linear
     head, a smaller micro batch (halving; gradient accumulation keeps the global batch), gradient
-    checkpointing, more TP (doubling, inside the node, while the model's heads and widths split
-    evenly), CPU offload."""
+    checkpointing, more TP (doubling, inside the node, while every rank keeps a KV head), CPU
+    offload."""
     micro_batches = [setup["micro_batch"]]
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
@@ -200,7 +204,7 @@ def _options(config, setup: dict) -> list:
     while setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:
         try:
             parameter_count(config, 2 * tp_sizes[-1])
-        except ValueError:  # the model's heads or widths do not split that many ways
+        except ValueError:  # more ranks than KV heads: AutoTP cannot split the attention that many ways
             break
         tp_sizes.append(2 * tp_sizes[-1])
     return [{**setup, "micro_batch": micro_batch, "gradient_checkpointing": checkpointing, "tp_size": tp_size,

@@ -12,10 +12,11 @@ from transformers.integrations import HfDeepSpeedConfig
 from .presets import PRESETS, preset_config
 
 
-def model_config(model: str, tokenizer, tp_size: int, seq_len: int, trust_remote_code: bool = False):
-    """The architecture: a preset sized for the tokenizer, or the model dir's own config."""
+def model_config(model: str, tokenizer, seq_len: int, trust_remote_code: bool = False):
+    """The architecture: a preset sized for the tokenizer (its vocabulary padded to a multiple of 64,
+    the same at every TP degree: AutoTP splits any vocabulary), or the model dir's own config."""
     if model in PRESETS:
-        vocab_size = -(-len(tokenizer) // (64 * tp_size)) * 64 * tp_size  # padded, divisible by TP
+        vocab_size = -(-len(tokenizer) // 64) * 64
         config = preset_config(model, vocab_size=vocab_size, max_position_embeddings=max(seq_len, 128))
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         return config

@@ -19,8 +19,9 @@ world size.
 
 Before anything is launched, every configuration is planned in this process through train.py's
 own parser and the plan stage of ``smmd_train.run.prepare_run`` (tokenizer, model, DeepSpeed config
-and the flags against it, TP against the world size, the heads and the vocabulary, the numeric
-vocabulary and loss): one that cannot run is refused with its reason, a sweep that cannot run at all
+and the flags against it, TP against the world size and what AutoTP can split, ``smmd_train.autotp``:
+uneven heads and vocabularies run, more ranks than KV heads do not; the numeric vocabulary and loss):
+one that cannot run is refused with its reason, a sweep that cannot run at all
 (options train.py does not know, a world size the machine or the hostfile cannot place, a
 directory holding another sweep) fails in seconds. A run that fails is reported (exit code, log)
 and the sweep goes on; finished runs are kept, and a sweep re-run in the same directory (same
