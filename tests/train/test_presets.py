@@ -107,6 +107,19 @@ def test_uneven_splits_are_deepspeeds(heads, kv_heads, head_dim, intermediate, v
     assert estimate_cli.logits_and_loss_bytes(vocab, 8, 1, tp_size) == 8 * vocab_rows[0] * 8
 
 
+def test_what_autotp_cannot_split_is_refused_with_what_to_do():
+    from smmd_train.autotp import check_tensor_parallel_split
+
+    config = LlamaConfig(vocab_size=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
+    check_tensor_parallel_split(config, 3)  # one vocabulary row per rank is enough
+    with pytest.raises(ValueError, match=r"--tp 4 is more than the model's vocab_size=3: .* use a smaller --tp"):
+        check_tensor_parallel_split(config, 4)
+    with pytest.raises(ValueError, match=r"--tp 9 is more than the model's num_key_value_heads=8"):
+        check_tensor_parallel_split(config, 9)
+    with pytest.raises(ValueError, match=r"tp_size=0 must be a positive int"):
+        check_tensor_parallel_split(config, 0)
+
+
 @pytest.mark.parametrize("name", list(REAL_WORLD))
 def test_real_world_shapes(name):
     hidden, layers, heads, kv_heads, intermediate, tied = REAL_WORLD[name]
