@@ -199,7 +199,7 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     for split in ("train", "eval"):
         pack_files([corpus[split]], tokenizer, settings["seq_len"], cache_dir=cache_dir)
-    parameters = parameter_count(model_config(settings["model"], tokenizer, 1, settings["seq_len"]))
+    parameters = parameter_count(model_config(settings["model"], tokenizer, settings["seq_len"]))
     return {**corpus, "tokenizer": str(tokenizer_dir), "cache": str(cache_dir), "parameters": parameters}
 
 

@@ -47,6 +47,7 @@ from typing import Optional
 
 from smmd_scale.fused_linear import default_chunk_size
 
+from .autotp import kv_head_shares, near_even_shares
 from .presets import PRESETS, largest_layer_params, parameter_count, preset_config
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
@@ -76,17 +77,19 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
       2*I each -> 8I;
 
     everything but the norms split t ways (heads and MLP width are sharded; AutoTP has no
-    sequence parallelism). Ulysses ``sp_size`` S: per rank, ``seq_len / S`` tokens of each term, the
-    KV heads at least S (Ulysses replicates fewer), the attention output twice with SDPA (its
-    head-sharded copy and the o_proj input after the all-to-all back; eager keeps both already).
-    tests/train/test_presets.py and tests/train/test_sequence_parallel.py check this against the
-    tensors autograd saves.
+    sequence parallelism), counted for TP rank 0, which holds the largest share when the KV heads or
+    the MLP width do not divide by t (:mod:`smmd_train.autotp`). Ulysses ``sp_size`` S: per rank,
+    ``seq_len / S`` tokens of each term, the KV heads at least S (Ulysses replicates fewer), the
+    attention output twice with SDPA (its head-sharded copy and the o_proj input after the all-to-all
+    back; eager keeps both already). tests/train/test_presets.py and tests/train/test_sequence_parallel.py
+    check this against the tensors autograd saves.
     """
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
     tokens = seq_len * micro_batch // sp_size
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[0]  # this rank's
+    heads, head_dim = config.num_attention_heads // config.num_key_value_heads * kv_heads, config.head_dim
     kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
     norms = tokens * (16 * config.hidden_size + 8)
     if flash_attention:
@@ -94,8 +97,8 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
                               + (2 * heads * head_dim if sp_size > 1 else 0))
     else:
         attention = tokens * (8 * heads * head_dim + 6 * heads * seq_len)
-    mlp = tokens * 8 * config.intermediate_size
-    return norms + (attention + mlp) // tp_size
+    mlp = tokens * 8 * near_even_shares(config.intermediate_size, tp_size)[0]
+    return norms + attention + mlp
 
 
 def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
@@ -122,7 +125,7 @@ def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_si
     ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
     per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state).
     With ``sp_size`` Ulysses ranks, each holds the loss of its seq_len / sp_size tokens."""
-    tokens, rows = seq_len * micro_batch // sp_size, vocab_size // tp_size
+    tokens, rows = seq_len * micro_batch // sp_size, near_even_shares(vocab_size, tp_size)[0]  # rank 0: the most rows
     if not fused_linear:
         return tokens * rows * (2 + 4 + 2)
     block = tokens * default_chunk_size(tokens, hidden_size, rows)
@@ -219,8 +222,8 @@ def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
 def _options(config, setup: dict) -> list:
     """Every setup reachable from ``setup`` by the changes this estimate knows: the fused linear
     head, a smaller micro batch (halving; gradient accumulation keeps the global batch), gradient
-    checkpointing, more TP (doubling, inside the node, while the model's heads and widths split
-    evenly), CPU offload."""
+    checkpointing, more TP (doubling, inside the node, while every rank keeps a KV head), CPU
+    offload."""
     micro_batches = [setup["micro_batch"]]
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
@@ -228,7 +231,7 @@ def _options(config, setup: dict) -> list:
     while setup.get("sp_size", 1) == 1 and setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:  # TP or SP, not both
         try:
             parameter_count(config, 2 * tp_sizes[-1])
-        except ValueError:  # the model's heads or widths do not split that many ways
+        except ValueError:  # more ranks than KV heads: AutoTP cannot split the attention that many ways
             break
         tp_sizes.append(2 * tp_sizes[-1])
     return [{**setup, "micro_batch": micro_batch, "gradient_checkpointing": checkpointing, "tp_size": tp_size,

@@ -3,7 +3,6 @@ built partitioned under ZeRO-3 through HF's DeepSpeed integration."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -12,22 +11,12 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from .presets import PRESETS, preset_config
 
-# A preset's vocabulary is padded to a multiple of this (and of 64 x TP): the same model for TP 1, 2, 4
-# and 8, so changing the TP degree does not change what is trained.
-VOCAB_PADDING = 512
 
-
-def padded_vocab_size(tokenizer_size: int, tp_size: int) -> int:
-    """The tokenizer's size rounded up to a multiple of lcm(512, 64 x TP)."""
-    multiple = math.lcm(VOCAB_PADDING, 64 * tp_size)
-    return -(-tokenizer_size // multiple) * multiple
-
-
-def model_config(model: str, tokenizer, tp_size: int, seq_len: int, trust_remote_code: bool = False):
-    """The architecture: a preset sized for the tokenizer (:func:`padded_vocab_size`), or the model
-    dir's own config."""
+def model_config(model: str, tokenizer, seq_len: int, trust_remote_code: bool = False):
+    """The architecture: a preset sized for the tokenizer (its vocabulary padded to a multiple of 64,
+    the same at every TP degree: AutoTP splits any vocabulary), or the model dir's own config."""
     if model in PRESETS:
-        vocab_size = padded_vocab_size(len(tokenizer), tp_size)
+        vocab_size = -(-len(tokenizer) // 64) * 64
         config = preset_config(model, vocab_size=vocab_size, max_position_embeddings=max(seq_len, 128))
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         return config

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .autotp import check_tensor_parallel_split
 from .config import (
     Topology,
     check_flags_agree,
@@ -58,21 +59,6 @@ def numeric_loss(args, vocab):
         "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
 
 
-def check_tensor_parallel_split(config, tp_size: int) -> None:
-    """AutoTP gives each rank whole attention heads and an equal slice of the vocabulary-parallel
-    head: refuse a TP degree that does not divide the query heads, the key/value heads or the
-    vocabulary (a ValueError naming the model's counts). The presets pad their vocabulary to a
-    multiple of lcm(512, 64 x TP) (smmd_train.model.padded_vocab_size)."""
-    heads = getattr(config, "num_attention_heads", None)
-    for name, count, what in (("num_attention_heads", heads, "whole heads"),
-                              ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads,
-                               "whole heads"),
-                              ("vocab_size", getattr(config, "vocab_size", None), "equal vocabulary slices")):
-        if tp_size > 1 and count and count % tp_size:
-            raise ValueError(f"--tp {tp_size} does not divide the model's {name}={count}: AutoTP gives each rank "
-                             f"{what}; use a TP degree that divides {count}")
-
-
 def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
     """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
@@ -85,8 +71,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     json_config = load_config(args.deepspeed_config)
     check_flags_agree(json_config, explicit)
     raw_config = set_tensor_parallel(json_config, args.tp)
-    config = model_config(args.model, tokenizer, tensor_parallel_size(raw_config), args.seq_len,
-                          args.trust_remote_code)
+    config = model_config(args.model, tokenizer, args.seq_len, args.trust_remote_code)
     check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
     check_sequence_parallel(config, args.sp, args.seq_len, tensor_parallel_size(raw_config), world_size)
     warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import transformers
 
+from .autotp import check_tensor_parallel_split, kv_head_shares, near_even_shares
+
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
 
 
@@ -63,51 +65,41 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 409
                                        "max_position_embeddings": max_position_embeddings, **overrides})
 
 
-def _check_tp_size(config, tp_size: int) -> None:
-    """AutoTP splits heads, KV heads, the MLP width and the vocabulary evenly ``tp_size`` ways."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size={tp_size!r} must be a positive int")
-    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
-    uneven = {name: size for name, size in sizes.items() if size % tp_size}
-    if uneven:
-        raise ValueError(f"tp_size={tp_size} does not divide {uneven}: AutoTP would shard them unevenly (or, past "
-                         "the KV head count, leave ranks without attention); pick a tp_size that divides them all "
-                         "(a vocabulary can be padded to a multiple of 64 * tp_size, as "
-                         "smmd_train.model.padded_vocab_size does)")
-
-
 def _attention_params(config, tp_size: int) -> dict:
-    """Parameters of each attention projection of one layer on one of ``tp_size`` ranks: q/k/v
-    are column-parallel (weight and bias split), o_proj row-parallel (weight split, bias whole)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_width = config.num_attention_heads * head_dim // tp_size
-    kv_width = config.num_key_value_heads * head_dim // tp_size
+    """Parameters of each attention projection of one layer on rank 0 of ``tp_size`` (the largest
+    share, :mod:`smmd_train.autotp`): q/k/v are column-parallel (weight and bias split by KV head,
+    each with its query heads), o_proj row-parallel (weight split, bias whole)."""
+    hidden, head_dim, kv_heads = config.hidden_size, config.head_dim, config.num_key_value_heads
+    rank_kv_heads = kv_head_shares(kv_heads, tp_size)[0]
+    q_width = config.num_attention_heads // kv_heads * rank_kv_heads * head_dim
+    kv_width = rank_kv_heads * head_dim
     bias = bool(config.attention_bias)
     return {"q_proj": (hidden + bias) * q_width, "k_proj": (hidden + bias) * kv_width,
             "v_proj": (hidden + bias) * kv_width, "o_proj": q_width * hidden + bias * hidden}
 
 
 def _mlp_params(config, tp_size: int) -> dict:
-    """Parameters of each SwiGLU projection of one layer on one of ``tp_size`` ranks: gate/up
-    column-parallel, down row-parallel."""
+    """Parameters of each SwiGLU projection of one layer on rank 0 of ``tp_size``: gate/up
+    column-parallel, down row-parallel, the width split near-evenly."""
     hidden, bias = config.hidden_size, bool(config.mlp_bias)
-    width = config.intermediate_size // tp_size
+    width = near_even_shares(config.intermediate_size, tp_size)[0]
     return {"gate_proj": (hidden + bias) * width, "up_proj": (hidden + bias) * width,
             "down_proj": width * hidden + bias * hidden}
 
 
 def _embedding_and_head_params(config, tp_size: int) -> tuple:
-    """(embedding, lm_head) parameters on one of ``tp_size`` ranks, lm_head 0 when tied.
+    """(embedding, lm_head) parameters on rank 0 of ``tp_size``, lm_head 0 when tied.
 
     DeepSpeed AutoTP with ``vocab_parallel_lm_head`` (what smmd-scale runs) splits the head over
-    the vocabulary; HF's Llama TP plan leaves ``embed_tokens`` whole on every rank unless it is
-    tied to the head, in which case it becomes a VocabParallelEmbedding sharing the head's shard.
+    the vocabulary, near-evenly; HF's Llama TP plan leaves ``embed_tokens`` whole on every rank
+    unless it is tied to the head, in which case it becomes a VocabParallelEmbedding sharing the
+    head's shard.
     """
     full = config.vocab_size * config.hidden_size
+    shard = near_even_shares(config.vocab_size, tp_size)[0] * config.hidden_size
     if config.tie_word_embeddings:
-        return full // tp_size, 0
-    return full, full // tp_size
+        return shard, 0
+    return full, shard
 
 
 def parameter_count(config, tp_size: int = 1) -> int:
@@ -115,11 +107,13 @@ def parameter_count(config, tp_size: int = 1) -> int:
     embedding, per layer the attention (GQA-sized k/v) and SwiGLU projections and two RMSNorms,
     the final RMSNorm, and the lm_head unless tied.
 
-    With ``tp_size`` > 1: the parameters one tensor-parallel rank holds under DeepSpeed AutoTP
-    with a vocabulary-parallel head (projections and head split, norms and an untied embedding
-    whole), i.e. what ZeRO-3 then partitions over that rank's data-parallel group.
+    With ``tp_size`` > 1: the parameters tensor-parallel rank 0 (the largest share when the heads,
+    widths or vocabulary split unevenly) holds under DeepSpeed AutoTP with a vocabulary-parallel
+    head (projections and head split, norms and an untied embedding whole), i.e. what ZeRO-3 then
+    partitions over that rank's data-parallel group. A TP degree AutoTP cannot split the model by
+    raises ValueError (:func:`smmd_train.autotp.check_tensor_parallel_split`).
     """
-    _check_tp_size(config, tp_size)
+    check_tensor_parallel_split(config, tp_size)
     embedding, head = _embedding_and_head_params(config, tp_size)
     layer = (sum(_attention_params(config, tp_size).values()) + sum(_mlp_params(config, tp_size).values())
              + 2 * config.hidden_size)
@@ -130,8 +124,8 @@ def largest_layer_params(config, tp_size: int = 1) -> int:
     """Parameters of the largest single module of ``LlamaForCausalLM(config)`` (its own
     parameters, not its children's), as ``deepspeed.runtime.zero.stage3.model_to_params`` counts
     them for the ZeRO-3 estimator: the embedding / lm_head, unless an MLP projection is larger.
-    ``tp_size`` > 1: on one AutoTP rank, as in :func:`parameter_count`. A tied head is the
+    ``tp_size`` > 1: on AutoTP rank 0, as in :func:`parameter_count`. A tied head is the
     embedding's weight, so it is as large as the embedding."""
-    _check_tp_size(config, tp_size)
+    check_tensor_parallel_split(config, tp_size)
     embedding, head = _embedding_and_head_params(config, tp_size)
     return max(embedding, head, *_attention_params(config, tp_size).values(), *_mlp_params(config, tp_size).values())

@@ -20,12 +20,13 @@ world size (SP degrees likewise).
 
 Before anything is launched, every configuration is planned in this process through train.py's
 own parser and the plan stage of ``smmd_train.run.prepare_run`` (tokenizer, model, DeepSpeed config
-and the flags against it, TP and SP against the world size, the heads and the vocabulary, SP
-against the sequence length and TP, the numeric vocabulary and loss): one that cannot run is
-refused with its reason, a sweep that cannot run at all (options train.py does not know, a world
-size the machine or the hostfile cannot place, a directory holding another sweep) fails in seconds.
-A run that fails is reported (exit code, log) and the sweep goes on; finished runs are kept, and a
-sweep re-run in the same directory (same settings) only runs what has not finished.
+and the flags against it, TP against the world size and what AutoTP can split (``smmd_train.autotp``:
+uneven heads and vocabularies run, more ranks than KV heads do not), SP against the world size, the
+sequence length and TP, the numeric vocabulary and loss): one that cannot run is refused with its
+reason, a sweep that cannot run at all (options train.py does not know, a world size the machine or
+the hostfile cannot place, a directory holding another sweep) fails in seconds. A run that fails is
+reported (exit code, log) and the sweep goes on; finished runs are kept, and a sweep re-run in the
+same directory (same settings) only runs what has not finished.
 
 Layout of ``--output_dir``: ``sweep.json`` (the settings), ``runs/<name>/`` (each run's
 output_dir: metrics.jsonl, run_config.json), ``logs/<name>.log``, ``tensorboard/<name>/`` (each

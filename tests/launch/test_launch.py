@@ -133,10 +133,13 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
 
 def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_trips(tmp_path, corpus):
     from safetensors.torch import load_file
+    from transformers import AutoConfig
 
     # A 2-step continued-pretraining run of a local HF checkpoint with train.py's default schedule
-    # (no --lr, no --warmup_steps): both steps train at a positive rate, and every weight moves.
-    start = local_hf_checkpoint(tmp_path / "start", corpus)
+    # (no --lr, no --warmup_steps): both steps train at a positive rate, and every weight moves. The
+    # checkpoint splits unevenly over the 2 ranks: 9 heads over 3 KV heads, and a vocabulary one row
+    # larger than the tokenizer's 1,512 (757 + 756 rows).
+    start = local_hf_checkpoint(tmp_path / "start", corpus, extra_rows=1, hidden_size=72, heads=9, kv_heads=3)
     output = tmp_path / "run"
     run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=None, warmup_steps=None,
                                          export_hf=output / "hf", save_steps=2, tp=2)), timeout=600)
@@ -146,6 +149,8 @@ def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_tri
     assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2))  # the vocab-parallel exchange ran
     base, trained = load_file(start / "model.safetensors"), load_file(output / "hf" / "model.safetensors")
     assert base.keys() == trained.keys() and not [key for key in base if torch.equal(base[key], trained[key])]
+    assert all(base[key].shape == trained[key].shape for key in base)  # every shard gathered back whole
+    assert AutoConfig.from_pretrained(output / "hf").vocab_size == 1513 == base["model.embed_tokens.weight"].shape[0]
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(logged[2]["eval/ce"], rel=1e-5)
     # launch/export_hf.py from the checkpoint gives the same weights as --export_hf from the live engine.
     run(deepspeed_command(2, EXPORT, output, tmp_path / "from_checkpoint"), timeout=600)
@@ -153,12 +158,13 @@ def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_tri
     assert trained.keys() == offline.keys() and all(torch.equal(trained[k], offline[k]) for k in trained)
 
 
-def local_hf_checkpoint(directory, corpus):
-    """A small Llama with the corpus tokenizer saved as a Hugging Face dir, as a user's checkpoint."""
+def local_hf_checkpoint(directory, corpus, extra_rows=0, **shape):
+    """A small Llama with the corpus tokenizer saved as a Hugging Face dir, as a user's checkpoint;
+    its embedding has ``extra_rows`` beyond the tokenizer's; ``shape``: more ``tiny_llama`` options."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
-    tiny_llama(len(tokenizer)).save_pretrained(directory)
+    tiny_llama(len(tokenizer) + extra_rows, **shape).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

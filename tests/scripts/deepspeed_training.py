@@ -2,9 +2,11 @@
 
 Per variant (tied or untied embeddings; the materialized loss or ``fused_linear``; with ``--offload``,
 ZeRO-3 with and without parameter and optimizer offload), in one process: a tiny LlamaForCausalLM
-from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with a vocabulary-parallel LM head when
-``--tp`` > 1, ``smmd_scale.install`` on the engine and a few optimizer steps on fixed batches. Rank 0
-writes, per variant, the per-step losses, the installed loss's statistics and, for a fused variant, the
+(``--heads``, ``--kv_heads`` and ``--vocab`` set its shape, e.g. 9 heads over 3 KV heads and a 50,257
+vocabulary, which AutoTP splits unevenly) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
+a vocabulary-parallel LM head when ``--tp`` > 1, ``smmd_scale.install`` on the engine and a few
+optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses, the installed
+loss's statistics, each rank's LM head shard and first q_proj rows and, for a fused variant, the
 largest relative difference of its final weights to its materialized twin's. The ordered shutdown at
 the end must leave no process group alive (else the rank exits 1).
 """
@@ -26,13 +28,15 @@ from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdo
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
-parser.add_argument("--kv_heads", type=int, default=2, help="AutoTP splits the KV heads too: TP=4 needs 4")
+parser.add_argument("--heads", type=int, default=4, help="query heads of 16 (hidden 16 x heads)")
+parser.add_argument("--kv_heads", type=int, default=2, help="AutoTP splits them, unevenly too; TP may not exceed them")
+parser.add_argument("--vocab", type=int, default=2048, help="the vocabulary (AutoTP splits it unevenly too)")
 parser.add_argument("--offload", action="store_true", help="also train each variant with ZeRO-3 offload")
 parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choices=["untied", "tied"])
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
-VOCAB, BATCH, LENGTH = 2048, 4, 24
+VOCAB, BATCH, LENGTH = args.vocab, 4, 24
 
 
 def build_engine(tied: bool, offload: bool):
@@ -46,8 +50,9 @@ def build_engine(tied: bool, offload: bool):
     torch.manual_seed(0)
     zero_init = HfDeepSpeedConfig(dict(config))
     model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=64, tie_word_embeddings=tied),
+        vocab_size=VOCAB, hidden_size=16 * args.heads, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=64,
+        tie_word_embeddings=tied),
         torch_dtype=torch.float32)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                            mpu=groups if args.tp > 1 else None)
@@ -60,9 +65,10 @@ def main() -> None:
     if args.tp > 1:
         compat.init_tensor_parallel_groups(args.tp)
 
-    # Numeric tokens on both sides of the TP=2 split at 1024: ids 100..119 and 1100..1109.
-    vocab = smmd_scale.NumericVocab(list(range(100, 120)) + list(range(1100, 1110)), list(range(20)) + list(range(10)),
-                                    VOCAB)
+    # Numeric tokens on both sides of the TP=2 split (1024 for 2048): ids 100..119 and VOCAB // 2 + 76 ..
+    upper = VOCAB // 2 + 76
+    vocab = smmd_scale.NumericVocab(list(range(100, 120)) + list(range(upper, upper + 10)),
+                                    list(range(20)) + list(range(10)), VOCAB)
     generator = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.steps):
@@ -71,7 +77,8 @@ def main() -> None:
         ids[numeric] = vocab.token_ids[torch.randint(0, len(vocab), (int(numeric.sum()), ), generator=generator)]
         batches.append(ids)
 
-    result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "variants": {}}
+    result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "hidden_size": 16 * args.heads,
+              "variants": {}}
     materialized_weights = {}
     for offload in ((False, True) if args.offload else (False, )):
         for tied in (embedding == "tied" for embedding in args.embeddings):
@@ -103,9 +110,12 @@ def main() -> None:
                     losses.append(output.loss.item())
                     stats.append(installed.last_stats)
                 variant.update(losses=losses, stats=stats)
-                heads = [None] * dist.get_world_size()
-                dist.all_gather_object(heads, variant["head"])
-                variant["heads"] = heads
+                q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
+                shard = {"head": variant["head"], "q_proj_rows": getattr(q_proj, "ds_shape", q_proj.shape)[0]}
+                shards = [None] * dist.get_world_size()
+                dist.all_gather_object(shards, shard)
+                variant["heads"] = [rank["head"] for rank in shards]
+                variant["q_proj_rows"] = [rank["q_proj_rows"] for rank in shards]
                 weights = compat.consolidated_state_dict(engine)  # a collective: every rank calls it
                 if dist.get_rank() == 0:
                     twin = name.replace("-fused", "")

@@ -61,8 +61,64 @@ def test_tp_rank_counts_match_deepspeed_autotp():
     tied = preset_config("tiny", vocab_size=2048)
     assert (parameter_count(untied, 2), largest_layer_params(untied, 2)) == (763008, 262144)
     assert (parameter_count(tied, 2), largest_layer_params(tied, 2)) == (500864, 131072)
-    with pytest.raises(ValueError, match=r"tp_size=4 does not divide \{'num_key_value_heads': 2\}"):
+    with pytest.raises(ValueError, match=r"--tp 4 is more than the model's num_key_value_heads=2: .* rank 2 would "
+                                         r"hold none; use --tp 2 or less"):
         parameter_count(tied, 4)
+
+
+# (heads, KV heads, head_dim, MLP width, vocabulary, tied): SmolLM2-135M (9 heads over 3 KV heads, a
+# 49,152 vocabulary), GPT-2's 50,257 vocabulary, a 32,002 one, 6 KV heads over 4 ranks.
+UNEVEN = [(9, 3, 64, 1536, 49152, True), (12, 12, 64, 3072, 50257, False), (32, 8, 128, 11008, 32002, False),
+          (6, 6, 16, 130, 50257, True)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, intermediate, vocab, tied", UNEVEN)
+@pytest.mark.parametrize("tp_size", [2, 3, 4])
+def test_uneven_splits_are_deepspeeds(heads, kv_heads, head_dim, intermediate, vocab, tied, tp_size):
+    """The shares of smmd_train.autotp, and the per-rank counts built on them, against DeepSpeed's
+    own get_shard_size_list for every projection and the vocabulary-parallel head."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    from smmd_train.autotp import kv_head_shares, near_even_shares
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         tie_word_embeddings=tied)
+    if tp_size > kv_heads:
+        with pytest.raises(ValueError, match=f"num_key_value_heads={kv_heads}"):
+            parameter_count(config, tp_size)
+        return
+    meta = AutoTPMeta.from_model_config(config)
+    q_rows = get_shard_size_list(heads * head_dim, tp_size, meta, "model.layers.0.self_attn.q_proj")
+    kv_rows = get_shard_size_list(kv_heads * head_dim, tp_size, meta, "model.layers.0.self_attn.k_proj")
+    mlp_rows = get_shard_size_list(intermediate, tp_size, meta, "model.layers.0.mlp.gate_proj")
+    vocab_rows = get_shard_size_list(vocab, tp_size, meta, "lm_head")
+    assert kv_rows == [share * head_dim for share in kv_head_shares(kv_heads, tp_size)]
+    assert q_rows == [share * heads // kv_heads * head_dim for share in kv_head_shares(kv_heads, tp_size)]
+    assert mlp_rows == near_even_shares(intermediate, tp_size) and vocab_rows == near_even_shares(vocab, tp_size)
+    assert max(vocab_rows) == vocab_rows[0] and max(q_rows) == q_rows[0] and max(mlp_rows) == mlp_rows[0]
+
+    # Rank 0's parameters: its projections, both norms per layer, the final norm, the head shard
+    # (and the whole untied embedding, or the tied embedding sharing the head's shard).
+    hidden = config.hidden_size
+    layer = hidden * (2 * q_rows[0] + 2 * kv_rows[0] + 3 * mlp_rows[0]) + 2 * hidden
+    head = vocab_rows[0] * hidden
+    assert parameter_count(config, tp_size) == 2 * layer + hidden + head + (0 if tied else vocab * hidden)
+    assert largest_layer_params(config, tp_size) == max(head if tied else vocab * hidden, hidden * mlp_rows[0])
+    assert estimate_cli.logits_and_loss_bytes(vocab, 8, 1, tp_size) == 8 * vocab_rows[0] * 8
+
+
+def test_what_autotp_cannot_split_is_refused_with_what_to_do():
+    from smmd_train.autotp import check_tensor_parallel_split
+
+    config = LlamaConfig(vocab_size=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
+    check_tensor_parallel_split(config, 3)  # one vocabulary row per rank is enough
+    with pytest.raises(ValueError, match=r"--tp 4 is more than the model's vocab_size=3: .* use a smaller --tp"):
+        check_tensor_parallel_split(config, 4)
+    with pytest.raises(ValueError, match=r"--tp 9 is more than the model's num_key_value_heads=8"):
+        check_tensor_parallel_split(config, 9)
+    with pytest.raises(ValueError, match=r"tp_size=0 must be a positive int"):
+        check_tensor_parallel_split(config, 0)
 
 
 @pytest.mark.parametrize("name", list(REAL_WORLD))

@@ -232,8 +232,9 @@ BAD_SETUPS = {
     "scheduler_section": (
         lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c.update(scheduler={"type": "WarmupLR"}))},
         r"has a \"scheduler\" section, but train.py schedules the learning rate itself"),
-    "tp_does_not_divide_the_heads": (lambda tmp, tok: {"tp": 4, "world_size": 4},
-                                     r"--tp 4 does not divide the model's num_key_value_heads=2"),
+    "tp_above_the_kv_heads": (lambda tmp, tok: {"tp": 4, "world_size": 4},
+                              r"--tp 4 is more than the model's num_key_value_heads=2: AutoTP splits attention by "
+                              r"whole key/value heads .* use --tp 2 or less"),
     "sp_with_tp": (lambda tmp, tok: {"tp": 2, "sp": 2, "world_size": 4},
                    r"--sp 2 with --tp 2: DeepSpeed cannot combine Ulysses sequence parallelism with AutoTP"),
     "sp_does_not_divide_the_sequence": (lambda tmp, tok: {"sp": 2, "seq_len": 47, "world_size": 2},
@@ -352,16 +353,31 @@ def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, to
     assert run_hparams(args, plan, "single", framework_loss=False)["numeric_weight"] == 0.5
 
 
+@pytest.mark.parametrize("tp", [2, 3])
+def test_uneven_tensor_parallelism_is_planned(tmp_path, tokenizer_dir, tp):
+    """AutoTP splits what does not divide: a SmolLM2-shaped checkpoint (9 heads over 3 KV heads, tied)
+    with GPT-2's 50,257-token vocabulary plans at TP 2 and 3; TP 4 would leave a rank without a head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "smollm-shaped"
+    LlamaForCausalLM(LlamaConfig(vocab_size=50257, hidden_size=72, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+                     ).save_pretrained(model_dir)
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+    _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", model=model_dir, tp=tp), world_size=tp,
+                       until="plan")
+    assert plan.topology.tp_size == tp and plan.model_config.vocab_size == plan.numeric_vocab.vocab_size == 50257
+    with pytest.raises(RunRefused, match=r"--tp 4 is more than the model's num_key_value_heads=3: .* rank 3 would "
+                                         r"hold none; use --tp 3 or less \(it need not divide 3\)"):
+        prepared(argv(tokenizer_dir, corpus, tmp_path / "run", model=model_dir, tp=4), world_size=4, until="plan")
+
+
 def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", tp=2)
     args, plan = prepared(arguments, world_size=4)
     assert (plan.topology.tp_size, plan.topology.dp_size) == (2, 2) and plan.pretrained_dir is None
-    assert plan.model_config.vocab_size % (64 * 2) == 0 and plan.model_config.vocab_size >= len(plan.tokenizer)
-    # The same padded vocabulary (the same model) at TP 1, 2, 4 and 8.
-    from smmd_train.model import padded_vocab_size
-
-    assert {padded_vocab_size(len(plan.tokenizer), tp) for tp in (1, 2, 4, 8)} == {plan.model_config.vocab_size}
-    assert padded_vocab_size(513, 16) == 1024 and padded_vocab_size(512, 1) == 512
+    # The preset's vocabulary is the tokenizer's padded to a multiple of 64, the same at every TP degree.
+    assert plan.model_config.vocab_size == -(-len(plan.tokenizer) // 64) * 64
     assert plan.ds_config["train_batch_size"] == 2 * 2 and plan.warnings == []
     assert plan.ds_config["optimizer"]["params"]["lr"] == args.lr
     # train.py writes TensorBoard and schedules the rate itself: DeepSpeed's writer and scheduler stay off.
