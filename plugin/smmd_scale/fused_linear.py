@@ -131,24 +131,30 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
             grad_weight = torch.empty_like(head_weight) if needs_weight else None
             grad_bias = torch.empty_like(bias) if needs_bias else None
-            owned_rows = plan.owned.nonzero().squeeze(1)
-            owned_targets = plan.local_targets[owned_rows]
             lo, hi = plan.numeric_columns
-            local_columns = plan.local_numeric_columns.tolist()
             numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
+            blocks = _blocks(head_weight.shape[0], ctx.chunk_size)
+            # Every block's target rows and numeric columns found once, before the loop (a fixed
+            # number of host syncs, none per block): the owned targets sorted, cut at the block starts.
+            owned_rows = plan.owned.nonzero().squeeze(1)
+            owned_targets, order = plan.local_targets[owned_rows].sort()
+            owned_rows = owned_rows[order]
+            block_starts = torch.tensor([start for start, _ in blocks] + [head_weight.shape[0]], device=hidden.device)
+            row_bounds = torch.searchsorted(owned_targets, block_starts).tolist()
+            local_columns = plan.local_numeric_columns.tolist()
 
-            for start, end in _blocks(head_weight.shape[0], ctx.chunk_size):
+            for index, (start, end) in enumerate(blocks):
                 head_rows = head_weight[start:end]
                 bias_rows = None if bias is None else bias[start:end]
                 grad_logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
                 # softmax = exp((z - shift) - log_sum), times each row's multiplier
                 grad_logits.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
-                in_block = (owned_targets >= start) & (owned_targets < end)
-                rows = owned_rows[in_block]
-                grad_logits.index_put_((rows, owned_targets[in_block] - start), -grad_ce[rows], accumulate=True)
+                rows = owned_rows[row_bounds[index]:row_bounds[index + 1]]
+                targets = owned_targets[row_bounds[index]:row_bounds[index + 1]] - start
+                grad_logits.index_put_((rows, targets), -grad_ce[rows], accumulate=True)
                 first, last = _numeric_columns_in_block(local_columns, start, end)
                 if last > first and plan.positions.numel():
-                    columns = torch.tensor(local_columns[first:last], device=hidden.device) - start
+                    columns = plan.local_numeric_columns[first:last] - start
                     grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
                                            accumulate=True)
                 grad_logits = grad_logits.to(hidden.dtype)

@@ -96,7 +96,9 @@ def discover_launch(environ=os.environ) -> Launch:
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         launch = Launch(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
-                        int(environ.get("LOCAL_SIZE", environ.get("LOCAL_WORLD_SIZE", 1))), "deepspeed/torchrun")
+                        # neither said: assume one node (the TP-within-a-node check then cannot refuse wrongly)
+                        int(environ.get("LOCAL_SIZE", environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"]))),
+                        "deepspeed/torchrun")
     elif _srun_started_this_task(environ):
         size = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS")))
         per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE"))

@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -97,3 +100,39 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def run_to_completion(command: list, log, timeout_seconds: float, grace_seconds: float = 30.0) -> Optional[int]:
+    """Run a launcher ``command`` with its output to ``log``; its exit code, or None when it ran past
+    ``timeout_seconds``. The launcher runs in a process group of its own, and a timeout ends the whole
+    group — the ranks it started too, not only the launcher (SIGTERM, then SIGKILL after
+    ``grace_seconds``), so a timed-out run does not keep its devices."""
+    process = subprocess.Popen([str(part) for part in command], stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        for sig, wait_seconds in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, None)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:  # the group is gone
+                break
+            try:
+                process.wait(timeout=wait_seconds)
+                _wait_for_group(process.pid, wait_seconds)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+
+def _wait_for_group(group: int, seconds: Optional[float]) -> None:
+    """Wait until no process of ``group`` is left (its leader may exit before the ranks it started)."""
+    deadline = time.monotonic() + (seconds if seconds is not None else 30.0)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise subprocess.TimeoutExpired(f"process group {group}", seconds)

@@ -86,7 +86,8 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
 
     accelerator = get_accelerator()
     try:
-        plan = plan_run(args, launch.world_size, accelerator.device_name(), accelerator.is_bf16_supported())
+        plan = plan_run(args, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
+        check_tensor_parallel_within_node(plan.topology.tp_size, launch.local_size)
         run = PreparedRun(args=args, launch=launch, plan=plan)
         if until == "plan":
             return run
@@ -97,6 +98,27 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
     if until == "engine":
         _build_engine(run)
     return run
+
+
+def native_bf16(accelerator) -> bool:
+    """Whether the accelerator computes bf16 natively, which is when the DeepSpeed config's bf16
+    ``"auto"`` turns it on. CUDA: compute capability 8.0 (Ampere) or newer; V100 and T4 report bf16 as
+    supported but only emulate it, far slower than fp16 or fp32. Other accelerators: as they report."""
+    if accelerator.device_name() == "cuda":
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    return bool(accelerator.is_bf16_supported())
+
+
+def check_tensor_parallel_within_node(tp_size: int, ranks_per_node: int) -> None:
+    """Refuse a TP degree larger than the ranks on one node: AutoTP all-reduces every layer's
+    activations inside the TP group, twice per layer and direction, which across the network costs
+    more than it saves."""
+    if tp_size > ranks_per_node:
+        raise ValueError(f"--tp {tp_size} spans nodes: this node runs {ranks_per_node} ranks, and tensor parallelism "
+                         f"all-reduces every layer's activations inside its group; use --tp {ranks_per_node} or less "
+                         "(data parallelism across the nodes)")
 
 
 def _packed(args, plan: RunPlan, paths):

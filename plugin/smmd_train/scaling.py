@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,7 +51,7 @@ from typing import Optional, Sequence
 from . import dashboards
 from .arguments import TRAIN_SCRIPT, train_flags
 from .arguments import parse_args as parse_train_args
-from .launcher import launch_command
+from .launcher import launch_command, run_to_completion
 from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
@@ -371,11 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"scaling: {config.name}: {' '.join(command)}  (log: {log_path})", flush=True)
         began = time.monotonic()
         with open(log_path, "w") as log:
-            try:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=sweep.timeout_minutes * 60).returncode
-            except subprocess.TimeoutExpired:
-                code = None
+            code = run_to_completion(command, log, sweep.timeout_minutes * 60)  # a timeout ends the ranks too
         summary = run_state(output_dir, config)
         if code == 0 and summary is not None:
             status = "ok"

@@ -112,3 +112,37 @@ def test_the_fused_head_under_autocast_has_the_exact_gradient_of_its_forward(gen
             assert leaf.grad.dtype == torch.float32
             error = (leaf.grad.double() - exact_leaf.grad).abs().max() / exact_leaf.grad.abs().max()
             assert error <= 1e-5, (trial, error.item())
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the ops that make a CUDA device wait for the host to read a result: outputs whose shape
+    depends on the data (nonzero, boolean-mask indexing, masked_select, unique) and reads of a value
+    (item, tolist, bool), seen on CPU tensors as the ops a GPU run would dispatch."""
+
+    SYNCING = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique", "aten._local_scalar_dense")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        boolean_index = name == "aten.index" and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or []))
+        self.count += name.startswith(self.SYNCING) or boolean_index
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_fused_backward_syncs_with_the_host_a_fixed_number_of_times_not_per_block(generator):
+    """The fused head's backward: the same number of host syncs for 1 block as for 64 (the block's
+    target rows are found once, before the loop; a GPU would otherwise wait twice per block)."""
+    vocab, hidden, head, bias, targets = problem(generator, vocab_size=512, shape=(4, 12))
+    smmd = SMMDLoss(vocab)
+    counts = {}
+    for chunk_size in (512, 8):
+        h, w = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
+        out = linear_numeric_cross_entropy(h, w, targets, smmd, bias=bias, chunk_size=chunk_size)
+        with HostSyncs() as syncs:
+            out.total.backward()
+        counts[chunk_size] = syncs.count
+    assert counts[8] == counts[512] <= 4, counts

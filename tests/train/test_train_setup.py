@@ -424,3 +424,34 @@ def test_schedule_trains_from_the_first_step_warms_up_linearly_then_decays_to_th
     assert lr_factor(12, 4, 20, 0.1) == pytest.approx(0.55) and used[11] == pytest.approx(0.5 * 0.55)
     assert used[-1] == pytest.approx(0.05)
     assert all(earlier > later for earlier, later in zip(used[3:], used[4:]))
+
+
+def test_bf16_auto_means_native_bf16(monkeypatch):
+    """V100 and T4 report bf16 as supported but emulate it: "auto" turns bf16 on from Ampere (8.0) on."""
+    import torch
+
+    from smmd_train.run import native_bf16
+
+    class Accelerator:
+        def __init__(self, name, reports):
+            self.name, self.reports = name, reports
+
+        def device_name(self):
+            return self.name
+
+        def is_bf16_supported(self):
+            return self.reports
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, native in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert native_bf16(Accelerator("cuda", True)) is native, capability
+    assert native_bf16(Accelerator("cpu", True)) and not native_bf16(Accelerator("xpu", False))
+
+
+def test_tensor_parallelism_across_nodes_is_refused_before_the_model(tmp_path, tokenizer_dir):
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", tp=2)
+    args = parse_args(arguments)
+    with pytest.raises(RunRefused, match=r"--tp 2 spans nodes: this node runs 1 ranks.*use --tp 1 or less"):
+        prepare_run(args, Launch(0, 4, 0, 1, "slurm"), until="plan")
+    assert prepare_run(args, Launch(0, 4, 0, 2, "slurm"), until="plan").plan.topology.tp_size == 2
