@@ -26,6 +26,15 @@ def _one_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The accuracy tests run on every device here: the CPU, and a CUDA GPU when there is one (skipped
+    otherwise); inputs are made on the CPU, moved, and compared on the CPU."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
 @pytest.fixture
 def reference_cases():
     return torch.load(FIXTURES)

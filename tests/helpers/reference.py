@@ -95,7 +95,7 @@ FP32_CE_TOLERANCE, FP32_GRAD_TOLERANCE = 4e-6, 6e-7
 
 
 def fp32_ce_errors(per_token_ce, offset: float, seed: int, tokens: int = 96, vocab_size: int = 3000,
-                   start: int = 0, end=None) -> tuple:
+                   start: int = 0, end=None, device="cpu") -> tuple:
     """(max |CE error|, max |gradient error|) of ``per_token_ce(shard, targets) -> [tokens]`` on
     ``logits[:, start:end]`` of fp32 logits N(0, 3) + ``offset``, against float64 on the same values
     (d sum(CE) / d logits)."""
@@ -107,12 +107,12 @@ def fp32_ce_errors(per_token_ce, offset: float, seed: int, tokens: int = 96, voc
     reference = F.cross_entropy(reference_logits, targets, reduction="none")
     reference.sum().backward()
     end = vocab_size if end is None else end
-    shard = logits[:, start:end].clone().requires_grad_(True)
-    ce = per_token_ce(shard, targets)
+    shard = logits[:, start:end].to(device, copy=True).requires_grad_(True)
+    ce = per_token_ce(shard, targets.to(device))
     ce.sum().backward()
     assert ce.dtype == torch.float32
-    return ((ce.double() - reference).abs().max().item(),
-            (shard.grad.double() - reference_logits.grad[:, start:end]).abs().max().item())
+    return ((ce.double().cpu() - reference).abs().max().item(),
+            (shard.grad.double().cpu() - reference_logits.grad[:, start:end]).abs().max().item())
 
 
 def reference_ntl(logits, targets, token_ids, values, kind="was", reweigh=True, squash_factor=None, ignore_index=-100):

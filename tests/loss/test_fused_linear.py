@@ -35,21 +35,24 @@ def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, i
 
 
 def fused_and_materialized(vocab, hidden, head, bias, targets, weight=1.0, num_items=None, chunk_size=None,
-                           **options):
-    """(output, grads) of the fused op and of numeric_cross_entropy on hidden @ head.T + bias."""
+                           device="cpu", **options):
+    """(output, grads on the CPU) of the fused op on ``device`` and of numeric_cross_entropy on
+    hidden @ head.T + bias on the CPU."""
     smmd = SMMDLoss(vocab, **options)
     results = []
     for fused in (True, False):
-        leaves = [tensor.clone().requires_grad_(True) for tensor in (hidden, head, bias) if tensor is not None]
+        where = device if fused else "cpu"
+        leaves = [tensor.to(where, copy=True).requires_grad_(True) for tensor in (hidden, head, bias)
+                  if tensor is not None]
         h, w, b = (leaves + [None])[:3]
         if fused:
-            out = linear_numeric_cross_entropy(h, w, targets, smmd, weight, bias=b, num_items_in_batch=num_items,
-                                            chunk_size=chunk_size)
+            out = linear_numeric_cross_entropy(h, w, targets.to(where), smmd, weight, bias=b,
+                                               num_items_in_batch=num_items, chunk_size=chunk_size)
         else:
             logits = h @ w.T if b is None else h @ w.T + b
             out = numeric_cross_entropy(logits, targets, smmd, weight, num_items_in_batch=num_items)
         out.total.backward()
-        results.append((out, [leaf.grad for leaf in leaves]))
+        results.append((out, [leaf.grad.cpu() for leaf in leaves]))
     return results
 
 
@@ -58,7 +61,7 @@ def relative(actual, expected):
 
 
 @pytest.mark.parametrize("case", ["bias", "no_bias", "no_numeric_target", "all_ignored", "num_items"])
-def test_fused_equals_materialized_float64(generator, case):
+def test_fused_equals_materialized_float64(generator, case, device):
     for trial in range(4):
         vocab, hidden, head, bias, targets = problem(generator, with_bias=case != "no_bias",
                                                      numeric_share=0.0 if case == "no_numeric_target" else 0.4)
@@ -68,7 +71,7 @@ def test_fused_equals_materialized_float64(generator, case):
         vocab_rows = head.shape[0]
         chunk = [None, 1, 7, vocab_rows, vocab_rows // 3 + 1][trial % 5]  # divides the head's rows or not
         (fused, fused_grads), (reference, reference_grads) = fused_and_materialized(
-            vocab, hidden, head, bias, targets, weight=0.7, num_items=num_items, chunk_size=chunk)
+            vocab, hidden, head, bias, targets, weight=0.7, num_items=num_items, chunk_size=chunk, device=device)
         for name in ("total", "ce", "numeric"):
             assert abs(getattr(fused, name).item() - getattr(reference, name).item()) <= \
                 1e-10 * max(abs(getattr(reference, name).item()), 1e-12), (case, trial, name)

@@ -33,27 +33,27 @@ def _loss_for(case):
 # --------------------------------------------------------------------------------------------
 
 
-def test_fixtures_float64_loss_and_gradient(reference_cases):
+def test_fixtures_float64_loss_and_gradient(reference_cases, device):
     for case in reference_cases:
         loss_fn = _loss_for(case)
-        logits = case["logits"].clone().requires_grad_(True)
-        loss = loss_fn(logits, case["targets"])
+        logits = case["logits"].to(device, copy=True).requires_grad_(True)
+        loss = loss_fn(logits, case["targets"].to(device))
         loss.backward()
         assert abs(loss.item() - case["loss"].item()) <= 1e-10, case["name"]
-        assert (logits.grad - case["grad"]).abs().max().item() <= 1e-10, case["name"]
+        assert (logits.grad.cpu() - case["grad"]).abs().max().item() <= 1e-10, case["name"]
         assert loss_fn.alpha == pytest.approx(case["alpha"].item(), abs=1e-10)
         order = torch.argsort(case["token_ids"])  # NumericVocab keeps tokens sorted by id
         assert torch.allclose(loss_fn.kernel_matrix, case["kernel"][order][:, order], atol=1e-10)
 
 
-def test_fixtures_float32_relative(reference_cases):
+def test_fixtures_float32_relative(reference_cases, device):
     for case in reference_cases:
-        logits = case["logits"].float().requires_grad_(True)
-        loss = _loss_for(case)(logits, case["targets"])
+        logits = case["logits"].float().to(device, copy=True).requires_grad_(True)
+        loss = _loss_for(case)(logits, case["targets"].to(device))
         loss.backward()
         assert loss.dtype == torch.float32
-        assert relative_error(loss.detach(), case["loss"]) <= 1e-5, case["name"]
-        assert relative_error(logits.grad, case["grad"]) <= 1e-5, case["name"]
+        assert relative_error(loss.detach().cpu(), case["loss"]) <= 1e-5, case["name"]
+        assert relative_error(logits.grad.cpu(), case["grad"]) <= 1e-5, case["name"]
 
 
 def test_fixtures_any_token_order(reference_cases, generator):
@@ -110,15 +110,15 @@ def test_random_inputs_match_reference(generator, mode, kernel):
 
 
 @pytest.mark.parametrize("num_items", [None, "count", "larger"])
-def test_fused_random_inputs_match_reference(generator, num_items):
+def test_fused_random_inputs_match_reference(generator, num_items, device):
     for _ in range(4):
         vocab, logits, targets = random_problem(generator)
         weight = float(torch.rand(1, generator=generator) * 2)
         valid = int((targets != -100).sum())
         num_items_in_batch = {None: None, "count": valid, "larger": valid + 7}[num_items]
-        fast_logits = logits.clone().requires_grad_(True)
-        out = numeric_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=weight,
-                                 num_items_in_batch=num_items_in_batch)
+        fast_logits = logits.to(device, copy=True).requires_grad_(True)
+        out = numeric_cross_entropy(fast_logits, targets.to(device), SMMDLoss(vocab), weight=weight,
+                                    num_items_in_batch=num_items_in_batch)
         out.total.backward()
         slow_logits = logits.clone().requires_grad_(True)
         total, ce, smmd = reference_total(slow_logits, targets, vocab.token_ids, vocab.values, weight=weight,
@@ -127,11 +127,11 @@ def test_fused_random_inputs_match_reference(generator, num_items):
         assert abs(out.ce.item() - ce.item()) <= 1e-10
         assert abs(out.numeric.item() - smmd.item()) <= 1e-10
         assert abs(out.total.item() - total.item()) <= 1e-10
-        assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
+        assert (fast_logits.grad.cpu() - slow_logits.grad).abs().max().item() <= 1e-10
 
 
 @pytest.mark.parametrize("offset", FP32_OFFSETS)
-def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset):
+def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset, device):
     """Per-token CE within 4e-6 and its gradient within 6e-7 of float64 at any logit magnitude."""
     smmd = SMMDLoss(NumericVocab(list(range(10, 30)), list(range(20)), 3000))
 
@@ -139,7 +139,7 @@ def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset):
         return vocab_parallel_numeric_cross_entropy(logits, targets, smmd)[0]
 
     seed = int(torch.randint(0, 2**31, (1, ), generator=generator))
-    ce_error, grad_error = fp32_ce_errors(per_token_ce, offset, seed)
+    ce_error, grad_error = fp32_ce_errors(per_token_ce, offset, seed, device=device)
     assert ce_error <= FP32_CE_TOLERANCE and grad_error <= FP32_GRAD_TOLERANCE, (ce_error, grad_error)
 
 
@@ -154,21 +154,21 @@ def test_ce_equals_torch_cross_entropy_float32(generator):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5)])
-def test_low_precision_logits_computed_in_float32(generator, dtype, tolerance):
+def test_low_precision_logits_computed_in_float32(generator, dtype, tolerance, device):
     """bf16/fp16 logits: the loss equals the float64 reference evaluated on the same (rounded) values."""
     vocab, logits, targets = random_problem(generator, vocab_size=150, shape=(2, 20))
     logits = logits.to(dtype)
-    fast_logits = logits.clone().requires_grad_(True)
-    out = numeric_cross_entropy(fast_logits, targets, SMMDLoss(vocab), weight=1.0)
+    fast_logits = logits.to(device, copy=True).requires_grad_(True)
+    out = numeric_cross_entropy(fast_logits, targets.to(device), SMMDLoss(vocab), weight=1.0)
     out.total.backward()
     assert out.total.dtype == torch.float32 and fast_logits.grad.dtype == dtype
     slow_logits = logits.double().requires_grad_(True)
     total, _, _ = reference_total(slow_logits, targets, vocab.token_ids, vocab.values)
     total.backward()
-    assert relative_error(out.total.detach(), total) <= tolerance
+    assert relative_error(out.total.detach().cpu(), total) <= tolerance
     # The gradient is rounded once to the logits' dtype on the way out.
     grad_tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    assert relative_error(fast_logits.grad, slow_logits.grad) <= grad_tolerance
+    assert relative_error(fast_logits.grad.cpu(), slow_logits.grad) <= grad_tolerance
 
 
 def test_gradcheck_float64(generator):

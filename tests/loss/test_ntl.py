@@ -24,20 +24,20 @@ def option_id(options):
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=option_id)
-def test_matches_the_float64_reference(generator, options):
+def test_matches_the_float64_reference(generator, options, device):
     for _ in range(3):
         vocab, logits, targets = random_problem(generator, duplicate_values=bool(torch.randint(0, 2, (1, ))))
         ntl = NTLoss(vocab, **options)
-        ours = logits.clone().requires_grad_(True)
-        out = numeric_cross_entropy(ours, targets, ntl, weight=0.7)
+        ours = logits.to(device, copy=True).requires_grad_(True)
+        out = numeric_cross_entropy(ours, targets.to(device), ntl, weight=0.7)
         out.total.backward()
         reference_logits = logits.clone().requires_grad_(True)
         expected_ntl = reference_ntl(reference_logits, targets, vocab.token_ids, vocab.values, **options)
         expected_ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size),
                                                         targets.reshape(-1)) if (targets != -100).any() else 0.0
         (expected_ce + 0.7 * expected_ntl).backward()
-        assert relative_error(out.numeric.detach(), expected_ntl.detach()) <= 1e-10
-        assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
+        assert relative_error(out.numeric.detach().cpu(), expected_ntl.detach()) <= 1e-10
+        assert relative_error(ours.grad.cpu(), reference_logits.grad) <= 1e-10
         assert out.stats[ntl.name] == pytest.approx(expected_ntl.item(), rel=1e-10, abs=1e-12)
         alone = logits.clone().requires_grad_(True)
         value = ntl(alone, targets)  # the loss alone (reweigh needs the full softmax: the fused op inside)
