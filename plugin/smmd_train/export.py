@@ -9,6 +9,7 @@ Rank 0 then builds a fresh model from the config and writes it
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from smmd_scale import compat
@@ -24,9 +25,12 @@ def export_hf(engine, output_dir: str, tokenizer=None) -> None:
     state_dict = compat.consolidated_state_dict(engine)
 
     def write() -> None:
-        config = engine.module.config
+        config = copy.deepcopy(engine.module.config)
+        config.use_cache = True  # training turns the KV cache off; generation with the export wants it
         unset_hf_deepspeed_config()  # or from_config would partition the fresh model with zero.Init
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=next(iter(state_dict.values())).dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state_dict.values())).dtype)
+        if model.generation_config is not None:
+            model.generation_config.use_cache = True
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         # Tied output heads are not separate tensors in the state dict.
         missing = [name for name in missing if not (config.tie_word_embeddings and name == "lm_head.weight")]

@@ -129,6 +129,10 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
         (2, 1, 2, "deepspeed/torchrun")
     # The exported model scores the eval data exactly as the trained engine did.
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
+    # Training runs without a KV cache; the exported model generates with one.
+    assert json.loads((output / "hf" / "config.json").read_text())["use_cache"] is True
+    generation = output / "hf" / "generation_config.json"
+    assert not generation.exists() or json.loads(generation.read_text()).get("use_cache", True) is True
 
 
 def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_trips(tmp_path, corpus):
