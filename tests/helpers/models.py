@@ -31,3 +31,18 @@ def saved_activation_bytes(model, **inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(**inputs)
     return sum(saved.values())
+
+
+def token_rows(ids, labels, length=None):
+    """A ``torch.utils.data.Dataset`` of ``{"input_ids", "labels"}`` rows of ``ids [R, S]`` and
+    ``labels``, cycling through them for ``length`` items (default R): what a Trainer test trains on."""
+    rows = len(ids)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return length or rows
+
+        def __getitem__(self, index):
+            return {"input_ids": ids[index % rows], "labels": labels[index % rows]}
+
+    return Rows()

@@ -6,6 +6,7 @@ or loss is more than linear + CE are refused; transformers.Trainer trains the sa
 import pytest
 import torch
 import transformers
+from helpers.models import token_rows
 
 import smmd_scale
 from smmd_scale import NumericVocab
@@ -121,13 +122,6 @@ def test_trainer_fused_equals_materialized(tmp_path, generator):
     fused run equal those of a materialized one."""
     ids, labels = batch(generator, rows=4, length=16)
 
-    class FixedBatch(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, index):
-            return {"input_ids": ids[index % 4], "labels": labels[index % 4]}
-
     histories = {}
     for fused in (False, True):
         model = tiny("llama", tied=True, dtype=torch.float32)
@@ -136,7 +130,7 @@ def test_trainer_fused_equals_materialized(tmp_path, generator):
             output_dir=str(tmp_path / str(fused)), max_steps=6, per_device_train_batch_size=2,
             gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no",
             logging_steps=1, seed=0)
-        trainer = transformers.Trainer(model=model, args=arguments, train_dataset=FixedBatch())
+        trainer = transformers.Trainer(model=model, args=arguments, train_dataset=token_rows(ids, labels, 8))
         trainer.train()
         histories[fused] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(histories[True]) == 6

@@ -103,13 +103,6 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
     falls on a fixed batch, and the last step's statistics are exposed."""
     ids, labels = batch(generator, rows=4, length=16)
 
-    class FixedBatch(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, index):
-            return {"input_ids": ids[index % 4], "labels": labels[index % 4]}
-
     model = tiny_llama()
     installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
     calls = []
@@ -124,7 +117,7 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
     arguments = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2,
                                   gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[], use_cpu=True,
                                   save_strategy="no", logging_steps=1, seed=0)
-    Trainer(model=model, args=arguments, train_dataset=FixedBatch()).train()
+    Trainer(model=model, args=arguments, train_dataset=models.token_rows(ids, labels, 8)).train()
     assert len(calls) == 24
     assert all(num_items is not None for _, num_items in calls)  # HF passes its token count
     first, last = sum(loss for loss, _ in calls[:4]), sum(loss for loss, _ in calls[-4:])
@@ -167,14 +160,6 @@ def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
 def _trainer_weights(tmp_path, rows, accumulation, attach):
     """Weights after 3 SGD steps of 4 sequences each (micro-batch 4 / accumulation) with the hook."""
     ids, labels = rows
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(ids)
-
-        def __getitem__(self, index):
-            return {"input_ids": ids[index], "labels": labels[index]}
-
     model = tiny_llama(seed=3)
     installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
     arguments = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulation}{attach}"), max_steps=3,
@@ -182,7 +167,7 @@ def _trainer_weights(tmp_path, rows, accumulation, attach):
                                   gradient_accumulation_steps=accumulation, learning_rate=0.5, optim="sgd",
                                   lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
                                   seed=0, data_seed=0)
-    trainer = Trainer(model=model, args=arguments, train_dataset=Rows())
+    trainer = Trainer(model=model, args=arguments, train_dataset=models.token_rows(ids, labels))
     if attach:
         installed.attach_to_trainer(trainer)
     trainer.train()
