@@ -35,6 +35,7 @@ CATALOGUE = {
     "negative_weight": (1, "ValueError", "weight=-0.5 must be a finite number >= 0"),
     "nan_weight": (0, "ValueError", "weight=nan must be"),
     "negative_num_items": (1, "ValueError", "num_items_in_batch=-3 must be >= 0"),
+    "negative_num_numeric": ("last", "ValueError", "num_numeric_in_batch=-2 must be >= 0"),
     "empty_vocabulary": ("all", "ValueError", "empty numeric vocabulary"),
     "one_value_vocabulary": ("all", "ValueError", "needs at least two distinct"),
     "bad_sigmas": ("all", "ValueError", "sigmas=.* must be a non-empty sequence of finite positive numbers"),
@@ -51,7 +52,7 @@ def _one_scenario(rank, world_size, scenario):
     targets = torch.randint(0, vocab_size, (tokens, ), generator=generator)
     targets[::3] = 5
     start, end = rank * width, (rank + 1) * width
-    weight, num_items = 1.0, None
+    weight, num_items, num_numeric = 1.0, None, None
     began = time.monotonic()
     try:
         ids, values, options = [1, 5, width + 2, vocab_size - 1], [1.0, 5.0, 9.0, 2.0], {}
@@ -95,10 +96,12 @@ def _one_scenario(rank, world_size, scenario):
                 weight = float("nan")
             elif scenario == "negative_num_items":
                 num_items = -3
+            elif scenario == "negative_num_numeric":
+                num_numeric = -2
         shard = logits[:, start:min(end, vocab_size)] if scenario != "shard_beyond_vocabulary" or not bad else \
             torch.cat([logits[:, start:vocab_size], logits[:, :2]], dim=1)
         numeric_cross_entropy(shard, targets, smmd, weight=weight, tp_group=dist.group.WORLD, vocab_start_index=start,
-                           num_items_in_batch=num_items)
+                              num_items_in_batch=num_items, num_numeric_in_batch=num_numeric)
     except (ValueError, TypeError) as error:
         return type(error).__name__, str(error), time.monotonic() - began
     return "no error", "", time.monotonic() - began
