@@ -129,3 +129,45 @@ def test_evaluation_logs_are_left_alone_and_a_callback_alone_adds_to_log_history
     evaluation = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     assert len(training) == 2 and all("loss_total" in entry for entry in training)
     assert len(evaluation) == 1 and not any(key.startswith(("loss_", "numeric_")) for key in evaluation[0])
+
+
+def _data_parallel_trainer(rank, world_size, tmp_path, ids, labels):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE), weight=0.5)
+    calls, hook = [], installed.hook
+
+    def recording_hook(logits, labels, **kwargs):
+        targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        logits64 = logits.detach().double()
+        positions = torch.isin(targets, torch.tensor(NUMERIC_IDS)).sum().item()
+        calls.append((F.cross_entropy(logits64.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="sum").item(),
+                      (targets != -100).sum().item(), smmd(logits64, targets).item() * positions, positions))
+        return hook(logits, labels, **kwargs)
+
+    model.loss_function = recording_hook
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), args=TrainingArguments(
+        output_dir=str(tmp_path / f"rank{rank}"), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+        learning_rate=3e-3, use_cpu=True, save_strategy="no", seed=0, report_to=[]))
+    installed.attach_to_trainer(trainer)
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry], calls
+
+
+@pytest.mark.gloo
+def test_on_two_processes_a_window_pools_both_processes_micro_batches(tmp_path, generator):
+    from helpers.distributed import run_ranks, values_or_raise
+
+    ids, labels = rows(generator)
+    (logs0, calls0), (logs1, calls1) = values_or_raise(run_ranks(_data_parallel_trainer, 2, tmp_path, ids, labels))
+    assert len(logs0) == len(logs1) == 2 and len(calls0) == len(calls1) == 2  # one micro-batch per step and rank
+    for step in range(2):
+        ce_sum, tokens, smmd_sum, positions = (sum(values) for values in zip(calls0[step], calls1[step]))
+        for log in (logs0[step], logs1[step]):  # every process logs the pooled window
+            assert log["loss_ce"] == pytest.approx(ce_sum / tokens, rel=1e-5)
+            assert log["loss_smmd"] == pytest.approx(smmd_sum / positions, rel=1e-5)
+            assert log["numeric_positions"] == positions
+            assert log["loss_total"] == pytest.approx(log["loss"], rel=1e-4)  # the Trainer's loss over both

@@ -27,7 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 # Sums kept over a logging window, in this order (reduced over processes as one tensor).
-_COUNTS = ("ce_sum", "numeric_sum", "tokens", "numeric_positions", "correct", "abs_error", "steps")
+_COUNTS = ("ce_sum", "numeric_sum", "tokens", "numeric_positions", "correct", "abs_error")
 
 
 def _count(value) -> float:
@@ -62,7 +62,9 @@ class NumericLossCallback(TrainerCallback):
 
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_COUNTS, 0.0)
-        self._parts = {}  # numeric loss name -> its value summed over numeric positions
+        self._steps = 0  # optimizer steps in the window (the same on every process)
+        # numeric loss name -> its value summed over numeric positions (the same names on every process)
+        self._parts = dict.fromkeys(self.hook.numeric_loss.stat_names, 0.0)
 
     def _record_micro_batch(self) -> None:
         stats, losses = self.hook.last_stats, self.hook.last_losses
@@ -77,24 +79,25 @@ class NumericLossCallback(TrainerCallback):
         self._sums["correct"] += stats["numeric_accuracy"] * positions
         self._sums["abs_error"] += stats["numeric_mae"] * positions
         for name in self.hook.numeric_loss.stat_names:  # per-position means in the stats
-            self._parts[name] = self._parts.get(name, 0.0) + stats[name] * positions
+            self._parts[name] += stats[name] * positions
 
     def on_substep_end(self, args, state, control, **kwargs):  # a micro-batch that did not end the step
         self._record_micro_batch()
 
     def on_step_end(self, args, state, control, **kwargs):  # the step's last micro-batch
         self._record_micro_batch()
-        self._sums["steps"] += 1
+        self._steps += 1
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:  # evaluation logs (eval_loss, ...) are left as they are
             return
-        names = sorted(self._parts)
+        names = list(self._parts)
         values = torch.tensor([self._sums[key] for key in _COUNTS] + [self._parts[name] for name in names],
                               dtype=torch.float64)
         if self.reduce is not None:
             values = self.reduce(values).cpu()
         totals = dict(zip([*_COUNTS, *names], values.tolist()))
+        steps = self._steps
         self._reset()
         if not totals["tokens"]:
             return
@@ -105,7 +108,7 @@ class NumericLossCallback(TrainerCallback):
         parts["loss_total"] = parts["loss_ce"] + self.hook.weight * parts["loss_numeric"]
         if positions:
             parts.update(numeric_accuracy=totals["correct"] / positions, numeric_mae=totals["abs_error"] / positions)
-        parts["numeric_positions"] = positions / max(totals["steps"], 1)
+        parts["numeric_positions"] = positions / max(steps, 1)
         logs.update(parts)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(parts)  # the Trainer stored a copy of these logs before the callbacks ran
