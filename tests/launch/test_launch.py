@@ -213,6 +213,28 @@ def test_a_crash_mid_save_never_resumes_from_the_broken_checkpoint(tmp_path, cor
         assert resumed[step]["loss/total"] == pytest.approx(expected[step]["loss/total"], rel=1e-6)
 
 
+def test_a_longer_resumed_run_keeps_its_schedule_and_a_forgotten_resume_is_refused(tmp_path, corpus, zero3_run):
+    import shutil
+
+    expected = metrics(zero3_run[0])
+    output = tmp_path / "run"
+    shutil.copytree(zero3_run[0], output, ignore=shutil.ignore_patterns("hf", "tensorboard"))
+    # Without --resume, the committed checkpoints are not silently restarted over: every rank stops
+    # before any model is built, rank 0 says why in one line, and nothing in the directory changes.
+    with pytest.raises(AssertionError) as refused:
+        run(deepspeed_command(2, *train_args(corpus, output, steps=8)), timeout=300)
+    message = str(refused.value)
+    assert message.count("[train] refused: ") == 1 and "pass --resume to continue that run" in message
+    assert (output / "latest").read_text() == "step00000006" and metrics(output) == expected
+    # With --resume and a larger --max_steps: steps 7-8 train at the 6-step schedule's final rate.
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=8, resume=True)), timeout=600)
+    assert "resumed from step00000006 at step 6" in completed.stdout
+    assert "keeps its 6-step horizon, and steps 7-8 train at its final rate 0.0003" in completed.stdout
+    resumed = metrics(output)
+    assert [resumed[step]["train/lr"] for step in (7, 8)] == pytest.approx([3e-4, 3e-4], rel=1e-6)
+    assert resumed[6]["train/lr"] == pytest.approx(expected[6]["train/lr"], rel=1e-9)
+
+
 def test_mpirun_two_ranks(tmp_path, corpus):
     output = tmp_path / "run"
     env = environment(NP="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()),

@@ -139,8 +139,9 @@ def test_neither_launcher_passes_a_device_count_or_master_the_user_did_not_set(t
     assert launcher_args == ["--hostfile", str(hostfile), "--num_nodes", "2"]
 
 
-@pytest.mark.parametrize("script, required, model_flag", [("pretrain.sh", {"TOKENIZER": "tok"}, "--tokenizer"),
-                                                          ("continue_pretrain.sh", {"MODEL_DIR": "models/m"}, "--model")])
+@pytest.mark.parametrize("script, required, model_flag", [
+    ("pretrain.sh", {"TOKENIZER": "tok"}, "--tokenizer"),
+    ("continue_pretrain.sh", {"MODEL_DIR": "models/m"}, "--model")])
 def test_relative_paths_are_the_caller_s(tmp_path, script, required, model_flag):
     """The launchers start the ranks in the caller's folder and pass relative paths as given, so
     ``DATA=data/a.jsonl`` means the caller's ``data/a.jsonl`` (scaling.sh's rule too); only the
