@@ -5,6 +5,7 @@ files. Runs are shared where a test only reads one (the ZeRO-3 run is also the r
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,13 +105,21 @@ def zero3_run(tmp_path_factory, corpus):
     HF export at the end): the subject of the ZeRO-3 test and the uninterrupted reference of the
     resume tests (evaluating changes no training state)."""
     output, port = tmp_path_factory.mktemp("zero3") / "run", free_port()
-    run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, eval_steps=3,
-                                         export_hf=output / "hf"), port=port), timeout=600)
-    return output, port
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, eval_steps=3,
+                                                     export_hf=output / "hf"), port=port), timeout=600)
+    return output, port, completed.stdout + completed.stderr
 
 
 def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
-    output, port = zero3_run
+    output, port, log = zero3_run
+    # A clean run warns about nothing (the deepspeed launcher's own note that a one-node launch has
+    # no hostfile aside), and says on the console what it did.
+    warnings = [line for line in log.splitlines() if re.search(r"warn", line, re.IGNORECASE)
+                and "Unable to find hostfile, will proceed with training with local resources only" not in line]
+    assert not warnings, warnings
+    for said in ("[train] step 3: eval ce", "[train] step 6: saved checkpoint", "[train] done: 6 step(s)",
+                 "[train] final loss: total", "[train] throughput:", f"[train] Hugging Face model: {output / 'hf'}"):
+        assert said in log, said
     # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
