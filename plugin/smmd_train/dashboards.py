@@ -19,9 +19,9 @@ What TensorBoard does that shapes these views (tensorboard 2.21):
   appear (the first evaluation), and only a sweep's ``scaling-*`` runs write the scaling charts.
 * HParams groups sessions into rows by trial id (a hash of the values when none is given): each
   run names its own (:func:`trial_id`). Pointed at one run directory, TensorBoard names the run
-  ``.`` and finds none of its scalars unless the run declares its metric columns, so every run
-  writes its own experiment (:func:`write_hparams`); a log root's experiment
-  (:func:`write_experiment`) declares the same columns.
+  ``.`` and finds none of its scalars unless the run declares its metric columns, so a run writes
+  its own experiment (:func:`write_hparams`), unless it starts under a log root that declares one
+  (a sweep's, :func:`write_experiment`): TensorBoard reads one experiment, the first it finds.
 * The HParams table prints every number with five significant digits (``1.0000``,
   ``0.00030000``): the settings are written as text, as a command line writes them (``1``,
   ``0.0003``), and sort as text; the metric columns stay numbers.
@@ -165,17 +165,29 @@ def experiment_pb(hparams: Sequence[str], metrics: dict, differs: Sequence[str] 
     return summary
 
 
-def write_hparams(writer, hparams: dict, trial: str) -> None:
+def write_hparams(writer, hparams: dict, trial: str, experiment: bool = True) -> None:
     """Record ``hparams`` (name -> bool/number/str, :func:`hparam_value`) as ``writer``'s run's
     session, trial id ``trial`` (:func:`trial_id`), with the run's own experiment (columns: these
     settings, :data:`RUN_SHOWN` first, and :data:`RUN_METRICS`), so that TensorBoard pointed at the
-    run alone fills them."""
+    run alone fills them; ``experiment=False`` leaves it to the log root's (:func:`has_experiment`)."""
     from tensorboard.plugins.hparams import summary_v2
 
     file_writer = compat.tensorboard_file_writer(writer)
-    file_writer.add_summary(experiment_pb(list(hparams), RUN_METRICS, differs=RUN_SHOWN))
+    if experiment:
+        file_writer.add_summary(experiment_pb(list(hparams), RUN_METRICS, differs=RUN_SHOWN))
     file_writer.add_summary(summary_v2.hparams_pb({name: hparam_value(value) for name, value in hparams.items()},
                                                   trial_id=trial))
+
+
+def has_experiment(log_root) -> bool:
+    """Whether ``log_root`` itself holds an HParams experiment (:func:`write_experiment`): a sweep's or
+    the demo's, written before its runs. TensorBoard reads one experiment per log dir, the first it
+    finds, in no order the writer controls, so the runs under such a root declare none of their own."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams.metadata import EXPERIMENT_TAG
+
+    return any(value.tag == EXPERIMENT_TAG for path in Path(log_root).glob("events.out.tfevents.*")
+               for event in EventFileLoader(str(path)).Load() for value in event.summary.value)
 
 
 def write_experiment(log_root: str, hparams: Sequence[str] = RUN_HPARAMS, metrics: Optional[dict] = None,
@@ -184,10 +196,21 @@ def write_experiment(log_root: str, hparams: Sequence[str] = RUN_HPARAMS, metric
     sub-directories are the runs that ``tensorboard --logdir log_root`` compares: its columns are
     ``hparams`` and the ``metrics`` tags (tag -> display name, default :data:`RUN_METRICS`, the
     columns every run declares too); ``differs`` names the settings that vary across the runs,
-    which the dashboard lists (and shows) first."""
+    which the dashboard lists (and shows) first. Write it before the runs: those that start under
+    it then declare no experiment of their own (:func:`has_experiment`). An unchanged one is left as
+    it is."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
     summary = experiment_pb(hparams, RUN_METRICS if metrics is None else metrics, differs)
     Path(log_root).mkdir(parents=True, exist_ok=True)
-    for old in Path(log_root).glob("events.out.tfevents.*"):  # one experiment: a re-written one replaces it
+    def experiments(summary_pb):
+        return [(value.tag, value.metadata.plugin_data.content) for value in summary_pb.value]
+
+    written = sorted(Path(log_root).glob("events.out.tfevents.*"))
+    if len(written) == 1 and any(experiments(event.summary) == experiments(summary)
+                                 for event in EventFileLoader(str(written[0])).Load()):
+        return  # the same experiment: kept as it is
+    for old in written:  # one experiment: a re-written one replaces it
         old.unlink()
     writer = open_writer(log_root)
     compat.tensorboard_file_writer(writer).add_summary(summary)

@@ -83,7 +83,8 @@ class TrainingMonitor:
         if tensorboard_dir and rank_zero:
             self.writer = dashboards.open_writer(tensorboard_dir)
             if hparams:
-                dashboards.write_hparams(self.writer, hparams, dashboards.trial_id(tensorboard_dir))
+                dashboards.write_hparams(self.writer, hparams, dashboards.trial_id(tensorboard_dir),
+                                         experiment=not dashboards.has_experiment(Path(tensorboard_dir).parent))
                 self.writer.add_text("run/settings", "\n".join(f"* {key}: {value}" for key, value in hparams.items()))
         self._steps_seen = 0
         self._after_warmup = []  # per step after warm-up: (tokens/s, peak GiB, loss bytes)

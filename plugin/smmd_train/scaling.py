@@ -357,6 +357,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"scaling: {len(runnable)} runs ({mode(sweep)}): " + ", ".join(config.name for config in runnable),
           flush=True)
 
+    # The HParams view across the sweep's runs, written before them: TensorBoard takes the first
+    # experiment it finds among the runs (each run declares its own), in order of their start.
+    varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
+               "sp_size": {c.sp for c in runnable},
+               "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
+                                                                  for c in runnable},
+               "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
+    dashboards.write_experiment(str(output_dir / "tensorboard"),
+                                 differs=[name for name, values in varying.items() if len(values) > 1])
     results = {name: {"status": f"refused: {reason}"} for name, reason in refused.items()}
     (output_dir / "logs").mkdir(exist_ok=True)
     for config in runnable:
@@ -381,13 +390,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"scaling: {config.name}: {status} in {time.monotonic() - began:.0f} s", flush=True)
 
     rows = scaling_table(configs, results)  # refused configurations keep their row, with the reason
-    varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
-               "sp_size": {c.sp for c in runnable},
-               "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
-                                                                  for c in runnable},
-               "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
-    dashboards.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
-                                 differs=[name for name, values in varying.items() if len(values) > 1])
     views = write_scaling_view(output_dir / "tensorboard", rows, sweep)
     (output_dir / "scaling.json").write_text(json.dumps(
         {"settings": settings, "configs": [asdict(config) for config in configs], "rows": rows}, indent=1))

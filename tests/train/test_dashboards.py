@@ -127,6 +127,40 @@ def test_the_layout_charts_what_the_run_writes_one_tag_per_chart(root, name):
         assert {"loss/smmd", "loss/ntl_was"} <= set(charted)  # each on its own axis
 
 
+def _a_sweep(rank, world_size, root):
+    from smmd_train import dashboards
+
+    dashboards.write_experiment(str(root), differs=("world_size", "tp_size"))  # before the runs, as a sweep does
+    for name, run in RUNS.items():
+        _train(root / name, steps=range(1, 3), **run)
+
+
+def test_runs_under_a_log_root_with_an_experiment_leave_it_the_columns(tmp_path):
+    """TensorBoard reads one experiment, the first it finds: under a sweep's, the runs declare none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from smmd_train import dashboards
+
+    values_or_raise(run_ranks(_a_sweep, 1, tmp_path))
+    for name in RUNS:
+        (events_file, ) = (tmp_path / name).glob("events.out.tfevents.*")
+        events = EventAccumulator(str(events_file))
+        events.Reload()
+        assert "_hparams_/session_start_info" in events.Tags()["tensors"]
+        assert "_hparams_/experiment" not in events.Tags()["tensors"]
+    dashboard = Dashboards(tmp_path)
+    assert [info["name"] for info in dashboard.experiment()["hparamInfos"] if info["differs"]] == ["tp_size",
+                                                                                                   "world_size"]
+    assert len(dashboard.session_groups()) == 2 and all(_metrics(group) for group in dashboard.session_groups())
+    # The same experiment written again is left as it is; another one replaces it.
+    (first, ) = tmp_path.glob("events.out.tfevents.*")
+    dashboards.write_experiment(str(tmp_path), differs=("world_size", "tp_size"))
+    assert list(tmp_path.glob("events.out.tfevents.*")) == [first]
+    dashboards.write_experiment(str(tmp_path), differs=("world_size", ))
+    (second, ) = tmp_path.glob("events.out.tfevents.*")
+    assert second != first and dashboards.has_experiment(tmp_path) and not dashboards.has_experiment(tmp_path / "a")
+
+
 def _quantile(values, fraction):
     """d3.quantile (linear interpolation between the sorted values), as TensorBoard's charts use it."""
     values = sorted(values)
