@@ -27,9 +27,10 @@ def rows(generator, count=8, length=16):
     return ids, labels
 
 
-def train(tmp_path, generator, numeric_loss=None, weight=0.5, **arguments):
-    """A Trainer run with the hook and attach_to_trainer; returns (training logs, the shifted targets and
-    float64 logits of every training micro-batch, in order)."""
+def train(tmp_path, generator, numeric_loss=None, weight=0.5, attach=True, **arguments):
+    """A Trainer run with the hook and attach_to_trainer (or only the callback, ``attach=False``);
+    returns (training logs, the float64 logits and shifted targets of every training micro-batch, in
+    order)."""
     ids, labels = rows(generator)
     model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
     vocab = NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)
@@ -45,7 +46,10 @@ def train(tmp_path, generator, numeric_loss=None, weight=0.5, **arguments):
     trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), args=TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
         use_cpu=True, save_strategy="no", seed=0, **{"report_to": [], **arguments}))
-    installed.attach_to_trainer(trainer)
+    if attach:
+        installed.attach_to_trainer(trainer)
+    else:
+        trainer.add_callback(smmd_scale.NumericLossCallback(installed))
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry], calls
 
@@ -83,6 +87,17 @@ def test_each_logging_step_logs_the_parts_of_its_micro_batches(tmp_path, generat
         assert {"loss_mmd", "loss_smooth"} <= set(log) and 0 <= log["numeric_accuracy"] <= 1
         assert log["numeric_mae"] >= 0
     assert logs[-1]["loss_total"] < logs[0]["loss_total"]
+
+
+def test_without_the_steps_numeric_count_the_parts_are_still_per_position_means(tmp_path, generator):
+    """Only the callback: the Trainer passes num_items_in_batch alone, which weighs each micro-batch's numeric
+    mean by its tokens; the logged parts are still the window's means over its targets and numeric positions."""
+    logs, calls = train(tmp_path, generator, attach=False, max_steps=2, logging_steps=2)
+    (log, ) = logs
+    expected = window_reference(calls, {"smmd": smmd})
+    assert log["loss_ce"] == pytest.approx(expected["loss_ce"], rel=1e-5)
+    assert log["loss_smmd"] == pytest.approx(expected["loss_smmd"], rel=1e-5)
+    assert log["loss_numeric"] == pytest.approx(log["loss_smmd"], rel=1e-6)
 
 
 def test_weighted_numeric_losses_reach_tensorboard_by_name(tmp_path, generator):
