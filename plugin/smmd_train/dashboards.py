@@ -67,16 +67,19 @@ STEP_CHARTS = {
 }
 
 # The scaling charts of a sweep's scaling-<layout> runs (x = world size): Margin charts draw the
-# measured value with a band up to linear scaling (value, lower, upper are exact tags).
+# measured value with a band up to linear scaling, or up to the baseline's peak memory (value,
+# lower, upper are exact tags); the bands also keep the baseline's point inside the y axis.
 SCALING_LAYOUT = {
-    "scaling (x = world size; band: up to linear scaling)": {
-        "tokens/s": ["Margin", ["scaling/tokens_per_second", "scaling/tokens_per_second",
-                                "scaling/ideal_tokens_per_second"]],
-        "tokens/s per rank": ["Margin", ["scaling/tokens_per_second_per_rank", "scaling/tokens_per_second_per_rank",
-                                         "scaling/ideal_tokens_per_second_per_rank"]],
+    "scaling (x = world size)": {
+        "tokens/s (band: up to linear scaling)": [
+            "Margin", ["scaling/tokens_per_second", "scaling/tokens_per_second", "scaling/ideal_tokens_per_second"]],
+        "tokens/s per rank (band: up to linear scaling)": [
+            "Margin", ["scaling/tokens_per_second_per_rank", "scaling/tokens_per_second_per_rank",
+                       "scaling/ideal_tokens_per_second_per_rank"]],
         "efficiency: per-rank tokens/s / the baseline's (1 = linear)": [
             "Margin", ["scaling/efficiency", "scaling/efficiency", "scaling/ideal_efficiency"]],
-        "peak memory GiB (max over ranks)": ["Multiline", [r"^scaling/peak_memory_gib$"]],
+        "peak memory GiB (max over ranks; band: up to the baseline's)": [
+            "Margin", ["scaling/peak_memory_gib", "scaling/peak_memory_gib", "scaling/baseline_peak_memory_gib"]],
     },
 }
 

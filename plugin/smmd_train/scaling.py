@@ -59,10 +59,11 @@ from .tables import markdown_table
 # and --tp, --sp, --output_dir: the sweep's own options
 SWEEP_OWNED = ("tensorboard_dir", "resume", "overwrite_output_dir", "local_rank")
 # What each scaling-<layout> TensorBoard run holds, as scaling/<name> at x = world size; the ideal_*
-# values are linear scaling from the baseline (the upper edges of smmd_train.dashboards.SCALING_LAYOUT).
+# values are linear scaling from the baseline, baseline_peak_memory_gib the baseline's peak memory (the
+# upper edges of the bands of smmd_train.dashboards.SCALING_LAYOUT).
 SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank",
                    "ideal_tokens_per_second_per_rank", "efficiency", "ideal_efficiency", "speedup", "peak_memory_gib",
-                   "loss_bytes_per_step")
+                   "baseline_peak_memory_gib", "loss_bytes_per_step")
 SUMMARY_KEYS = ("tokens_per_second", "tokens_per_second_per_rank", "tflops_per_rank", "peak_memory_gib",
                 "loss_bytes_per_step", "final_loss_total")
 
@@ -281,9 +282,12 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
         writer = dashboards.open_writer(str(run_dir))
         dashboards.write_layout(writer, dashboards.SCALING_LAYOUT)
         writer.add_text("sweep/settings", f"{mode(sweep)}, {layout.replace('-', ' ').upper()}, x = world size")
+        baseline = {row["name"]: row for row in rows}[points[0]["baseline"]]
         for row in sorted(points, key=lambda row: row["world_size"]):
             linear = {"ideal_tokens_per_second_per_rank": row["ideal_tokens_per_second"] / row["world_size"],
                       "ideal_efficiency": 1.0}
+            if "peak_memory_gib" in baseline:
+                linear["baseline_peak_memory_gib"] = baseline["peak_memory_gib"]
             for key, value in {**row, **linear}.items():
                 if key in SCALING_SCALARS:
                     writer.add_scalar(f"scaling/{key}", float(value), row["world_size"])
