@@ -17,13 +17,13 @@ value, divided by their sum), ``"sum"`` and ``"none"`` (the targets' shape, 0 wh
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import checks
 from .call_plan import CallPlan, LogitsSpec, NumericLossLike, check_numeric_loss, plan_call
-from .steps import ShiftedLogSumExp, exchange_or_keep_local, gather_numeric_logits, numeric_loss_and_gradient
+from .steps import ShiftedLogSumExp, exchange_or_keep_local, gather_numeric_logits
 
 REDUCTIONS = ("mean", "sum", "none")
 # Rows of full logits handled at once when a loss needs the mass (elements per block).
@@ -53,15 +53,47 @@ def other_logsumexp(logits: torch.Tensor, plan: CallPlan) -> ShiftedLogSumExp:
     return ShiftedLogSumExp(shift, log_sum)
 
 
-def full_logsumexp(numeric_logits: torch.Tensor, other: ShiftedLogSumExp, plan: CallPlan) -> ShiftedLogSumExp:
-    """The full-vocabulary log-sum-exp at the numeric positions, float64, from the numeric logits
-    ``[P, N]`` and the non-numeric part (``[T]``); as a :class:`ShiftedLogSumExp` of ``[T]``."""
-    positions = plan.positions
-    numeric_part = torch.logsumexp(numeric_logits.double(), dim=-1)
-    other_part = other.shift[positions].double() + other.log_sum[positions].double()
-    total = torch.zeros(plan.targets.numel(), dtype=torch.float64, device=numeric_logits.device)
-    total[positions] = torch.logaddexp(numeric_part, other_part)
-    return ShiftedLogSumExp(total, torch.zeros_like(total))
+class AloneGradient(NamedTuple):
+    """The loss at the P numeric positions and its gradient, float64.
+
+    value:           ``[P]``
+    numeric_grad:    ``[P, N]`` d value / d numeric logits, all of it (the mass's part included)
+    row_coefficient: ``[P]`` or None: d value / d a non-numeric logit is ``row_coefficient * p_k``
+    lse:             ``[P]`` the full-vocabulary log-sum-exp (None without the mass)
+    """
+
+    value: torch.Tensor
+    numeric_grad: torch.Tensor
+    row_coefficient: Optional[torch.Tensor]
+    lse: Optional[torch.Tensor]
+
+
+def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
+                      other: Optional[ShiftedLogSumExp]) -> AloneGradient:
+    """The plan's loss from the numeric logits ``[P, N]`` and (for a loss that needs the mass) the
+    non-numeric log-sum-exp ``other`` (``[T]``), in float64. With ``d = lse_other - lse_numeric``,
+    ``mass = sigmoid(-d)`` and ``1 - mass = sigmoid(d)``: both keep their relative accuracy. A numeric
+    column's whole gradient is formed here, where the mass's part ``grad_mass * mass * (1 - mass) * q``
+    is small when the mass is close to 1 (as two fp32 terms it would cancel)."""
+    logits = numeric_logits.double()
+    q = torch.softmax(logits, dim=-1)
+    mass = rest = lse = None
+    if plan.loss.needs_mass:
+        numeric_part = torch.logsumexp(logits, dim=-1)
+        positions = plan.positions
+        other_part = other.shift[positions].double() + other.log_sum[positions].double()
+        gap = other_part - numeric_part
+        mass, rest = torch.sigmoid(-gap), torch.sigmoid(gap)
+        lse = torch.logaddexp(numeric_part, other_part)
+    terms = plan.loss.terms_for_call(plan, q, mass)
+    grad_q = terms.grad_q.double()
+    grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+    row_coefficient = None
+    if terms.grad_mass is not None:
+        grad_mass = terms.grad_mass.double()
+        grad = grad + (grad_mass * mass * rest)[:, None] * q
+        row_coefficient = -grad_mass * mass
+    return AloneGradient(terms.value.double(), grad, row_coefficient, lse)
 
 
 class _NumericAlone(torch.autograd.Function):
@@ -70,44 +102,41 @@ class _NumericAlone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan: CallPlan):
         numeric_logits = gather_numeric_logits(logits, plan.positions, plan.local_numeric_columns)
-        lse = None
         if plan.loss.needs_mass:
             other = other_logsumexp(logits, plan)
             target_logits = torch.zeros(plan.targets.numel(), dtype=logits.dtype, device=logits.device)
             pieces = exchange_or_keep_local(plan, numeric_logits, other, target_logits)
-            lse = full_logsumexp(pieces.numeric_logits, pieces.lse, plan)
         else:
             pieces = exchange_or_keep_local(plan, numeric_logits)
-        numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, lse)
-        ctx.logits_dtype = logits.dtype
-        ctx.plan, ctx.numeric_grad, ctx.row_coefficient, ctx.lse = plan, numeric.grad, numeric.row_coefficient, lse
+        numeric = loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
+        ctx.logits_dtype, ctx.logits_shape = logits.dtype, logits.shape
+        ctx.plan, ctx.numeric = plan, numeric
         if numeric.row_coefficient is not None:
             ctx.save_for_backward(logits)
-        ctx.logits_shape = logits.shape
         return numeric.value.to(plan.compute_dtype)
 
     @staticmethod
     def backward(ctx, grad_value):
-        plan = ctx.plan
+        plan, numeric = ctx.plan, ctx.numeric
         compute_dtype = plan.compute_dtype
         grad = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad_value.device)
         if not plan.positions.numel():
             return grad, None
         lo, hi = plan.numeric_columns
-        grad_value = grad_value.to(compute_dtype)
-        numeric_rows = ctx.numeric_grad[:, lo:hi] * grad_value[:, None]
+        grad_value = grad_value.double()
+        numeric_rows = (numeric.numeric_grad[:, lo:hi] * grad_value[:, None]).to(compute_dtype)
         columns = plan.local_numeric_columns
-        if ctx.row_coefficient is None:
+        if numeric.row_coefficient is None:
             grad[plan.positions[:, None], columns[None, :]] = numeric_rows.to(ctx.logits_dtype)
             return grad, None
         (logits, ) = ctx.saved_tensors
-        coefficient = ctx.row_coefficient.to(compute_dtype) * grad_value
-        lse = ctx.lse.shift[plan.positions].to(compute_dtype)
+        coefficient = (numeric.row_coefficient * grad_value).to(compute_dtype)
+        lse = numeric.lse.to(compute_dtype)
         for start, end in _row_blocks(int(plan.positions.numel()), logits.shape[1]):
             rows = plan.positions[start:end]
-            # the full softmax row times the row's coefficient, plus the numeric columns' own part
+            # a non-numeric column: its softmax times the row's coefficient; a numeric one: its whole gradient
             block = logits[rows].to(compute_dtype).sub_(lse[start:end, None]).exp_().mul_(coefficient[start:end, None])
-            block[:, columns] += numeric_rows[start:end]
+            block[:, columns] = numeric_rows[start:end]
             grad[rows] = block.to(ctx.logits_dtype)
         return grad, None
 
