@@ -25,6 +25,7 @@ It reads only the numeric slice at the digit positions (the exchange's), plus th
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -129,6 +130,7 @@ class NumberLevelNTLoss(NumericLoss):
         self.dot_token_ids = tuple(dots) if float_level else ()
         self.max_number_length, self.sequence_dim = max_number_length, sequence_dim
         self._dots = torch.tensor(self.dot_token_ids, dtype=torch.int64)
+        self._last_spans = None
 
     name = "ntl_number"
 
@@ -145,7 +147,16 @@ class NumberLevelNTLoss(NumericLoss):
         return self.reweigh, self.float_level, self.dot_token_ids, self.max_number_length, self.sequence_dim
 
     def spans(self, plan) -> DigitSpans:
-        """The numbers of the call ``plan`` (``smmd_scale.call_plan.CallPlan``)."""
+        """The numbers of the call ``plan`` (``smmd_scale.call_plan.CallPlan``); the last call's are
+        kept (weakly) for the next question about the same plan."""
+        last = self._last_spans
+        if last is not None and last[0]() is plan:
+            return last[1]
+        spans = self._spans(plan)
+        self._last_spans = (weakref.ref(plan), spans)
+        return spans
+
+    def _spans(self, plan) -> DigitSpans:
         targets = plan.targets.view(plan.spec.shape[:-1])
         if targets.dim() and not -targets.dim() <= self.sequence_dim < targets.dim():
             raise ValueError(f"sequence_dim={self.sequence_dim} is not a dim of targets of shape "
@@ -156,6 +167,10 @@ class NumberLevelNTLoss(NumericLoss):
     def value_owners(self, plan) -> torch.Tensor:
         spans = self.spans(plan)
         return spans.first[spans.number]
+
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        # the mass reweighs a number at its first digit only
+        return self.spans(plan).first if self.reweigh else None
 
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype) -> NumericTerms:
         raise NotImplementedError("number-level NTL needs the call's positions: the ops call terms_for_call")

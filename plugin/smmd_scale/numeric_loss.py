@@ -112,6 +112,11 @@ class NumericLoss:
         number-level loss keeps a number's value at its first digit)."""
         return None
 
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        """Which of ``plan``'s P numeric positions the loss reads the mass at (indices), or None for
+        all of them; a standalone call computes the full-row log-sum-exp only there."""
+        return None
+
     # -- identity and use -----------------------------------------------------------------------
 
     @functools.cached_property
@@ -229,6 +234,10 @@ class WeightedNumericLosses(NumericLoss):
             return None
         first = owners[0]
         return first if all(owner is not None and torch.equal(owner, first) for owner in owners) else None
+
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        rows = [term.mass_rows(plan) for term, _ in self.terms if term.needs_mass]
+        return None if not rows or any(row is None for row in rows) else torch.unique(torch.cat(rows))
 
     def _combine(self, all_terms: list) -> NumericTerms:
         value = grad_q = grad_mass = None

@@ -35,13 +35,12 @@ def _row_blocks(rows: int, width: int):
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def other_logsumexp(logits: torch.Tensor, plan: CallPlan) -> ShiftedLogSumExp:
-    """``[T]`` log-sum-exp of this shard's non-numeric columns at the numeric positions (shift 0 and
+def other_logsumexp(logits: torch.Tensor, plan: CallPlan, positions: torch.Tensor) -> ShiftedLogSumExp:
+    """``[T]`` log-sum-exp of this shard's non-numeric columns at ``positions`` (shift 0 and
     ``log_sum = -inf`` elsewhere and where every such logit is -inf), in the compute dtype."""
     tokens = plan.targets.numel()
     shift = torch.zeros(tokens, dtype=plan.compute_dtype, device=logits.device)
     log_sum = torch.full((tokens, ), float("-inf"), dtype=plan.compute_dtype, device=logits.device)
-    positions = plan.positions
     for start, end in _row_blocks(int(positions.numel()), logits.shape[1]):
         rows = positions[start:end]
         block = logits[rows].to(plan.compute_dtype)
@@ -60,16 +59,18 @@ class AloneGradient(NamedTuple):
     numeric_grad:    ``[P, N]`` d value / d numeric logits, all of it (the mass's part included)
     row_coefficient: ``[P]`` or None: d value / d a non-numeric logit is ``row_coefficient * p_k``
     lse:             ``[P]`` the full-vocabulary log-sum-exp (None without the mass)
+    mass_rows:       which of the P rows the mass was read at (None: all); the others' is not formed
     """
 
     value: torch.Tensor
     numeric_grad: torch.Tensor
     row_coefficient: Optional[torch.Tensor]
     lse: Optional[torch.Tensor]
+    mass_rows: Optional[torch.Tensor]
 
 
-def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
-                      other: Optional[ShiftedLogSumExp]) -> AloneGradient:
+def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor, other: Optional[ShiftedLogSumExp],
+                      mass_rows: Optional[torch.Tensor] = None) -> AloneGradient:
     """The plan's loss from the numeric logits ``[P, N]`` and (for a loss that needs the mass) the
     non-numeric log-sum-exp ``other`` (``[T]``), in float64. With ``d = lse_other - lse_numeric``,
     ``mass = sigmoid(-d)`` and ``1 - mass = sigmoid(d)``: both keep their relative accuracy. A numeric
@@ -93,7 +94,7 @@ def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
         grad_mass = terms.grad_mass.double()
         grad = grad + (grad_mass * mass * rest)[:, None] * q
         row_coefficient = -grad_mass * mass
-    return AloneGradient(terms.value.double(), grad, row_coefficient, lse)
+    return AloneGradient(terms.value.double(), grad, row_coefficient, lse, mass_rows)
 
 
 class _NumericAlone(torch.autograd.Function):
@@ -102,13 +103,14 @@ class _NumericAlone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan: CallPlan):
         numeric_logits = gather_numeric_logits(logits, plan.positions, plan.local_numeric_columns)
+        mass_rows = plan.loss.mass_rows(plan) if plan.loss.needs_mass else None
         if plan.loss.needs_mass:
-            other = other_logsumexp(logits, plan)
+            other = other_logsumexp(logits, plan, plan.positions if mass_rows is None else plan.positions[mass_rows])
             target_logits = torch.zeros(plan.targets.numel(), dtype=logits.dtype, device=logits.device)
             pieces = exchange_or_keep_local(plan, numeric_logits, other, target_logits)
         else:
             pieces = exchange_or_keep_local(plan, numeric_logits)
-        numeric = loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
+        numeric = loss_and_gradient(plan, pieces.numeric_logits, pieces.lse, mass_rows)
         ctx.logits_dtype, ctx.logits_shape = logits.dtype, logits.shape
         ctx.plan, ctx.numeric = plan, numeric
         if numeric.row_coefficient is not None:
@@ -126,17 +128,19 @@ class _NumericAlone(torch.autograd.Function):
         grad_value = grad_value.double()
         numeric_rows = (numeric.numeric_grad[:, lo:hi] * grad_value[:, None]).to(compute_dtype)
         columns = plan.local_numeric_columns
+        grad[plan.positions[:, None], columns[None, :]] = numeric_rows.to(ctx.logits_dtype)
         if numeric.row_coefficient is None:
-            grad[plan.positions[:, None], columns[None, :]] = numeric_rows.to(ctx.logits_dtype)
             return grad, None
         (logits, ) = ctx.saved_tensors
-        coefficient = (numeric.row_coefficient * grad_value).to(compute_dtype)
-        lse = numeric.lse.to(compute_dtype)
-        for start, end in _row_blocks(int(plan.positions.numel()), logits.shape[1]):
-            rows = plan.positions[start:end]
+        rows_of = torch.arange(plan.positions.numel(), device=grad.device) if numeric.mass_rows is None \
+            else numeric.mass_rows
+        coefficient = (numeric.row_coefficient[rows_of] * grad_value[rows_of]).to(compute_dtype)
+        lse = numeric.lse[rows_of].to(compute_dtype)
+        for start, end in _row_blocks(int(rows_of.numel()), logits.shape[1]):
+            rows = plan.positions[rows_of[start:end]]
             # a non-numeric column: its softmax times the row's coefficient; a numeric one: its whole gradient
             block = logits[rows].to(compute_dtype).sub_(lse[start:end, None]).exp_().mul_(coefficient[start:end, None])
-            block[:, columns] = numeric_rows[start:end]
+            block[:, columns] = numeric_rows[rows_of[start:end]]
             grad[rows] = block.to(ctx.logits_dtype)
         return grad, None
 
