@@ -273,3 +273,16 @@ def test_train_plans_ntl_number_from_the_command_line(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match="number-level NTL joins digits into numbers, so it needs a vocabulary of "
                                          "the ten digits"):
         plan(numeric_loss=["ntl-number"])  # the default policy reads 0..999 from this Llama-3-style tokenizer
+
+
+def test_megatron_layout_reads_the_sequence_down_dim_0(generator):
+    """Megatron's ``[s, b]`` targets with ``sequence_dim=0``: the per-token loss of its entry point is
+    ntloss's on the ``[b, s]`` transpose."""
+    from smmd_scale import vocab_parallel_numeric_cross_entropy
+
+    theirs, ours = ntloss_and_ours(style_tokenizers.qwen_style(), reweigh=True, float_level=True)
+    logits, labels = labelled_digits(generator, theirs, ours, shape=(3, 24))
+    megatron = NumberLevelNTLoss(ours.vocab, float_level=True, dot_token_ids=ours.dot_token_ids, sequence_dim=0)
+    _, per_token = vocab_parallel_numeric_cross_entropy(logits.transpose(0, 1).contiguous(), labels.T.contiguous(),
+                                                        megatron)
+    assert relative_error(per_token.T, theirs(logits, labels, reduction="none")) <= 1e-10
