@@ -12,6 +12,7 @@ from .fused_linear import linear_numeric_cross_entropy, linear_smmd_cross_entrop
 from .integrations import install, vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
 from .loss import NumericOutput, SMMDOutput, numeric_cross_entropy, smmd_cross_entropy
 from .ntl import NTLoss
+from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .registry import NUMERIC_LOSSES, build_numeric_loss
 from .smmd import SMMDLoss
@@ -29,8 +30,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NTLoss", "NUMERIC_LOSSES", "NumericLoss", "NumericLossCallback", "NumericOutput", "NumericVocab",
-           "SMMDLoss", "WeightedNumericLosses", "build_numeric_loss", "install", "linear_numeric_cross_entropy",
-           "numeric_cross_entropy", "vocab_parallel_numeric_cross_entropy", "__version__",
+__all__ = ["NTLoss", "NUMERIC_LOSSES", "NumberLevelNTLoss", "NumericLoss", "NumericLossCallback", "NumericOutput",
+           "NumericVocab", "SMMDLoss", "WeightedNumericLosses", "build_numeric_loss", "install",
+           "linear_numeric_cross_entropy", "numeric_cross_entropy", "vocab_parallel_numeric_cross_entropy",
+           "__version__",
            # deprecated aliases, one release
            "SMMDOutput", "linear_smmd_cross_entropy", "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy"]

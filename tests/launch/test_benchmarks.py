@@ -91,3 +91,22 @@ def test_the_fused_linear_benchmark_s_contenders_compute_the_same_ce():
     for name in ("torch_linear_ce", "deepspeed_fused", "ours_fused_w0"):
         for value, reference in zip(results[name], results["torch_ce"]):
             torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_bench_ntl_standalone_writes_rows_where_every_contender_computes_the_same_loss(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_ntl_standalone", "--tokens", "600", "--vocab_size",
+                          "300", "--repeats", "2", "--memory", "--results_dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, cwd=REPO, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_ntl_standalone.json").read_text())
+    rows = results["rows"]
+    assert {(row["kind"], row["contender"]) for row in rows} == {
+        (kind, name) for kind in ("was", "mse", "number") for name in ("ntloss", "before", "after")} - {
+        ("number", "before")}
+    for row in rows:  # the same objective, measured side by side
+        ntloss_row = next(other for other in rows if other["kind"] == row["kind"] and other["contender"] == "ntloss"
+                          and other["numeric_share"] == row["numeric_share"])
+        assert row["value"] == pytest.approx(ntloss_row["value"], rel=1e-5)
+        assert row["forward_ms"] > 0 and row["forward_backward_ms"] > 0
+    assert len(results["memory"]) == len(rows) and all(row["peak_mib"] > 0 for row in results["memory"])
