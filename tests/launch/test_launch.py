@@ -3,6 +3,7 @@ pretraining from a Hugging Face dir, SIGKILL and exact resume, a crash mid-save,
 trips, mpirun and a two-node run simulated on loopback. TensorBoard is read back from the event
 files. Runs are shared where a test only reads one (the ZeRO-3 run is also the resume reference)."""
 
+import functools
 import json
 import os
 import re
@@ -245,9 +246,24 @@ def test_a_longer_resumed_run_keeps_its_schedule_and_a_forgotten_resume_is_refus
     assert resumed[6]["train/lr"] == pytest.approx(expected[6]["train/lr"], rel=1e-9)
 
 
-def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_checkpoint(tmp_path, corpus):
+def cut_back_to_step_4(reference, output):
+    """``output``: the run directory ``reference`` as it was right after its step-4 checkpoint."""
     import shutil
 
+    shutil.copytree(reference, output, ignore=shutil.ignore_patterns(
+        "hf", "tensorboard", "metrics.jsonl", "step00000002", "step00000006"))
+    (output / "latest").write_text("step00000004")
+
+
+def assert_steps_5_and_6_continue(expected, output):
+    resumed = metrics(output)
+    assert sorted(step for step in resumed if step) == [5, 6]
+    for step in (5, 6):
+        for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/positions", "train/lr"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_checkpoint(tmp_path, corpus):
     # The uninterrupted reference: 2 ranks at --tp 2 (one data-parallel rank of 2 sequences), 6 steps.
     reference = tmp_path / "tp2"
     run(deepspeed_command(2, *train_args(corpus, reference, steps=6, save_steps=2, tp=2)), timeout=600)
@@ -256,18 +272,8 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_che
     assert (committed["world_size"], committed["tp_size"], committed["zero_stage"],
             committed["global_batch_size"]) == (2, 2, 3, 2)
 
-    def cut_back(output):  # the reference's directory as it was after its step-4 checkpoint
-        shutil.copytree(reference, output, ignore=shutil.ignore_patterns(
-            "hf", "tensorboard", "metrics.jsonl", "step00000002", "step00000006"))
-        (output / "latest").write_text("step00000004")
-
-    def assert_continues(output):
-        resumed = metrics(output)
-        assert sorted(step for step in resumed if step) == [5, 6]
-        for step in (5, 6):
-            for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/positions", "train/lr"):
-                assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
-
+    cut_back = functools.partial(cut_back_to_step_4, reference)
+    assert_continues = functools.partial(assert_steps_5_and_6_continue, expected)
     # (a) 2 ranks at --tp 1 (two data-parallel ranks of 1 sequence): rank 0 converts as the run resumes.
     output = tmp_path / "tp1"
     cut_back(output)
@@ -289,6 +295,19 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_che
     assert "the complete conversion there is reused" in completed.stdout
     assert "step00000004: loading its universal checkpoint" in completed.stdout
     assert_continues(output)
+
+
+def test_a_zero3_checkpoint_without_tp_resumes_at_tp2_through_a_universal_checkpoint(tmp_path, corpus, zero3_run):
+    # The 2-rank ZeRO-3 run (two data-parallel ranks of 2 sequences) resumed at --tp 2 (one
+    # data-parallel rank of 4): the universal checkpoint DeepSpeed writes without TP holds bare
+    # tensors that the AutoTP loader splits only once wrapped.
+    output = tmp_path / "tp2"
+    cut_back_to_step_4(zero3_run[0], output)
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, resume=True, tp=2,
+                                                     micro_batch_size=4)), timeout=600)
+    assert "written by 2 ranks with --tp 1 and this run has 2 with --tp 2" in completed.stdout
+    assert "resumed from step00000004 at step 4" in completed.stdout
+    assert_steps_5_and_6_continue(metrics(zero3_run[0]), output)
 
 
 def test_mpirun_two_ranks(tmp_path, corpus):
