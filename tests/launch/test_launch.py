@@ -303,11 +303,18 @@ def test_a_zero3_checkpoint_without_tp_resumes_at_tp2_through_a_universal_checkp
     # tensors that the AutoTP loader splits only once wrapped.
     output = tmp_path / "tp2"
     cut_back_to_step_4(zero3_run[0], output)
-    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, resume=True, tp=2,
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, resume=True, tp=2, save_steps=2,
                                                      micro_batch_size=4)), timeout=600)
     assert "written by 2 ranks with --tp 1 and this run has 2 with --tp 2" in completed.stdout
     assert "resumed from step00000004 at step 4" in completed.stdout
     assert_steps_5_and_6_continue(metrics(zero3_run[0]), output)
+    # Under AutoTP the norms are a ZeRO-3 sub-group of their own. Each sub-group's Adam step counts
+    # the optimizer steps (DeepSpeed's universal loader shares one tensor among them, which counted
+    # 8 here, and step 6's loss was 7e-6 off, before each got its own copy).
+    adam_steps = [float(state["step"]) for path in (output / "step00000006").glob("*_optim_states.pt")
+                  for state in torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                  ["optimizer_state_dict"]["state"].values()]
+    assert len(adam_steps) == 4 and set(adam_steps) == {6.0}  # 2 TP ranks x (shards, norms)
 
 
 def test_mpirun_two_ranks(tmp_path, corpus):

@@ -79,3 +79,27 @@ def test_the_command_line_names_what_it_cannot_convert(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         checkpoint.main(["convert", str(tmp_path), "step00000002"])
     assert exited.value.code == 1 and "is not a committed checkpoint" in capsys.readouterr().err
+
+
+def _load_a_checkpoint_that_cannot_convert(rank, world_size, output_dir):
+    import torch.distributed as dist
+
+    try:
+        checkpoint.load_universal(None, output_dir, "step00000004")  # fails before the engine is used
+    except ValueError as error:
+        message = f"{type(error).__name__}: {error}"
+    dist.barrier()  # the default group is still usable
+    return message
+
+
+@pytest.mark.gloo
+def test_a_failed_conversion_raises_the_same_error_on_every_rank(tmp_path):
+    from helpers.distributed import run_ranks, values_or_raise
+
+    tag = tmp_path / "step00000004"
+    tag.mkdir()
+    (tag / COMMIT_FILE).write_text('{"step": 4, "world_size": 4, "tp_size": 2, "zero_stage": 3}')
+    rank0, rank1 = values_or_raise(run_ranks(_load_a_checkpoint_that_cannot_convert, 2, str(tmp_path)))
+    assert rank0.startswith("ValueError: ") and "no complete set of ZeRO-3 model and optimizer state files" in rank0
+    assert rank1 == rank0.replace("ValueError: ", "ValueError: on rank 0: ", 1)
+    assert not (tag / UNIVERSAL_DIR).exists()
