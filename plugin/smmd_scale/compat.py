@@ -11,6 +11,7 @@ transformers 5.23.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Callable, Optional
 
@@ -106,6 +107,34 @@ def consolidated_state_dict(engine) -> dict:
         return _private(engine, "_zero3_consolidated_16bit_state_dict", "deepspeed",
                         "gather a ZeRO-3 model for export")()
     return _private(engine, "_consolidated_16bit_state_dict", "deepspeed", "gather an AutoTP model for export")()
+
+
+def ds_to_universal(input_folder: str, output_folder: str) -> None:
+    """DeepSpeed's converter of a checkpoint folder into a universal checkpoint, in this process
+    (``deepspeed.checkpoint.ds_to_universal.main``: a command-line tool's entry point, called with
+    the argument namespace its parser would give; one worker, so no process pool)."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    main = _private(converter, "main", "deepspeed", "convert a checkpoint for a resume under another layout")
+    main(Namespace(input_folder=input_folder, output_folder=output_folder, num_extract_workers=1,
+                   num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+
+
+@contextmanager
+def universal_checkpoint_loading(engine):
+    """Inside this block ``engine.load_checkpoint`` reads a universal checkpoint: DeepSpeed chooses
+    its loader by the config's ``"checkpoint": {"load_universal": true}``, read through
+    ``engine._config.load_universal_checkpoint``; switched on for the block only (later saves and
+    loads of the run are ordinary ones)."""
+    config = _private(engine, "_config", "deepspeed", "load a universal checkpoint")
+    previous = _private(config, "load_universal_checkpoint", "deepspeed", "load a universal checkpoint")
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = previous
 
 
 def tensorboard_file_writer(writer):

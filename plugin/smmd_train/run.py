@@ -128,10 +128,11 @@ def plan_resume(args, plan: RunPlan) -> Optional[str]:
 
     Without ``--resume`` a committed checkpoint is refused unless ``--overwrite_output_dir`` says to
     start over (train.py then clears the old run's files): a forgotten ``--resume`` must not repoint
-    ``latest`` and append a second run to the first one's metrics. With ``--resume`` the checkpoint's
-    layout must be this run's (``checkpoint.check_resume_layout``), and the run continues the
-    checkpoint's learning-rate schedule (``schedule.resumed_schedule``; the differences go to
-    ``plan.warnings``)."""
+    ``latest`` and append a second run to the first one's metrics. With ``--resume`` this run must be
+    able to load the checkpoint (``checkpoint.check_resume_layout``: the same global batch; another
+    world size or --tp converts the checkpoint to a universal one when it is loaded, which goes to
+    ``plan.warnings``), and it continues the checkpoint's learning-rate schedule
+    (``schedule.resumed_schedule``; the differences go to ``plan.warnings``)."""
     from .checkpoint import agreed_resume_tag, check_resume_layout, read_commit
     from .schedule import resumed_schedule
 
@@ -145,7 +146,11 @@ def plan_resume(args, plan: RunPlan) -> Optional[str]:
         raise ValueError(f"--output_dir {args.output_dir} holds a committed checkpoint of an earlier run ({tag}, "
                          f"step {committed['step']}): pass --resume to continue that run, or --overwrite_output_dir to "
                          "start a new one there (its checkpoints, metrics.jsonl and TensorBoard events are removed)")
-    check_resume_layout(args.output_dir, tag, committed, plan.topology)
+    conversion = check_resume_layout(args.output_dir, tag, committed, plan.topology,
+                                     plan.ds_config.get("zero_optimization", {}).get("stage", 0),
+                                     plan.ds_config["train_batch_size"])
+    if conversion is not None:
+        plan.warnings.append(conversion)
     if "schedule" in committed:
         plan.schedule, notes = resumed_schedule(committed["schedule"], plan.schedule, committed["step"])
         plan.warnings += notes

@@ -3,6 +3,7 @@ pretraining from a Hugging Face dir, SIGKILL and exact resume, a crash mid-save,
 trips, mpirun and a two-node run simulated on loopback. TensorBoard is read back from the event
 files. Runs are shared where a test only reads one (the ZeRO-3 run is also the resume reference)."""
 
+import functools
 import json
 import os
 import re
@@ -51,12 +52,13 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train_args(corpus, output_dir, steps=4, model="tiny", lr=3e-3, warmup_steps=1, **options):
+def train_args(corpus, output_dir, steps=4, model="tiny", lr=3e-3, warmup_steps=1, micro_batch_size=2, **options):
     """train.py and its flags: a preset with the corpus tokenizer, or a model dir (which brings its own)."""
     return [TRAIN, *train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model=model,
                                 tokenizer=corpus / "tokenizer" if model == "tiny" else None,
                                 data=[corpus / "train.jsonl"], eval_data=[corpus / "eval.jsonl"],
-                                eval_batches=EVAL_BATCHES, seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps,
+                                eval_batches=EVAL_BATCHES, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size,
+                                max_steps=steps,
                                 warmup_steps=warmup_steps, lr=lr, output_dir=output_dir, **options)]
 
 
@@ -242,6 +244,77 @@ def test_a_longer_resumed_run_keeps_its_schedule_and_a_forgotten_resume_is_refus
     resumed = metrics(output)
     assert [resumed[step]["train/lr"] for step in (7, 8)] == pytest.approx([3e-4, 3e-4], rel=1e-6)
     assert resumed[6]["train/lr"] == pytest.approx(expected[6]["train/lr"], rel=1e-9)
+
+
+def cut_back_to_step_4(reference, output):
+    """``output``: the run directory ``reference`` as it was right after its step-4 checkpoint."""
+    import shutil
+
+    shutil.copytree(reference, output, ignore=shutil.ignore_patterns(
+        "hf", "tensorboard", "metrics.jsonl", "step00000002", "step00000006"))
+    (output / "latest").write_text("step00000004")
+
+
+def assert_steps_5_and_6_continue(expected, output):
+    resumed = metrics(output)
+    assert sorted(step for step in resumed if step) == [5, 6]
+    for step in (5, 6):
+        for name in ("loss/total", "loss/ce", "loss/smmd", "numeric/positions", "train/lr"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_checkpoint(tmp_path, corpus):
+    # The uninterrupted reference: 2 ranks at --tp 2 (one data-parallel rank of 2 sequences), 6 steps.
+    reference = tmp_path / "tp2"
+    run(deepspeed_command(2, *train_args(corpus, reference, steps=6, save_steps=2, tp=2)), timeout=600)
+    expected = metrics(reference)
+    committed = json.loads((reference / "step00000004" / "commit.json").read_text())
+    assert (committed["world_size"], committed["tp_size"], committed["zero_stage"],
+            committed["global_batch_size"]) == (2, 2, 3, 2)
+
+    cut_back = functools.partial(cut_back_to_step_4, reference)
+    assert_continues = functools.partial(assert_steps_5_and_6_continue, expected)
+    # (a) 2 ranks at --tp 1 (two data-parallel ranks of 1 sequence): rank 0 converts as the run resumes.
+    output = tmp_path / "tp1"
+    cut_back(output)
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, resume=True, tp=1,
+                                                     micro_batch_size=1)), timeout=600)
+    universal = output / "step00000004" / "universal"
+    assert (f"[train] warning: checkpoint step00000004 was written by 2 ranks with --tp 2 and this run has 2 with "
+            f"--tp 1: it is converted to a DeepSpeed universal checkpoint in {universal} by rank 0") in completed.stdout
+    assert completed.stdout.count("step00000004: converted to a universal checkpoint in") == 1
+    assert "resumed from step00000004 at step 4" in completed.stdout and (universal / "converted.json").is_file()
+    assert_continues(output)
+
+    # (b) 1 rank of 2 sequences, the checkpoint converted beforehand by the offline command.
+    output = tmp_path / "one_rank"
+    cut_back(output)
+    converted = run([sys.executable, "-m", "smmd_train.checkpoint", "convert", output], timeout=300)
+    assert "step00000004: converted to a universal checkpoint" in converted.stdout
+    completed = run(deepspeed_command(1, *train_args(corpus, output, steps=6, resume=True)), timeout=600)
+    assert "the complete conversion there is reused" in completed.stdout
+    assert "step00000004: loading its universal checkpoint" in completed.stdout
+    assert_continues(output)
+
+
+def test_a_zero3_checkpoint_without_tp_resumes_at_tp2_through_a_universal_checkpoint(tmp_path, corpus, zero3_run):
+    # The 2-rank ZeRO-3 run (two data-parallel ranks of 2 sequences) resumed at --tp 2 (one
+    # data-parallel rank of 4): the universal checkpoint DeepSpeed writes without TP holds bare
+    # tensors that the AutoTP loader splits only once wrapped.
+    output = tmp_path / "tp2"
+    cut_back_to_step_4(zero3_run[0], output)
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, resume=True, tp=2, save_steps=2,
+                                                     micro_batch_size=4)), timeout=600)
+    assert "written by 2 ranks with --tp 1 and this run has 2 with --tp 2" in completed.stdout
+    assert "resumed from step00000004 at step 4" in completed.stdout
+    assert_steps_5_and_6_continue(metrics(zero3_run[0]), output)
+    # Under AutoTP the norms are a ZeRO-3 sub-group of their own. Each sub-group's Adam step counts
+    # the optimizer steps (DeepSpeed's universal loader shares one tensor among them, which counted
+    # 8 here, and step 6's loss was 7e-6 off, before each got its own copy).
+    adam_steps = [float(state["step"]) for path in (output / "step00000006").glob("*_optim_states.pt")
+                  for state in torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                  ["optimizer_state_dict"]["state"].values()]
+    assert len(adam_steps) == 4 and set(adam_steps) == {6.0}  # 2 TP ranks x (shards, norms)
 
 
 def test_mpirun_two_ranks(tmp_path, corpus):

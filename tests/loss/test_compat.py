@@ -106,6 +106,40 @@ def test_a_missing_private_api_is_named():
         compat.consolidated_state_dict(Engine())
 
 
+def test_ds_to_universal_gets_every_argument_its_command_line_gives(monkeypatch):
+    from deepspeed.checkpoint import ds_to_universal
+
+    # What the converter's own parser makes of a minimal command line: the same names as ours.
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", "in", "--output_folder", "out"])
+    parsed = vars(ds_to_universal.parse_arguments())
+    passed = {}
+    monkeypatch.setattr(ds_to_universal, "main", lambda args: passed.update(vars(args)))
+    compat.ds_to_universal("in", "out")
+    assert passed.keys() == parsed.keys()
+    assert {**parsed, "num_extract_workers": 1, "num_merge_workers": 1} == passed  # its defaults, one worker
+
+
+def test_universal_checkpoint_loading_switches_deepspeed_s_own_flag_for_one_block():
+    from types import SimpleNamespace
+
+    from deepspeed import DeepSpeedEngine
+
+    # DeepSpeed's loader asks the engine, which reads this config attribute.
+    assert "self._config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint)
+    engine = SimpleNamespace(_config=SimpleNamespace(load_universal_checkpoint=False))
+    engine.load_universal_checkpoint = lambda: DeepSpeedEngine.load_universal_checkpoint(engine)
+    with compat.universal_checkpoint_loading(engine):
+        assert engine.load_universal_checkpoint() is True
+    assert engine.load_universal_checkpoint() is False
+    with pytest.raises(KeyError), compat.universal_checkpoint_loading(engine):
+        raise KeyError("a failed load")
+    assert engine.load_universal_checkpoint() is False
+    with pytest.raises(compat.UpstreamChanged, match="has no .*load_universal_checkpoint, which smmd-scale uses to "
+                                                     "load a universal checkpoint"):
+        with compat.universal_checkpoint_loading(SimpleNamespace(_config=SimpleNamespace())):
+            pass
+
+
 def _tensor_parallel_groups(rank, world_size):
     import deepspeed
     from deepspeed.utils import groups

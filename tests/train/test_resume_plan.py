@@ -1,7 +1,8 @@
 """What a run does with the checkpoints already in its --output_dir, decided when it is planned
 (before any model exists), through train.py's own set-up (``smmd_train.run.prepare_run``): a
 forgotten --resume is refused, --overwrite_output_dir clears the old run, a resume under another
-layout is refused with the reason, and a resumed run continues its checkpoint's learning-rate
+world size or --tp plans a conversion to a universal checkpoint, what cannot be loaded is refused
+with the reason, and a resumed run continues its checkpoint's learning-rate
 schedule, saying what it does not apply. The checkpoints here are commit markers as
 ``checkpoint.save`` writes them (the shards are not read before the engine exists); test_launch.py
 resumes real ones."""
@@ -24,13 +25,17 @@ ZERO3 = REPO / "ds_configs" / "zero3.json"
 SCHEDULE = {"lr": 3e-3, "warmup_steps": 1, "max_steps": 6, "min_lr_ratio": 0.1}
 
 
-def committed_checkpoint(output_dir, step=6, world_size=2, tp_size=1, sp_size=1, schedule=SCHEDULE):
-    """The commit marker and ``latest`` of a checkpoint at ``step`` (what ``checkpoint.save`` writes)."""
+def committed_checkpoint(output_dir, step=6, world_size=2, tp_size=1, sp_size=1, schedule=SCHEDULE, zero_stage=3,
+                         global_batch_size=None):
+    """The commit marker and ``latest`` of a checkpoint at ``step`` (what ``checkpoint.save`` writes;
+    ``global_batch_size`` None: a marker written before it was recorded)."""
     tag = tag_for_step(step)
     (output_dir / tag).mkdir(parents=True)
     topology = Topology(world_size=world_size, tp_size=tp_size, dp_size=world_size // (tp_size * sp_size),
                         sp_size=sp_size)
-    record = {"step": step, "world_size": world_size, **run_record(topology, schedule)}
+    record = {"step": step, "world_size": world_size, **run_record(topology, schedule), "zero_stage": zero_stage}
+    if global_batch_size is not None:
+        record["global_batch_size"] = global_batch_size
     (output_dir / tag / COMMIT_FILE).write_text(json.dumps(record))
     (output_dir / LATEST_FILE).write_text(tag)
     return tag
@@ -82,17 +87,53 @@ def test_overwrite_output_dir_plans_a_new_run_and_clears_only_the_old_run_s_file
 
 
 @pytest.mark.parametrize("written, resumed, named", [
-    (dict(world_size=2, tp_size=2), dict(world_size=2, tp=1), "--tp 2, this run has --tp 1"),
-    (dict(world_size=2, tp_size=1), dict(world_size=1), "2 ranks, this run has 1"),
-    (dict(world_size=2, tp_size=2), dict(world_size=4, tp=2), "2 ranks, this run has 4"),
+    # Each keeps the checkpoint's global batch (2 sequences per data-parallel rank at save).
+    (dict(world_size=2, tp_size=2), dict(world_size=2, tp=1, micro_batch_size=1),
+     "2 ranks with --tp 2 and this run has 2 with --tp 1"),
+    (dict(world_size=2, tp_size=1), dict(world_size=1, micro_batch_size=4),
+     "2 ranks with --tp 1 and this run has 1 with --tp 1"),
+    (dict(world_size=2, tp_size=2), dict(world_size=4, tp=2, micro_batch_size=1),
+     "2 ranks with --tp 2 and this run has 4 with --tp 2"),
 ])
-def test_a_resume_under_another_layout_is_refused_before_the_model_with_the_reason(
+def test_a_resume_under_another_layout_plans_a_conversion_and_says_where(
+        tmp_path, tokenizer_dir, written, resumed, named):
+    output = tmp_path / "run"
+    dp_size = written["world_size"] // written["tp_size"]
+    tag = committed_checkpoint(output, **written, global_batch_size=2 * dp_size)
+    run = plan(tmp_path, tokenizer_dir, output, resume=True, **resumed)
+    assert run.resume_tag == tag
+    notes = [warning for warning in run.plan.warnings if "universal checkpoint" in warning]
+    assert len(notes) == 1 and named in notes[0]
+    assert f"converted to a DeepSpeed universal checkpoint in {output / tag / 'universal'} by rank 0" in notes[0]
+    assert ("keep their seeded one" in notes[0]) == (resumed["world_size"] > written["world_size"])
+    # A complete conversion already there (e.g. python -m smmd_train.checkpoint convert) is reused.
+    (output / tag / "universal").mkdir()
+    (output / tag / "universal" / "converted.json").write_text("{}")
+    again = plan(tmp_path, tokenizer_dir, output, resume=True, **resumed)
+    assert [warning for warning in again.plan.warnings if "the complete conversion there is reused" in warning]
+
+
+@pytest.mark.parametrize("written, resumed, named", [
+    # The global batch differs (2 ranks at --tp 1 with 2 sequences each make 4, the checkpoint's is 2).
+    (dict(world_size=2, tp_size=2, global_batch_size=2), dict(world_size=2, tp=1),
+     "a global batch of 2 sequences, this run has 4"),
+    (dict(world_size=2, tp_size=1, global_batch_size=4), dict(world_size=2, micro_batch_size=1),
+     "a global batch of 4 sequences, this run has 2"),
+    (dict(world_size=2, tp_size=2, zero_stage=2), dict(world_size=2, tp=1, micro_batch_size=1),
+     "only a ZeRO-3 checkpoint resumed under ZeRO-3 converts to another layout (checkpoint: ZeRO stage 2"),
+    (dict(world_size=2, tp_size=1, sp_size=2), dict(world_size=1, micro_batch_size=4),
+     "a layout change with sequence parallelism is not supported (checkpoint --sp 2, this run --sp 1)"),
+    (dict(world_size=2, tp_size=1), dict(world_size=4, sp=2, micro_batch_size=2),
+     "a layout change with sequence parallelism is not supported (checkpoint --sp 1, this run --sp 2)"),
+])
+def test_what_a_resume_cannot_load_is_refused_before_the_model_with_the_reason(
         tmp_path, tokenizer_dir, written, resumed, named):
     output = tmp_path / "run"
     committed_checkpoint(output, **written)
-    with pytest.raises(RunRefused, match="load only into the same layout") as refused:
+    with pytest.raises(RunRefused, match="cannot be resumed by this run") as refused:
         plan(tmp_path, tokenizer_dir, output, resume=True, **resumed)
     assert named in str(refused.value) and "launch/export_hf.py" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_resume_with_another_sequence_parallel_degree_is_planned(tmp_path, tokenizer_dir):
