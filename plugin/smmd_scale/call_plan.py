@@ -275,7 +275,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
     local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
     index = torch.searchsorted(token_ids, flat_targets).clamp(max=len(vocab) - 1)
-    positions = (token_ids[index] == flat_targets).nonzero().squeeze(1)
+    # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
+    positions = ((token_ids[index] == flat_targets) & valid).nonzero().squeeze(1)
     lo = bisect.bisect_left(vocab.token_id_list, vocab_start_index)
     hi = bisect.bisect_left(vocab.token_id_list, vocab_start_index + width)
     return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,

@@ -46,7 +46,6 @@ from .loss import NumericOutput, PerTokenLosses, check_reduction, reduce_losses
 from .parallel import group_size_and_rank, reduce_input_gradient
 from .steps import (
     ShiftedLogSumExp,
-    claim_single_backward,
     cross_entropy_per_token,
     dense_gradient_,
     exchange_or_keep_local,
@@ -129,7 +128,6 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             sums = stat_sums(plan, numeric, pieces.comm)
             ctx.mark_non_differentiable(sums)
 
-            ctx.consumed = False
             ctx.plan, ctx.chunk_size = plan, chunk_size
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
             ctx.target_slope = transform_slope(target_logits, options)
@@ -138,7 +136,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ce, grad_numeric, grad_z, _grad_stats):
-        claim_single_backward(ctx)
+        # Nothing saved is changed here (each block is recomputed), so retain_graph=True may run it again.
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as in the forward
             hidden, head_weight, bias = ctx.saved_tensors
             plan, lse = ctx.plan, ctx.lse

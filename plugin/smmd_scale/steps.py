@@ -336,10 +336,13 @@ def target_coefficients(plan: CallPlan, grad_ce: torch.Tensor, target_slope: Opt
 
 
 def claim_single_backward(ctx) -> None:
-    """Mark ``ctx``'s one backward as used; a second one raises. The fused ops' saved working buffer
-    becomes the gradient in place, so a second backward through the same forward
-    (``retain_graph=True``) would read a gradient as if it were a softmax."""
+    """Mark ``ctx``'s one backward as used; a second one raises. The materialized op's saved working
+    buffer (the softmax, or the soft-capped logits) becomes the gradient in place, so a second
+    backward through the same forward (``retain_graph=True``) would read a gradient as if it were a
+    softmax. (The fused linear head saves only its inputs and recomputes, so it has no such limit.)"""
     if ctx.consumed:
-        raise RuntimeError("smmd_scale's fused loss supports one backward per forward (its working buffer "
-                           "becomes the gradient in place); run the forward again instead of retain_graph=True")
+        raise RuntimeError("numeric_cross_entropy supports one backward per forward: its [tokens, V] working buffer "
+                           "(the softmax) becomes the gradient in place, which saves a second [tokens, V] buffer; "
+                           "run the forward again instead of retain_graph=True, or use "
+                           "linear_numeric_cross_entropy, which allows it")
     ctx.consumed = True
