@@ -23,6 +23,7 @@ OPTION_SETS = {
     "z_loss": dict(z_loss=1e-2),
     "label_smoothing": dict(label_smoothing=0.2),
     "all": dict(logit_scale=1.3, logit_softcap=3.0, z_loss=3e-2, label_smoothing=0.1),
+    "all_but_softcap": dict(logit_scale=0.6, z_loss=2e-2, label_smoothing=0.15),
 }
 TOLERANCE = 1e-10
 
