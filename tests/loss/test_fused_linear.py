@@ -20,7 +20,7 @@ def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, i
     vocab_size = vocab_size or draw(40, 400)
     hidden_size = draw(2, 40)
     shape = shape or (draw(1, 4), draw(1, 20))
-    numeric_size = draw(2, 30)
+    numeric_size = draw(2, min(30, vocab_size))  # a vocabulary of 16 cannot hold 29 numeric tokens
     token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
     values = torch.randperm(3 * numeric_size, generator=generator)[:numeric_size].double()
     vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
