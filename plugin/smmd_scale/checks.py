@@ -39,6 +39,10 @@ HEAD_ROWS = 16
 NUM_NUMERIC = 17
 LOSS_WEIGHTS_SHAPE = 18
 LOSS_WEIGHTS_VALUE = 19
+LOGIT_SCALE = 20
+LOGIT_SOFTCAP = 21
+Z_LOSS = 22
+LABEL_SMOOTHING = 23
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -64,7 +68,8 @@ _ERRORS = {
                          "lie on another device); give one weight per target position, on the targets' device"),
     LOSS_WEIGHTS_VALUE: (ValueError, "loss_weights[{0}] = {1} must be a finite number >= 0 (position counted over the "
                          "flattened targets)"),
-    LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2}"),
+    LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2} "
+                    "(mixed floating dtypes are accepted under torch.autocast: the product runs in its dtype)"),
     LINEAR_DEVICES: (ValueError, "head_weight and bias must be on hidden's device {0}:{1}; one of them is on {2}:{3}"),
     HEAD_WEIGHT_SHAPE: (ValueError, "head_weight must be [V_local, H] with H = hidden's width {0}; got {1} dims of "
                         "sizes ({2}, {3}, ...)"),
@@ -73,6 +78,12 @@ _ERRORS = {
                   "least one of each"),
     CHUNK_SIZE: (ValueError, "chunk_size={0} must be a positive int (head rows per block), or None to choose it from "
                  "a memory budget"),
+    LOGIT_SCALE: (ValueError, "logit_scale={0} must be a finite number > 0 (None = 1, the logits as they are)"),
+    LOGIT_SOFTCAP: (ValueError, "logit_softcap={0} must be a finite number > 0 (None = no soft-capping; Gemma-2 "
+                    "uses 30.0)"),
+    Z_LOSS: (ValueError, "z_loss={0} must be a finite number >= 0 (the coefficient of lse^2; 0 = off, PaLM uses "
+             "1e-4)"),
+    LABEL_SMOOTHING: (ValueError, "label_smoothing={0} must be in [0, 1) (0 = off)"),
     HEAD_ROWS: (ValueError, "head_weight has {0} rows but the numeric vocabulary was built for vocab_size={1}; build "
                 "NumericVocab for the model's vocabulary (vocab_size=...) or pass tp_group and vocab_start_index for "
                 "a vocab-parallel head shard"),
@@ -108,7 +119,7 @@ class FailedCheck(NamedTuple):
         if self.code in (TARGETS_DEVICE, LINEAR_DEVICES):
             args[0] = _name(DEVICE_TYPES, args[0])
             args[2] = _name(DEVICE_TYPES, args[2])
-        if self.code == WEIGHT:
+        if self.code in (WEIGHT, LOGIT_SCALE, LOGIT_SOFTCAP, Z_LOSS, LABEL_SMOOTHING):
             args[0] = bits_float(args[0])
         if self.code == LOSS_WEIGHTS_VALUE:
             args[1] = bits_float(args[1])
@@ -126,10 +137,11 @@ def _device_code(device: torch.device) -> tuple:
 
 def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
-                 num_numeric_in_batch=None, weight: Optional[float] = None) -> Optional[FailedCheck]:
+                 num_numeric_in_batch=None, weight: Optional[float] = None, options=None) -> Optional[FailedCheck]:
     """Validate one call's tensors and per-call arguments; return the first failed check or ``None``.
 
     logits: a ``LogitsSpec`` of ``[..., V_local]`` (the tensor need not exist), targets: ``[...]``.
+    ``options``: the call's ``CrossEntropyOptions`` (their values; their types were checked at the call).
     Only cheap checks; the one data-dependent check (targets in range) costs a single reduction and
     a host read.
     """
@@ -152,6 +164,10 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         return FailedCheck(NUM_NUMERIC, (int(num_numeric_in_batch), ))
     if weight is not None and not (math.isfinite(weight) and weight >= 0):
         return FailedCheck(WEIGHT, (float_bits(weight), ))
+    if options is not None:
+        failed = check_cross_entropy_options(options)
+        if failed is not None:
+            return failed
     flat = targets.reshape(-1)
     out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
     if out_of_range.any():
@@ -161,11 +177,12 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
 
 
 def check_linear_inputs(hidden: torch.Tensor, head_weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_size,
-                        vocab_size: int, tensor_parallel: bool) -> Optional[FailedCheck]:
+                        vocab_size: int, tensor_parallel: bool, dtypes_agree: bool = True) -> Optional[FailedCheck]:
     """The fused linear path's own checks (before the logits' checks): ``hidden [..., H]``,
-    ``head_weight [V_local, H]``, ``bias [V_local]`` or None, ``chunk_size`` positive or None."""
+    ``head_weight [V_local, H]``, ``bias [V_local]`` or None, ``chunk_size`` positive or None.
+    ``dtypes_agree``: the inputs share a dtype, or autocast gives their product one."""
     dtypes = (hidden.dtype, head_weight.dtype, hidden.dtype if bias is None else bias.dtype)
-    if not hidden.dtype.is_floating_point or len(set(dtypes)) > 1:
+    if not all(dtype.is_floating_point for dtype in dtypes) or not dtypes_agree:
         return FailedCheck(LINEAR_DTYPES, (_dtype_code(hidden.dtype), _dtype_code(head_weight.dtype),
                                            -1 if bias is None else _dtype_code(bias.dtype)))
     for other in (head_weight, bias):
@@ -198,4 +215,20 @@ def check_loss_weights(loss_weights: torch.Tensor, targets: torch.Tensor) -> Opt
     if bad.any():
         position = int(bad.nonzero()[0, 0])
         return FailedCheck(LOSS_WEIGHTS_VALUE, (position, float_bits(float(flat[position]))))
+    return None
+
+
+def check_cross_entropy_options(options) -> Optional[FailedCheck]:
+    """The values of a call's ``CrossEntropyOptions``: scale and cap finite and > 0, z-loss finite and
+    >= 0, label smoothing in [0, 1)."""
+    for code, value, smallest_ok in ((LOGIT_SCALE, options.logit_scale, None),
+                                     (LOGIT_SOFTCAP, options.logit_softcap, None),
+                                     (Z_LOSS, options.z_loss, 0.0)):
+        if value is None:
+            continue
+        if not math.isfinite(value) or (value <= 0 if smallest_ok is None else value < smallest_ok):
+            return FailedCheck(code, (float_bits(value), ))
+    smoothing = options.label_smoothing
+    if not (0 <= smoothing < 1):  # also NaN
+        return FailedCheck(LABEL_SMOOTHING, (float_bits(smoothing), ))
     return None

@@ -20,7 +20,7 @@ def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, i
     vocab_size = vocab_size or draw(40, 400)
     hidden_size = draw(2, 40)
     shape = shape or (draw(1, 4), draw(1, 20))
-    numeric_size = draw(2, 30)
+    numeric_size = draw(2, min(30, vocab_size))  # a vocabulary of 16 cannot hold 29 numeric tokens
     token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
     values = torch.randperm(3 * numeric_size, generator=generator)[:numeric_size].double()
     vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
@@ -280,3 +280,83 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     assert "rank 1 of the group: head_weight must be [V_local, H]" in width
     assert dtype.startswith("TypeError: tensor-parallel rank 1 of the group: hidden, head_weight and bias must share")
     assert "rank 1 of the group: chunk_size=-1 must be a positive int" in chunk
+
+
+def test_a_second_backward_with_retain_graph_adds_the_same_gradients(generator):
+    """The fused backward recomputes every block from its saved inputs and changes nothing it saved,
+    so retain_graph=True works as for any torch op: the second backward adds the same gradients."""
+    vocab, hidden, head, bias, targets = problem(generator)
+    leaves = [tensor.clone().requires_grad_(True) for tensor in (hidden, head, bias)]
+    out = linear_numeric_cross_entropy(leaves[0], leaves[1], targets, SMMDLoss(vocab), bias=leaves[2], chunk_size=9,
+                                       z_loss=1e-3, logit_softcap=5.0)
+    out.total.backward(retain_graph=True)
+    once = [leaf.grad.clone() for leaf in leaves]
+    out.total.backward()
+    for leaf, grad in zip(leaves, once):
+        assert torch.equal(leaf.grad, 2 * grad)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+def test_ignore_index_equal_to_a_numeric_token_contributes_nothing(generator, fused):
+    """With ignore_index a numeric token's id, its positions enter neither CE nor the numeric loss:
+    the same result as marking them -100."""
+    vocab, hidden, head, bias, targets = problem(generator, numeric_share=0.6, ignore_share=0.0)
+    ignored_id = int(vocab.token_ids[0])
+    targets.view(-1)[::3] = ignored_id
+    results = []
+    for ignore_index, marked in ((ignored_id, targets), (-100, torch.where(targets == ignored_id, -100, targets))):
+        smmd = SMMDLoss(vocab, ignore_index=ignore_index)
+        h = hidden.clone().requires_grad_(True)
+        if fused:
+            out = linear_numeric_cross_entropy(h, head, marked, smmd, bias=bias)
+        else:
+            out = numeric_cross_entropy(h @ head.T + bias, marked, smmd)
+        out.total.backward()
+        results.append((out, h.grad))
+        assert not smmd.numeric_mask(marked)[marked == ignored_id].any()  # Megatron's count of numeric positions
+    (ignoring, grad_ignoring), (marking, grad_marking) = results
+    assert ignoring.stats["numeric_tokens"] == marking.stats["numeric_tokens"]
+    assert ignoring.stats["tokens"] == marking.stats["tokens"]
+    for name in ("total", "ce", "numeric"):
+        assert getattr(ignoring, name).item() == pytest.approx(getattr(marking, name).item(), rel=1e-12, abs=1e-14)
+    assert relative(grad_ignoring, grad_marking) <= 1e-12
+
+
+def test_mixed_dtypes_under_autocast_compute_as_autocast_would(generator):
+    """bf16 hidden with an fp32 head weight and bias under torch.autocast (what HF Trainer's bf16 AMP
+    hands the head): the product in bf16, as autocast runs the head's linear; each gradient in its
+    input's dtype, equal to the same op on the autocast-cast inputs (bf16 weight and bias)."""
+    vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=200)
+    smmd = SMMDLoss(vocab)
+    mixed = [hidden.bfloat16().requires_grad_(True), head.clone().requires_grad_(True),
+             bias.clone().requires_grad_(True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_numeric_cross_entropy(mixed[0], mixed[1], targets, smmd, bias=mixed[2], chunk_size=33)
+    out.total.backward()
+    cast = [hidden.bfloat16().requires_grad_(True), head.bfloat16().requires_grad_(True),
+            bias.bfloat16().requires_grad_(True)]
+    expected = linear_numeric_cross_entropy(cast[0], cast[1], targets, smmd, bias=cast[2], chunk_size=33)
+    expected.total.backward()
+    assert out.total.item() == expected.total.item()
+    assert [leaf.grad.dtype for leaf in mixed] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(mixed[0].grad, cast[0].grad)
+    # the weight's gradient is the bf16 product cast to fp32; the bias's is summed in fp32
+    assert torch.equal(mixed[1].grad, cast[1].grad.float())
+    assert relative(mixed[2].grad, cast[2].grad.float()) <= 1e-2
+    # the materialized op on autocast's own logits agrees to bf16 accuracy
+    reference = [hidden.bfloat16().requires_grad_(True), head.clone().requires_grad_(True),
+                 bias.clone().requires_grad_(True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(*reference)
+    materialized = numeric_cross_entropy(logits, targets, smmd)
+    materialized.total.backward()
+    assert out.total.item() == pytest.approx(materialized.total.item(), rel=1e-6)
+    for ours, theirs in zip(mixed, reference):
+        assert ours.grad.dtype == theirs.grad.dtype and relative(ours.grad.float(), theirs.grad.float()) <= 2e-2
+
+
+def test_mixed_dtypes_without_autocast_are_refused(generator):
+    vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=60)
+    with pytest.raises(TypeError, match="must share one floating dtype; got torch.bfloat16, torch.float32 and "
+                                        "torch.float32 .mixed floating dtypes are accepted under torch.autocast"):
+        linear_numeric_cross_entropy(hidden.bfloat16(), head, targets, SMMDLoss(vocab), bias=bias)

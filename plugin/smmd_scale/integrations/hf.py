@@ -36,13 +36,17 @@ class NumericCausalLMLoss:
     ``num_numeric_in_batch`` (pass it to the model's forward like ``num_items_in_batch``) divides
     the numeric term, so that the step's micro-batches add up to the step's objective (see
     :func:`smmd_scale.loss.reduce_losses`).
+    ``ce_options``: keyword options both ops take (``logit_scale``, ``logit_softcap``, ``z_loss``,
+    ``label_smoothing``, ``accum_dtype``; docs/objective.md), passed to every call.
     After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
-    :class:`DetachedLosses`, ``last_counts`` the (``num_items_in_batch``, ``num_numeric_in_batch``)
-    they were divided by (None: the call's own counts) and ``last_path`` how it ran: ``"logits"`` (on
-    the model's logits) or ``"fused_linear"`` (from the head's input, no logits).
+    :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off), ``last_counts`` the
+    (``num_items_in_batch``, ``num_numeric_in_batch``) they were divided by (None: the call's own counts)
+    and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the
+    head's input, no logits).
     """
 
-    def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
+    def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0,
+                 ce_options: Optional[dict] = None):
         self.numeric_loss = numeric_loss
         self.weight = weight
         self.tp_group = tp_group
@@ -51,6 +55,10 @@ class NumericCausalLMLoss:
         self.last_losses: Optional[DetachedLosses] = None
         self.last_counts: Optional[tuple] = None
         self.last_path: Optional[str] = None
+        self.last_z: Optional[torch.Tensor] = None
+        self.ce_options = dict(ce_options or {})
+        if "reduction" in self.ce_options:
+            raise ValueError("the loss_function hook returns the mean loss HF expects; reduction is not a ce_option")
         # (the Trainer's num_items_in_batch object, the step's numeric-target count): InstalledLoss.attach_to_trainer
         self.trainer_step_counts: Optional[tuple] = None
 
@@ -95,7 +103,7 @@ class NumericCausalLMLoss:
         output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
                                        num_items_in_batch=num_items_in_batch,
-                                       num_numeric_in_batch=num_numeric_in_batch)
+                                       num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
         self._record(output, "logits", (num_items_in_batch, num_numeric_in_batch))
         return output
 
@@ -113,7 +121,7 @@ class NumericCausalLMLoss:
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
                                                   num_items_in_batch=num_items_in_batch,
-                                                  num_numeric_in_batch=num_numeric_in_batch)
+                                                  num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
             outputs.append(output)
             return output.total
 
@@ -137,6 +145,7 @@ class NumericCausalLMLoss:
     def _record(self, output: NumericOutput, path: str, counts: tuple) -> None:
         self.last_stats = output.stats
         self.last_losses = DetachedLosses(output.total.detach(), output.ce.detach(), output.numeric.detach())
+        self.last_z = output.z.detach()
         self.last_counts = counts
         self.last_path = path
 
