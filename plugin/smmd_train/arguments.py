@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 from pathlib import Path
@@ -164,6 +165,11 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       help="NTL: scale by the probability mass on number tokens (ntloss's default)")
     smmd.add_argument("--ntl_squash_factor", type=float, default=None,
                       help="NTL-WAS: map value distances onto [1, this] (default: raw distances, as ntloss)")
+    smmd.add_argument("--z_loss", type=float, default=0.0, help="adds this x lse^2 per token (PaLM's z-loss; "
+                      "1e-4 is PaLM's), logged as loss/z; the model's soft-capping and logit scale are read from "
+                      "its config")
+    smmd.add_argument("--label_smoothing", type=float, default=0.0,
+                      help="CE's label smoothing, as torch.nn.functional.cross_entropy's; in [0, 1)")
     smmd.add_argument("--framework_loss", action="store_true",
                       help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
                       "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
@@ -196,6 +202,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    if not (math.isfinite(args.z_loss) and args.z_loss >= 0):
+        parser.error(f"--z_loss {args.z_loss} must be a finite number >= 0")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        parser.error(f"--label_smoothing {args.label_smoothing} must be in [0, 1)")
+    if args.framework_loss and (args.z_loss or args.label_smoothing):
+        parser.error("--z_loss and --label_smoothing are options of smmd_scale's loss: not with --framework_loss")
     if args.resume and args.overwrite_output_dir:
         parser.error("--resume continues the run in --output_dir and --overwrite_output_dir removes it: pass one")
     if args.fused_linear and args.framework_loss:

@@ -41,6 +41,7 @@ STEP_CHARTS = {
     "loss (x = step)": {
         "loss/total": "total: CE + weight x numeric term", "loss/ce": "CE (mean per target token)",
         "loss/numeric": "numeric term (weighted sum of the numeric losses)",
+        "loss/z": "z-loss (--z_loss x lse^2, mean per target token)",
         **{f"loss/{name}": f"{name} (mean per numeric position)" for name in statistic_names()},
     },
     "held-out (x = step)": {
@@ -108,8 +109,8 @@ def open_writer(log_dir: str):
 # dashboard shows five columns at first: those flagged ``differs``, then the rest by name. A log
 # root's experiment flags the settings that vary; a run's own flags RUN_SHOWN.
 RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", "numeric_weight",
-               "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch", "seq_len", "model", "lr",
-               "warmup_steps", "max_steps", "launcher")
+               "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
+               "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
 RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "numeric_weight", "lr")
 
 
@@ -125,6 +126,7 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
         "sp_size": topology.sp_size, "numeric_loss": "none (framework loss)" if framework_loss else
         " + ".join(f"{weight:g} {name}" for name, weight in args.numeric_loss),
         "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
+        "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": ds_config["train_micro_batch_size_per_gpu"],
         "grad_accum": ds_config["gradient_accumulation_steps"], "global_batch": ds_config["train_batch_size"],

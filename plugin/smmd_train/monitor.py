@@ -5,7 +5,7 @@ summary (``summary/*``) for comparing runs.
 
 Names are a contract (what dashboards key on):
 
-    loss/total  loss/ce  loss/numeric
+    loss/total  loss/ce  loss/numeric  loss/z (with --z_loss)
     loss/<statistic>   (each numeric loss of the run: smmd_scale.registry, e.g. loss/smmd, loss/ntl_was)
     numeric/accuracy  numeric/mae  numeric/positions
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
@@ -15,8 +15,9 @@ Names are a contract (what dashboards key on):
 The losses are the optimizer step's objective (the trainer passes the step's counts to the loss,
 :meth:`TrainingMonitor.record_step_counts`): ``loss/ce`` the mean CE over the step's valid targets,
 ``loss/numeric`` the numeric term, the mean over the step's numeric-target positions, and
-``loss/total = loss/ce + weight x loss/numeric``, whatever the micro-batch, accumulation, DP or SP
-layout; each numeric loss's own value (``loss/smmd``, ``loss/ntl_was``, ...; for a weighted sum
+``loss/total = loss/ce + loss/z + weight x loss/numeric`` (``loss/z``: the z-loss, reduced as CE),
+whatever the micro-batch, accumulation, DP or SP layout; each numeric loss's own value
+(``loss/smmd``, ``loss/ntl_was``, ...; for a weighted sum
 ``loss/numeric = sum_i w_i loss/<term_i>``) and the numeric statistics are means over the step's
 numeric-target positions. A step without numeric targets logs the numeric losses as 0 with
 ``numeric/positions`` 0 (accuracy and MAE are left out: they are undefined). Without counts (the
@@ -49,7 +50,7 @@ from . import dashboards
 # The per-position statistics the registered numeric losses report (their output's stats), logged as loss/<name>.
 NUMERIC_PARTS = statistic_names()
 # Sums kept per step, in this order, reduced over the data-parallel group.
-_SUMS = ("total", "ce", "numeric", *NUMERIC_PARTS, "numeric_tokens", "correct", "abs_error", "tokens",
+_SUMS = ("total", "ce", "z", "numeric", *NUMERIC_PARTS, "numeric_tokens", "correct", "abs_error", "tokens",
          "micro_batches")
 
 
@@ -93,6 +94,7 @@ class TrainingMonitor:
 
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_SUMS, 0.0)
+        self._has_z = False
         self._loss_bytes = self._loss_backward_bytes = 0
         self._parts = set()
         self._step_counts = None
@@ -109,12 +111,16 @@ class TrainingMonitor:
         self._write([("run/world_size", self.world_size), ("run/tp_size", self.tp_size),
                      ("run/dp_size", self.dp_size), ("run/sp_size", self.sp_size)], step=0, tensorboard=False)
 
-    def record_micro_batch(self, losses: tuple, stats: Optional[dict]) -> None:
+    def record_micro_batch(self, losses: tuple, stats: Optional[dict], z=None) -> None:
         """``losses``: detached (total, ce, numeric term) of one micro-batch; ``stats``: its
-        SMMDOutput.stats (None when the run trains with the model's own loss: no numeric statistics)."""
+        NumericOutput.stats (None when the run trains with the model's own loss: no numeric statistics);
+        ``z``: its z-loss term when the run has one (``--z_loss``; logged as ``loss/z``)."""
         total, ce, numeric_term = (float(value) for value in losses)
         self._sums["total"] += total
         self._sums["ce"] += ce
+        if z is not None:
+            self._sums["z"] += float(z)
+            self._has_z = True
         self._sums["micro_batches"] += 1 / self.sp_size
         if stats is None:
             return
@@ -150,6 +156,8 @@ class TrainingMonitor:
         grad_norm = self.engine.get_global_grad_norm()
         tokens_per_second = tokens_in_step / step_seconds if step_seconds > 0 else 0.0
         metrics = {"loss/total": totals["total"] / divisor, "loss/ce": totals["ce"] / divisor}
+        if self._has_z:
+            metrics["loss/z"] = totals["z"] / divisor
         if self._parts:  # a run on the model's own loss has no numeric statistics: none are written
             positions = totals["numeric_tokens"]
             metrics["loss/numeric"] = totals["numeric"] / divisor

@@ -227,10 +227,17 @@ def _build_engine(run: PreparedRun) -> None:
                                 accumulation=run.accumulation)
     if plan.numeric_loss is not None:
         run.installed = smmd_scale.install(run.engine, plan.numeric_vocab, weight=plan.numeric_weight,
-                                           fused_linear=args.fused_linear, numeric_loss=plan.numeric_loss)
+                                           fused_linear=args.fused_linear, numeric_loss=plan.numeric_loss,
+                                           ce_options=ce_options(args))
         log(f"loss: {run.installed!r} ({'vocab-parallel' if run.installed.vocab_parallel else 'full logits'})")
     else:
         log(f"loss: the model's own ({type(run.engine.module.loss_function).__name__}), no numeric loss")
+
+
+def ce_options(args) -> dict:
+    """The loss options train.py sets (``--z_loss``, ``--label_smoothing``), those that are on. Soft-capping
+    and a logit scale are the model's own (its config), which the installed loss reads."""
+    return {name: getattr(args, name) for name in ("z_loss", "label_smoothing") if getattr(args, name)}
 
 
 def fused_linear_ran(installed) -> bool:
@@ -289,7 +296,8 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
         if run.args.fused_linear and not run.fused_linear_ran:
             raise RuntimeError("--fused_linear is installed but this training step computed the logits (the fused "
                                "path runs only for a training-mode forward with labels)")
-        monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats)
+        monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats,
+                                   z=installed.hook.last_z if run.args.z_loss else None)
     guard.end_step(engine.was_step_applied())
     return monitor.end_step(step, time.perf_counter() - began, run.tokens_per_step, learning_rate,
                             skipped_steps=guard.total_skips)

@@ -317,6 +317,26 @@ def test_a_zero3_checkpoint_without_tp_resumes_at_tp2_through_a_universal_checkp
     assert len(adam_steps) == 4 and set(adam_steps) == {6.0}  # 2 TP ranks x (shards, norms)
 
 
+def test_z_loss_and_label_smoothing_train_and_are_logged(tmp_path, corpus):
+    """--z_loss and --label_smoothing reach the installed loss (the op's own tests check their
+    values against float64): loss/z is logged, the total adds it, HParams show both options."""
+    output = tmp_path / "run"
+    run(deepspeed_command(1, *train_args(corpus, output, steps=2, z_loss=1e-3, label_smoothing=0.1)), timeout=600)
+    logged = metrics(output)
+    for step in (1, 2):
+        parts = logged[step]
+        assert parts["loss/z"] > 0
+        assert parts["loss/total"] == pytest.approx(parts["loss/ce"] + parts["loss/z"] + parts["loss/numeric"],
+                                                    rel=1e-5)
+    settings = json.loads((output / "run_config.json").read_text())["args"]
+    assert settings["z_loss"] == 1e-3 and settings["label_smoothing"] == 0.1
+    # The same first batch on the same (seeded) initial model: label smoothing changes the step-1 CE.
+    # (Near the uniform initial prediction it changes it little: the op's tests check the value.)
+    plain = tmp_path / "plain"
+    run(deepspeed_command(1, *train_args(corpus, plain, steps=1)), timeout=600)
+    assert abs(logged[1]["loss/ce"] - metrics(plain)[1]["loss/ce"]) > 1e-3
+
+
 def test_mpirun_two_ranks(tmp_path, corpus):
     output = tmp_path / "run"
     env = environment(NP="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()),

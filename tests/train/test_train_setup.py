@@ -149,6 +149,31 @@ def test_framework_loss_says_that_it_does_not_evaluate(tmp_path, tokenizer_dir):
     assert not [warning for warning in plan.warnings if "--framework_loss" in warning]
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--z_loss", "-1"], "--z_loss -1.0 must be a finite number >= 0"),
+    (["--z_loss", "nan"], "--z_loss nan must be a finite number >= 0"),
+    (["--label_smoothing", "1"], "--label_smoothing 1.0 must be in [0, 1)"),
+    (["--label_smoothing", "0.1", "--framework_loss"], "not with --framework_loss"),
+])
+def test_bad_ce_options_are_named(tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit):
+        parse_args([*argv(tmp_path, "d.jsonl", tmp_path / "run"), *options])
+    assert message in capsys.readouterr().err
+
+
+def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir):
+    from smmd_train.run import ce_options
+
+    corpus = write_corpus(tmp_path / "data.jsonl", 20)
+    args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
+                          until="plan")
+    assert ce_options(args) == {"z_loss": 1e-4, "label_smoothing": 0.1}
+    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
+    args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
+    assert ce_options(args) == {}
+
+
 def test_help_shows_each_option_s_default(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])

@@ -15,7 +15,7 @@ from .megatron import vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_
 
 
 def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeric_loss: Optional[NumericLoss] = None,
-            fused_linear: bool = False, **smmd_options) -> InstalledLoss:
+            fused_linear: bool = False, ce_options: Optional[dict] = None, **smmd_options) -> InstalledLoss:
     """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * a
     numeric loss: SMMD with ``smmd_options`` by default, or ``numeric_loss=NTLoss(vocab)``,
     ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``, ...
@@ -26,7 +26,9 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     ``fused_linear=True`` also replaces this model's ``forward`` so that a training forward with
     labels never computes the logits (``integrations/fused_forward.py``; Llama, Mistral, Qwen2 and
     Qwen3 families); evaluation and generation still return logits. ``smmd_options`` go to
-    :class:`SMMDLoss` when no ``numeric_loss`` is given. Returns an :class:`InstalledLoss` with
+    :class:`SMMDLoss` when no ``numeric_loss`` is given. ``ce_options`` (e.g. ``{"z_loss": 1e-4,
+    "label_smoothing": 0.1}``) go to every call of the op (:class:`NumericCausalLMLoss`). Returns an
+    :class:`InstalledLoss` with
     ``last_stats``, ``last_path`` and ``restore()``.
     """
     model = unwrap_model(model_or_engine)
@@ -46,14 +48,14 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
                              f"was built for vocab_size={vocab.vocab_size}; build it with vocab_size="
                              f"{head.vocab_size}")
         hook = NumericCausalLMLoss(numeric_loss, weight, tp_group=head.mp_group,
-                                   vocab_start_index=head.vocab_start_index)
+                                   vocab_start_index=head.vocab_start_index, ce_options=ce_options)
     else:
         config_vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         if config_vocab_size is not None and config_vocab_size != vocab.vocab_size:
             raise ValueError(f"the model's logits have {config_vocab_size} columns (config.vocab_size) but the "
                              f"numeric vocabulary was built for vocab_size={vocab.vocab_size}; build it with "
                              f"NumericVocab.from_tokenizer(tokenizer, vocab_size={config_vocab_size})")
-        hook = NumericCausalLMLoss(numeric_loss, weight)
+        hook = NumericCausalLMLoss(numeric_loss, weight, ce_options=ce_options)
     installed = InstalledLoss(model, hook, head)
     set_loss_function(model, hook)
     if fused_linear:
