@@ -98,10 +98,13 @@ class NumericCausalLMLoss:
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
-                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None) -> torch.Tensor:
+                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None,
+                   op_options: Optional[dict] = None) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
-        ``call_through_module`` so that its weight is gathered and released like the head's own."""
+        ``call_through_module`` so that its weight is gathered and released like the head's own.
+        ``op_options``: the op's keywords for the logit transform the model's forward applies
+        between its head and its loss (``logit_softcap``, ``logit_scale``)."""
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         outputs = []
@@ -111,7 +114,8 @@ class NumericCausalLMLoss:
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
                                                   num_items_in_batch=num_items_in_batch,
-                                                  num_numeric_in_batch=num_numeric_in_batch)
+                                                  num_numeric_in_batch=num_numeric_in_batch,
+                                                  **(op_options or {}))
             outputs.append(output)
             return output.total
 
