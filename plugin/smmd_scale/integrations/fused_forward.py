@@ -31,6 +31,7 @@ trained on a different objective.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Callable, NamedTuple, Optional
@@ -117,6 +118,15 @@ def call_through_module(head, compute, hidden):
             del head.forward
 
 
+def model_output(output_class, backbone_outputs, **values):
+    """``output_class(**values)`` with the backbone's cache, hidden states and attentions, as the model's
+    forward returns them (the cache field is ``cache`` in transformers 5.24, ``past_key_values`` before)."""
+    names = {field.name for field in dataclasses.fields(output_class)}
+    cache = "cache" if "cache" in names else "past_key_values"
+    return output_class(**values, **{cache: getattr(backbone_outputs, cache)},
+                        hidden_states=backbone_outputs.hidden_states, attentions=backbone_outputs.attentions)
+
+
 def fused_forward(model, original_forward, hook, head_finder, head: FusedHead):
     """The per-instance ``forward`` that trains without logits (see the module docstring).
 
@@ -154,22 +164,16 @@ def fused_forward(model, original_forward, hook, head_finder, head: FusedHead):
                                ignore_index=extra.get("ignore_index", -100),
                                num_numeric_in_batch=extra.get("num_numeric_in_batch"),
                                op_options=head.op_options(model))
+        from transformers import modeling_outputs
+
         if head.router_loss is None:
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
-            return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-
-        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-
+            return model_output(modeling_outputs.CausalLMOutputWithPast, outputs, loss=loss, logits=None)
         aux_loss = None
         if backbone_arguments["output_router_logits"]:
             aux_loss = head.router_loss(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
                                         arguments.get("attention_mask"))
             loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None,
-                                         past_key_values=outputs.past_key_values,
-                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                                         router_logits=outputs.router_logits)
+        return model_output(modeling_outputs.MoeCausalLMOutputWithPast, outputs, loss=loss, aux_loss=aux_loss,
+                            logits=None, router_logits=outputs.router_logits)
 
     return forward
