@@ -11,6 +11,7 @@ every rank derives the same capacity from the same sequence of all-reduced heade
 from __future__ import annotations
 
 import bisect
+import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
@@ -48,9 +49,67 @@ def check_weight(weight) -> float:
     return float(weight)
 
 
-def compute_dtype_for(logits_dtype: torch.dtype) -> torch.dtype:
-    """Losses are computed in at least float32; float64 logits stay float64."""
+def compute_dtype_for(logits_dtype: torch.dtype, accum_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """Losses are computed in at least float32 (float64 logits stay float64), or in ``accum_dtype``
+    when the caller asks for one (e.g. the input's bfloat16)."""
+    if accum_dtype is not None:
+        return accum_dtype
     return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+def _number_or_none(name: str, value, default):
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a number" + (" or None" if default is None else ""))
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    """How a call turns the head's output into the scored logits and what it adds to CE.
+
+    logit_scale:     the logits are multiplied by it first (Cohere's ``logit_scale``); None = 1
+    logit_softcap:   then ``cap * tanh(logits / cap)`` (Gemma-2/3's final soft-capping); None = off
+    z_loss:          a per-token ``z_loss * lse^2`` term (PaLM's z-loss), reported on its own; 0 = off
+    label_smoothing: CE against ``(1 - eps) * one-hot + eps / V`` as ``F.cross_entropy`` defines it
+    accum_dtype:     the dtype of the softmax statistics, CE and gradient buffers; None = float32
+                     (float64 for float64 inputs)
+
+    CE, the z-loss and the numeric loss all read the transformed logits. The values are checked with
+    the tensors (``checks.check_cross_entropy_options``), so a bad value on one rank raises on all.
+    """
+
+    logit_scale: Optional[float] = None
+    logit_softcap: Optional[float] = None
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
+    accum_dtype: Optional[torch.dtype] = None
+
+    @classmethod
+    def checked(cls, logit_scale=None, logit_softcap=None, z_loss=0.0, label_smoothing=0.0,
+                accum_dtype=None) -> "CrossEntropyOptions":
+        """The options with their types checked (their values are checked with the tensors)."""
+        if accum_dtype is not None and (not isinstance(accum_dtype, torch.dtype) or not accum_dtype.is_floating_point):
+            raise TypeError(f"accum_dtype={accum_dtype!r} must be a floating torch.dtype or None (float32)")
+        return cls(_number_or_none("logit_scale", logit_scale, None),
+                   _number_or_none("logit_softcap", logit_softcap, None),
+                   _number_or_none("z_loss", z_loss, 0.0), _number_or_none("label_smoothing", label_smoothing, 0.0),
+                   accum_dtype)
+
+    @property
+    def transforms_logits(self) -> bool:
+        return self.logit_scale is not None or self.logit_softcap is not None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.logit_scale is None else self.logit_scale
+
+    def fingerprint_parts(self) -> tuple:
+        return (self.logit_scale, self.logit_softcap, self.z_loss, self.label_smoothing, str(self.accum_dtype))
+
+
+DEFAULT_OPTIONS = CrossEntropyOptions()
 
 
 @dataclass(frozen=True)
@@ -90,6 +149,7 @@ class CallPlan:
     local_numeric_columns: ``[hi - lo]`` their columns in the shard
     token_ids, values: ``[N]`` the numeric vocabulary on the logits' device (values in the compute dtype)
     exchange_state: the group's :class:`ExchangeState`, None on one device
+    options: the call's :class:`CrossEntropyOptions`
     """
 
     loss: NumericLossLike
@@ -109,6 +169,7 @@ class CallPlan:
     exchange_state: Optional[ExchangeState]
     compute_dtype: torch.dtype
     with_ce: bool
+    options: CrossEntropyOptions = DEFAULT_OPTIONS
 
     @property
     def tensor_parallel(self) -> bool:
@@ -126,36 +187,53 @@ def exchange_state(tp_group, loss: NumericLossLike) -> ExchangeState:
     return per_loss.setdefault(loss.fingerprint, ExchangeState())
 
 
+def _options_fingerprint(loss: NumericLossLike, options: CrossEntropyOptions) -> int:
+    """The loss's fingerprint, mixed with the call's options when they are not the defaults (ranks
+    compare it after the exchange)."""
+    if options == DEFAULT_OPTIONS:
+        return loss.fingerprint
+    digest = hashlib.sha256(repr((loss.fingerprint, options.fingerprint_parts())).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
 def _header(loss: NumericLossLike, spec: LogitsSpec, targets: torch.Tensor, vocab_start_index: int, with_ce: bool,
-            failed_check=None, numeric_positions: int = 0, numeric_columns: tuple = (0, 0)) -> dict:
+            options: CrossEntropyOptions, failed_check=None, numeric_positions: int = 0,
+            numeric_columns: tuple = (0, 0)) -> dict:
     return dict(failed_check=failed_check, tokens=spec.tokens, numeric_size=len(loss.vocab),
                 vocab_start=vocab_start_index, width=spec.width, vocab_size=loss.vocab.vocab_size,
-                loss_fingerprint=loss.fingerprint, targets=targets, numeric_positions=numeric_positions,
-                numeric_columns=numeric_columns, compute_dtype=compute_dtype_for(spec.dtype),
+                loss_fingerprint=_options_fingerprint(loss, options), targets=targets,
+                numeric_positions=numeric_positions, numeric_columns=numeric_columns,
+                compute_dtype=compute_dtype_for(spec.dtype, options.accum_dtype),
                 logits_dtype=spec.dtype if spec.dtype.is_floating_point else torch.float32, device=spec.device,
-                with_ce=with_ce)
+                with_ce=with_ce, logit_sum_slot=options.label_smoothing != 0)
 
 
 def rank_contribution(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
-                      target_logits: Optional[torch.Tensor] = None) -> RankContribution:
+                      target_logits: Optional[torch.Tensor] = None,
+                      local_logit_sum: Optional[torch.Tensor] = None) -> RankContribution:
     """This rank's complete contribution to the exchange: the header of ``plan`` and its data pieces
-    (``numeric_logits [P, hi - lo]``; with CE the local :class:`ShiftedLogSumExp` and ``target_logits [T]``)."""
+    (``numeric_logits [P, hi - lo]``; with CE the local :class:`ShiftedLogSumExp` and ``target_logits [T]``;
+    with label smoothing the sum of this shard's logits ``[T]``)."""
     return RankContribution(**_header(plan.loss, plan.spec, plan.targets, plan.vocab_start_index,
-                                      with_ce=local_lse is not None, numeric_positions=int(plan.positions.numel()),
+                                      with_ce=local_lse is not None, options=plan.options,
+                                      numeric_positions=int(plan.positions.numel()),
                                       numeric_columns=plan.numeric_columns),
-                            numeric_logits=numeric_logits, local_lse=local_lse, target_logits=target_logits)
+                            numeric_logits=numeric_logits, local_lse=local_lse, target_logits=target_logits,
+                            local_logit_sum=local_logit_sum)
 
 
 def run_exchange(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
-                 target_logits: Optional[torch.Tensor] = None) -> ExchangeResult:
+                 target_logits: Optional[torch.Tensor] = None,
+                 local_logit_sum: Optional[torch.Tensor] = None) -> ExchangeResult:
     """The one packed all-reduce of a vocab-parallel call (see :mod:`smmd_scale.parallel`)."""
-    return exchange(rank_contribution(plan, numeric_logits, local_lse, target_logits), plan.tp_group,
-                    plan.exchange_state)
+    return exchange(rank_contribution(plan, numeric_logits, local_lse, target_logits, local_logit_sum),
+                    plan.tp_group, plan.exchange_state)
 
 
 def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_start_index, with_ce: bool,
               num_items_in_batch=None, weight: Optional[float] = None, num_numeric_in_batch=None,
-              failed_check: Optional[checks.FailedCheck] = None) -> CallPlan:
+              failed_check: Optional[checks.FailedCheck] = None,
+              options: CrossEntropyOptions = DEFAULT_OPTIONS) -> CallPlan:
     """Validate (all ranks reach the same verdict) and plan one call.
 
     No collective runs unless the input is bad under tensor parallelism: then this rank joins the
@@ -179,23 +257,26 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
         failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
                                            ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
-                                           num_numeric_in_batch=num_numeric_in_batch, weight=weight)
+                                           num_numeric_in_batch=num_numeric_in_batch, weight=weight,
+                                           options=options)
     if failed_check is not None:
         if not tensor_parallel:
             raise failed_check.error()
-        contribution = RankContribution(**_header(loss, spec, targets, vocab_start_index, with_ce, failed_check))
+        contribution = RankContribution(**_header(loss, spec, targets, vocab_start_index, with_ce, options,
+                                                  failed_check))
         exchange(contribution, tp_group, exchange_state(tp_group, loss))
         raise AssertionError("unreachable: the exchange raises the shared verdict")
 
     width = spec.width
-    compute_dtype = compute_dtype_for(spec.dtype)
+    compute_dtype = compute_dtype_for(spec.dtype, options.accum_dtype)
     token_ids, values = vocab.on(spec.device, compute_dtype)
     flat_targets = targets.reshape(-1).to(torch.long)
     valid = flat_targets != loss.ignore_index
     owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
     local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
     index = torch.searchsorted(token_ids, flat_targets).clamp(max=len(vocab) - 1)
-    positions = (token_ids[index] == flat_targets).nonzero().squeeze(1)
+    # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
+    positions = ((token_ids[index] == flat_targets) & valid).nonzero().squeeze(1)
     lo = bisect.bisect_left(vocab.token_id_list, vocab_start_index)
     hi = bisect.bisect_left(vocab.token_id_list, vocab_start_index + width)
     return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,
@@ -203,4 +284,4 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                     numeric_columns=(lo, hi), local_numeric_columns=token_ids[lo:hi] - vocab_start_index,
                     vocab_start_index=vocab_start_index, tp_group=tp_group,
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
-                    compute_dtype=compute_dtype, with_ce=with_ce)
+                    compute_dtype=compute_dtype, with_ce=with_ce, options=options)

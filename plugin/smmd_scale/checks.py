@@ -37,6 +37,10 @@ EMPTY_INPUT = 14
 CHUNK_SIZE = 15
 HEAD_ROWS = 16
 NUM_NUMERIC = 17
+LOGIT_SCALE = 18
+LOGIT_SOFTCAP = 19
+Z_LOSS = 20
+LABEL_SMOOTHING = 21
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -67,6 +71,12 @@ _ERRORS = {
                   "least one of each"),
     CHUNK_SIZE: (ValueError, "chunk_size={0} must be a positive int (head rows per block), or None to choose it from "
                  "a memory budget"),
+    LOGIT_SCALE: (ValueError, "logit_scale={0} must be a finite number > 0 (None = 1, the logits as they are)"),
+    LOGIT_SOFTCAP: (ValueError, "logit_softcap={0} must be a finite number > 0 (None = no soft-capping; Gemma-2 "
+                    "uses 30.0)"),
+    Z_LOSS: (ValueError, "z_loss={0} must be a finite number >= 0 (the coefficient of lse^2; 0 = off, PaLM uses "
+             "1e-4)"),
+    LABEL_SMOOTHING: (ValueError, "label_smoothing={0} must be in [0, 1) (0 = off)"),
     HEAD_ROWS: (ValueError, "head_weight has {0} rows but the numeric vocabulary was built for vocab_size={1}; build "
                 "NumericVocab for the model's vocabulary (vocab_size=...) or pass tp_group and vocab_start_index for "
                 "a vocab-parallel head shard"),
@@ -102,7 +112,7 @@ class FailedCheck(NamedTuple):
         if self.code in (TARGETS_DEVICE, LINEAR_DEVICES):
             args[0] = _name(DEVICE_TYPES, args[0])
             args[2] = _name(DEVICE_TYPES, args[2])
-        if self.code == WEIGHT:
+        if self.code in (WEIGHT, LOGIT_SCALE, LOGIT_SOFTCAP, Z_LOSS, LABEL_SMOOTHING):
             args[0] = bits_float(args[0])
         return exception_type(prefix + template.format(*args))
 
@@ -118,10 +128,11 @@ def _device_code(device: torch.device) -> tuple:
 
 def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
-                 num_numeric_in_batch=None, weight: Optional[float] = None) -> Optional[FailedCheck]:
+                 num_numeric_in_batch=None, weight: Optional[float] = None, options=None) -> Optional[FailedCheck]:
     """Validate one call's tensors and per-call arguments; return the first failed check or ``None``.
 
     logits: a ``LogitsSpec`` of ``[..., V_local]`` (the tensor need not exist), targets: ``[...]``.
+    ``options``: the call's ``CrossEntropyOptions`` (their values; their types were checked at the call).
     Only cheap checks; the one data-dependent check (targets in range) costs a single reduction and
     a host read.
     """
@@ -144,6 +155,10 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         return FailedCheck(NUM_NUMERIC, (int(num_numeric_in_batch), ))
     if weight is not None and not (math.isfinite(weight) and weight >= 0):
         return FailedCheck(WEIGHT, (float_bits(weight), ))
+    if options is not None:
+        failed = check_cross_entropy_options(options)
+        if failed is not None:
+            return failed
     flat = targets.reshape(-1)
     out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
     if out_of_range.any():
@@ -176,4 +191,20 @@ def check_linear_inputs(hidden: torch.Tensor, head_weight: torch.Tensor, bias: O
         return FailedCheck(CHUNK_SIZE, (int(chunk_size), ))
     if not tensor_parallel and head_weight.shape[0] != vocab_size:
         return FailedCheck(HEAD_ROWS, (head_weight.shape[0], vocab_size))
+    return None
+
+
+def check_cross_entropy_options(options) -> Optional[FailedCheck]:
+    """The values of a call's ``CrossEntropyOptions``: scale and cap finite and > 0, z-loss finite and
+    >= 0, label smoothing in [0, 1)."""
+    for code, value, smallest_ok in ((LOGIT_SCALE, options.logit_scale, None),
+                                     (LOGIT_SOFTCAP, options.logit_softcap, None),
+                                     (Z_LOSS, options.z_loss, 0.0)):
+        if value is None:
+            continue
+        if not math.isfinite(value) or (value <= 0 if smallest_ok is None else value < smallest_ok):
+            return FailedCheck(code, (float_bits(value), ))
+    smoothing = options.label_smoothing
+    if not (0 <= smoothing < 1):  # also NaN
+        return FailedCheck(LABEL_SMOOTHING, (float_bits(smoothing), ))
     return None

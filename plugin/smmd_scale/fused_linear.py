@@ -32,27 +32,33 @@ import torch
 
 from . import checks
 from .call_plan import (
+    DEFAULT_OPTIONS,
     CallPlan,
+    CrossEntropyOptions,
     LogitsSpec,
     NumericLossLike,
     check_numeric_loss,
     check_weight,
-    compute_dtype_for,
     plan_call,
 )
 from .deprecation import renamed
-from .loss import NumericOutput, PerTokenLosses, reduce_losses
+from .loss import NumericOutput, PerTokenLosses, check_reduction, reduce_losses
 from .parallel import group_size_and_rank, reduce_input_gradient
 from .steps import (
     ShiftedLogSumExp,
-    claim_single_backward,
     cross_entropy_per_token,
+    dense_gradient_,
     exchange_or_keep_local,
     merge_block_logsumexp,
     numeric_loss_and_gradient,
     numeric_per_token,
     row_multipliers,
+    smoothing_offsets,
     stat_sums,
+    target_coefficients,
+    transform_logits_,
+    transform_slope,
+    z_loss_per_token,
 )
 
 # A block of logits holds at least this many elements (4 MiB in fp32): smaller GEMMs waste time.
@@ -84,7 +90,8 @@ def _numeric_columns_in_block(local_columns: list, start: int, end: int) -> tupl
 
 
 class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
-    """``hidden [T, H]``, ``head_weight [V_local, H]``, ``bias [V_local]`` -> (CE ``[T]``, numeric loss ``[T]``)."""
+    """``hidden [T, H]``, ``head_weight [V_local, H]``, ``bias [V_local]`` -> (CE ``[T]``, numeric loss ``[T]``,
+    z-loss ``[T]``, statistics)."""
 
     @staticmethod
     def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int):
@@ -94,40 +101,51 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
                                        torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
             target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+            options = plan.options
+            logit_sum = torch.zeros_like(target_logits) if options.label_smoothing else None
             for start, end in _blocks(head_weight.shape[0], chunk_size):
                 logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
                                       compute_dtype)
                 in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
                 picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
-                target_logits = torch.where(in_block, picked, target_logits)
+                target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
+                transform_logits_(logits, options)
+                if logit_sum is not None:
+                    logit_sum += logits.sum(dim=-1)
                 running = merge_block_logsumexp(running, logits)
             local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
 
             numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
             numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
                                           compute_dtype).to(plan.spec.dtype)
-            pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype))
-            ce = cross_entropy_per_token(pieces.lse, pieces.target_logits.to(compute_dtype), plan.valid)
+            pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype),
+                                            logit_sum)
+            target_logits = transform_logits_(pieces.target_logits.to(compute_dtype, copy=True), options)
+            ce = cross_entropy_per_token(pieces.lse, target_logits, plan.valid, options.label_smoothing,
+                                         pieces.logit_sum, plan.loss.vocab.vocab_size)
+            z = z_loss_per_token(pieces.lse, plan.valid, options.z_loss)
             numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
             sums = stat_sums(plan, numeric, pieces.comm)
             ctx.mark_non_differentiable(sums)
 
-            ctx.consumed = False
             ctx.plan, ctx.chunk_size = plan, chunk_size
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
+            ctx.target_slope = transform_slope(target_logits, options)
             ctx.save_for_backward(hidden, head_weight, bias)
-            return ce, numeric_per_token(plan, numeric, ce), sums
+            return ce, numeric_per_token(plan, numeric, ce), z, sums
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_numeric, _grad_stats):
-        claim_single_backward(ctx)
+    def backward(ctx, grad_ce, grad_numeric, grad_z, _grad_stats):
+        # Nothing saved is changed here (each block is recomputed), so retain_graph=True may run it again.
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as in the forward
             hidden, head_weight, bias = ctx.saved_tensors
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-            multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype)
-            grad_ce = grad_ce.to(compute_dtype)
+            options = plan.options
+            multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype, lse, grad_z)
+            offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
+            target_coefficient = target_coefficients(plan, grad_ce, ctx.target_slope, compute_dtype)
             grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
             grad_weight = torch.empty_like(head_weight) if needs_weight else None
             grad_bias = torch.empty_like(bias) if needs_bias else None
@@ -146,12 +164,11 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             for index, (start, end) in enumerate(blocks):
                 head_rows = head_weight[start:end]
                 bias_rows = None if bias is None else bias[start:end]
-                grad_logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
-                # softmax = exp((z - shift) - log_sum), times each row's multiplier
-                grad_logits.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
+                transformed = transform_logits_(block_logits(hidden, head_rows, bias_rows, compute_dtype), options)
+                grad_logits = dense_gradient_(transformed, lse, multiplier, offsets, options)
                 rows = owned_rows[row_bounds[index]:row_bounds[index + 1]]
                 targets = owned_targets[row_bounds[index]:row_bounds[index + 1]] - start
-                grad_logits.index_put_((rows, targets), -grad_ce[rows], accumulate=True)
+                grad_logits.index_put_((rows, targets), target_coefficient[rows], accumulate=True)
                 first, last = _numeric_columns_in_block(local_columns, start, end)
                 if last > first and plan.positions.numel():
                     columns = plan.local_numeric_columns[first:last] - start
@@ -179,7 +196,8 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                             numeric_loss: NumericLossLike, *, bias: Optional[torch.Tensor] = None, tp_group=None,
                             vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
                             weight: Optional[float] = None, chunk_size: Optional[int] = None,
-                            num_numeric_in_batch=None) -> PerTokenLosses:
+                            num_numeric_in_batch=None,
+                            options: CrossEntropyOptions = DEFAULT_OPTIONS) -> PerTokenLosses:
     """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
     :func:`linear_numeric_cross_entropy`."""
     check_numeric_loss(numeric_loss)
@@ -198,18 +216,21 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                       hidden.device)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     failed_check=failed_check)
+                     failed_check=failed_check, options=options)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
-    ce, numeric, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
-    return PerTokenLosses(ce, numeric, plan, sums)
+    ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
+    return PerTokenLosses(ce, numeric, plan, sums, z)
 
 
 def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
                                  numeric_loss: NumericLossLike, weight: float = 1.0, *,
                                  bias: Optional[torch.Tensor] = None, tp_group=None,
                                  vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                                 chunk_size: Optional[int] = None, num_numeric_in_batch=None) -> NumericOutput:
+                                 chunk_size: Optional[int] = None, num_numeric_in_batch=None, reduction: str = "mean",
+                                 logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
+                                 z_loss: float = 0.0, label_smoothing: float = 0.0,
+                                 accum_dtype: Optional[torch.dtype] = None) -> NumericOutput:
     """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
     making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
@@ -220,20 +241,26 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     chunk_size:  head rows per block of logits (default: a block as large as ``hidden``)
     num_items_in_batch, num_numeric_in_batch: the optimizer step's counts (see
                  :func:`smmd_scale.loss.reduce_losses`)
+    reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype: as in
+                 :func:`smmd_scale.numeric_cross_entropy`, applied to each block of logits (soft-capping
+                 and scaling in both passes; their derivative from the recomputed block)
 
     Gradients flow to hidden, head_weight and bias. Vocab-parallel: one packed all-reduce in the
     forward and the ``d hidden`` all-reduce in the backward (``stats["backward_comm_calls"]``,
     ``["backward_comm_bytes"]``); none at all on one device.
     """
     weight = check_weight(weight)
+    reduction = check_reduction(reduction, num_items_in_batch, num_numeric_in_batch)
+    options = CrossEntropyOptions.checked(logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype)
     losses = linear_per_token_losses(hidden, head_weight, targets, numeric_loss, bias=bias, tp_group=tp_group,
                                      vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
-                                     weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch)
-    output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch)
+                                     weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch,
+                                     options=options)
+    output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
     reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)
     output.stats["backward_comm_bytes"] = (
-        losses.ce.shape[0] * hidden.shape[-1] * torch.empty((), dtype=compute_dtype_for(hidden.dtype)).element_size()
+        losses.ce.shape[0] * hidden.shape[-1] * losses.plan.compute_dtype.itemsize
         if reduces_gradient else 0)
     return output
 

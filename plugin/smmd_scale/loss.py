@@ -19,21 +19,39 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .call_plan import CallPlan, LogitsSpec, NumericLossLike, check_numeric_loss, check_weight, plan_call
+from .call_plan import (
+    DEFAULT_OPTIONS,
+    CallPlan,
+    CrossEntropyOptions,
+    LogitsSpec,
+    NumericLossLike,
+    check_numeric_loss,
+    check_weight,
+    plan_call,
+)
 from .deprecation import renamed, renamed_class, warn_renamed
 from .steps import (
+    ShiftedLogSumExp,
     claim_single_backward,
     cross_entropy_per_token,
+    dense_gradient_,
     exchange_or_keep_local,
     gather_numeric_logits,
     gather_target_logits,
     local_softmax_and_logsumexp,
     numeric_loss_and_gradient,
     numeric_per_token,
+    row_blocks,
     row_multipliers,
+    smoothing_offsets,
     softmax_rescale,
     stat_sums,
     stats_dict,
+    target_coefficients,
+    transform_logits_,
+    transform_slope,
+    transformed_logits_and_logsumexp,
+    z_loss_per_token,
 )
 
 
@@ -41,8 +59,10 @@ from .steps import (
 class NumericOutput:
     """Result of :func:`numeric_cross_entropy` (and :func:`smmd_scale.linear_numeric_cross_entropy`).
 
-    total, ce, numeric: scalar tensors with grad; ``total = ce + weight * numeric``, ``numeric`` being
-        the call's numeric loss (SMMD, NTL, or a weighted sum of them).
+    total, ce, numeric, z: tensors with grad; ``total = ce + z + weight * numeric``, ``numeric`` being
+        the call's numeric loss (SMMD, NTL, or a weighted sum of them) and ``z`` the z-loss (0 when
+        off). Scalars under ``reduction="mean"`` or ``"sum"``; under ``"none"`` each has the targets'
+        shape (CE and z 0 at ignored positions, the numeric loss 0 where the target is not numeric).
     stats: detached Python floats — the numeric loss's parts as means over numeric positions
         (SMMD: ``smmd``, ``mmd`` and ``smooth``; NTL: ``ntl_was`` or ``ntl_mse``), ``numeric_tokens``
         (P), ``numeric_accuracy`` (argmax over the numeric tokens is the target token),
@@ -54,6 +74,7 @@ class NumericOutput:
     ce: torch.Tensor
     numeric: torch.Tensor
     stats: dict
+    z: Optional[torch.Tensor] = None
 
     @property
     def smmd(self) -> torch.Tensor:
@@ -63,30 +84,47 @@ class NumericOutput:
 
 
 class PerTokenLosses(NamedTuple):
-    """CE and the numeric loss per position, unreduced, ``[T]`` each (T = targets.numel()); CE is 0 at
-    ignored positions, the numeric loss 0 where the target is not numeric. ``plan``: the call's
-    plan; ``stat_sums``: its statistics (``steps.stat_sums``), detached."""
+    """CE, the numeric loss and the z-loss per position, unreduced, ``[T]`` each (T = targets.numel());
+    CE and z are 0 at ignored positions, the numeric loss 0 where the target is not numeric.
+    ``plan``: the call's plan; ``stat_sums``: its statistics (``steps.stat_sums``), detached."""
 
     ce: torch.Tensor
     numeric: torch.Tensor
     plan: CallPlan
     stat_sums: torch.Tensor
+    z: Optional[torch.Tensor] = None
 
     def stats(self) -> dict:
         return stats_dict(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()))
 
 
+def _lse_rows(lse: ShiftedLogSumExp, start: int, end: int) -> ShiftedLogSumExp:
+    return ShiftedLogSumExp(lse.shift[start:end], lse.log_sum[start:end])
+
+
 class _CrossEntropyAndNumeric(torch.autograd.Function):
-    """``logits [T, V_local]`` -> (CE ``[T]``, numeric loss ``[T]``, statistics), one working buffer."""
+    """``logits [T, V_local]`` -> (CE ``[T]``, numeric loss ``[T]``, z-loss ``[T]``, statistics), one
+    working buffer: the local softmax, or under soft-capping the capped logits (tanh's derivative is
+    formed from them in backward)."""
 
     @staticmethod
     def forward(ctx, logits, plan: CallPlan):
-        compute_dtype = plan.compute_dtype
-        softmax, local_lse = local_softmax_and_logsumexp(logits, compute_dtype)
+        options, compute_dtype = plan.options, plan.compute_dtype
+        softcapped = options.logit_softcap is not None
+        if softcapped:
+            buffer, local_lse = transformed_logits_and_logsumexp(logits, options, compute_dtype)
+            local_sum = buffer.sum(dim=-1) if options.label_smoothing else None
+        else:
+            buffer, local_lse = local_softmax_and_logsumexp(logits, compute_dtype, options.scale)
+            local_sum = logits.sum(dim=-1, dtype=compute_dtype) * options.scale if options.label_smoothing else None
         pieces = exchange_or_keep_local(plan, gather_numeric_logits(logits, plan.positions,
                                                                     plan.local_numeric_columns),
-                                        local_lse, gather_target_logits(logits, plan.local_targets, plan.owned))
-        ce = cross_entropy_per_token(pieces.lse, pieces.target_logits.to(compute_dtype), plan.valid)
+                                        local_lse, gather_target_logits(logits, plan.local_targets, plan.owned),
+                                        local_sum)
+        target_logits = transform_logits_(pieces.target_logits.to(compute_dtype, copy=True), options)
+        ce = cross_entropy_per_token(pieces.lse, target_logits, plan.valid, options.label_smoothing, pieces.logit_sum,
+                                     plan.loss.vocab.vocab_size)
+        z = z_loss_per_token(pieces.lse, plan.valid, options.z_loss)
         numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
         sums = stat_sums(plan, numeric, pieces.comm)
         ctx.mark_non_differentiable(sums)
@@ -94,22 +132,34 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         ctx.consumed = False
         ctx.logits_dtype = logits.dtype
         ctx.plan, ctx.numeric_grad, ctx.row_coefficient = plan, numeric.grad, numeric.row_coefficient
+        ctx.lse, ctx.target_slope = pieces.lse, transform_slope(target_logits, options)
         if ctx.needs_input_grad[0]:
-            # Under tensor parallelism the global softmax is softmax_local * exp(lse_local - lse).
-            row_scale = softmax_rescale(local_lse, pieces.lse) if plan.tensor_parallel else torch.ones_like(ce)
-            ctx.save_for_backward(softmax, row_scale)
-        return ce, numeric_per_token(plan, numeric, ce), sums
+            if softcapped:
+                ctx.save_for_backward(buffer)
+            else:  # under tensor parallelism the global softmax is softmax_local * exp(lse_local - lse)
+                row_scale = softmax_rescale(local_lse, pieces.lse) if plan.tensor_parallel else torch.ones_like(ce)
+                ctx.save_for_backward(buffer, row_scale)
+        return ce, numeric_per_token(plan, numeric, ce), z, sums
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_numeric, _grad_stats):
+    def backward(ctx, grad_ce, grad_numeric, grad_z, _grad_stats):
         claim_single_backward(ctx)
-        softmax, row_scale = ctx.saved_tensors
         plan = ctx.plan
-        grad = softmax  # the working buffer becomes the gradient
-        grad.mul_((row_scale * row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, grad.dtype))[:, None])
+        options = plan.options
+        grad, *row_scale = ctx.saved_tensors  # the working buffer becomes the gradient
+        multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, grad.dtype, ctx.lse, grad_z)
+        offsets = smoothing_offsets(plan, grad_ce, grad.dtype)
+        if options.logit_softcap is not None:
+            for start, end in row_blocks(*grad.shape):
+                dense_gradient_(grad[start:end], _lse_rows(ctx.lse, start, end), multiplier[start:end],
+                                None if offsets is None else offsets[start:end], options)
+        else:
+            grad.mul_((row_scale[0] * multiplier * options.scale)[:, None])
+            if offsets is not None:
+                grad.sub_((offsets * options.scale)[:, None])
         rows = plan.owned.nonzero().squeeze(1)
-        grad_ce = grad_ce.to(grad.dtype)
-        grad.index_put_((rows, plan.local_targets[rows]), -grad_ce[rows], accumulate=True)
+        coefficients = target_coefficients(plan, grad_ce, ctx.target_slope, grad.dtype)
+        grad.index_put_((rows, plan.local_targets[rows]), coefficients[rows], accumulate=True)
         lo, hi = plan.numeric_columns
         if hi > lo and plan.positions.numel():
             numeric_rows = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(grad.dtype)[:, None]
@@ -169,24 +219,47 @@ def numeric_loss_mean(numeric_loss: NumericLossLike, logits: torch.Tensor, targe
 
 def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike, tp_group=None,
                      vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
-                     weight: Optional[float] = None, num_numeric_in_batch=None) -> PerTokenLosses:
-    """CE and the numeric loss per position of ``logits [..., V_local]``, unreduced (the building
-    block of :func:`numeric_cross_entropy` and of the Megatron entry point, which applies its own mask)."""
+                     weight: Optional[float] = None, num_numeric_in_batch=None,
+                     options: CrossEntropyOptions = DEFAULT_OPTIONS) -> PerTokenLosses:
+    """CE, the numeric loss and the z-loss per position of ``logits [..., V_local]``, unreduced (the
+    building block of :func:`numeric_cross_entropy` and of the Megatron entry point, which applies its
+    own mask)."""
     check_numeric_loss(numeric_loss)
     spec = logits_spec(logits, targets)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
-                     num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch)
-    ce, numeric, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
-    return PerTokenLosses(ce, numeric, plan, sums)
+                     num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
+                     options=options)
+    ce, numeric, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
+    return PerTokenLosses(ce, numeric, plan, sums, z)
 
 
 def _count(count, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(count, device=like.device, dtype=like.dtype).clamp_min(1)
 
 
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_reduction(reduction, num_items_in_batch=None, num_numeric_in_batch=None) -> str:
+    """``reduction`` is one of :data:`REDUCTIONS`; the optimizer step's counts go only with ``"mean"``.
+    (Arguments, not tensors: every rank passes the same ones, so the error is raised before any
+    collective, as for a weight of the wrong type.)"""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
+    if reduction != "mean" and (num_items_in_batch is not None or num_numeric_in_batch is not None):
+        raise ValueError(f"num_items_in_batch and num_numeric_in_batch divide the sums of reduction='mean'; with "
+                         f"reduction={reduction!r} pass neither (got {num_items_in_batch!r} and "
+                         f"{num_numeric_in_batch!r})")
+    return reduction
+
+
 def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None,
-                  num_numeric_in_batch=None) -> NumericOutput:
-    """Per-token CE and numeric loss -> :class:`NumericOutput`.
+                  num_numeric_in_batch=None, reduction: str = "mean") -> NumericOutput:
+    """Per-token CE, numeric loss and z-loss -> :class:`NumericOutput`.
+
+    ``reduction="none"``: the per-token values in the targets' shape, ``total = ce + z + weight *
+    numeric`` per position. ``"sum"``: their sums. ``"mean"`` (the default) as follows; the z-loss is
+    reduced as CE is.
 
     With the optimizer step's counts — ``num_items_in_batch`` (its valid targets) and
     ``num_numeric_in_batch`` (its numeric-target positions), over all its micro-batches and data-
@@ -202,31 +275,55 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
     micro-batch by its tokens, not by its numbers.
     """
     plan = losses.plan
+    z_per_token = torch.zeros_like(losses.ce) if losses.z is None else losses.z
+    if reduction == "none":
+        shape = plan.spec.shape[:-1]
+        ce, numeric, z = (value.view(shape) for value in (losses.ce, losses.numeric, z_per_token))
+        return NumericOutput(total=ce + z + weight * numeric, ce=ce, numeric=numeric, stats=losses.stats(), z=z)
+    if reduction == "sum":
+        ce, numeric, z = losses.ce.sum(), losses.numeric.sum(), z_per_token.sum()
+        return NumericOutput(total=ce + z + weight * numeric, ce=ce, numeric=numeric, stats=losses.stats(), z=z)
     valid_tokens = plan.valid.sum()
     numeric_sum = losses.numeric.sum()
-    ce = losses.ce.sum() / (valid_tokens.clamp_min(1) if num_items_in_batch is None
-                            else _count(num_items_in_batch, losses.ce))
+    items = valid_tokens.clamp_min(1) if num_items_in_batch is None else _count(num_items_in_batch, losses.ce)
+    ce, z = losses.ce.sum() / items, z_per_token.sum() / items
     if num_numeric_in_batch is not None:
         numeric_term = numeric_sum / _count(num_numeric_in_batch, losses.numeric)
     else:
         numeric_term = numeric_sum / max(int(plan.positions.numel()), 1)
         if num_items_in_batch is not None:
             numeric_term = numeric_term * valid_tokens / _count(num_items_in_batch, losses.ce)
-    return NumericOutput(total=ce + weight * numeric_term, ce=ce, numeric=numeric_term, stats=losses.stats())
+    return NumericOutput(total=ce + z + weight * numeric_term, ce=ce, numeric=numeric_term, stats=losses.stats(),
+                         z=z)
 
 
 def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike,
                           weight: float = 1.0, tp_group=None, vocab_start_index: Optional[int] = 0,
-                          num_items_in_batch=None, num_numeric_in_batch=None) -> NumericOutput:
+                          num_items_in_batch=None, num_numeric_in_batch=None, *, reduction: str = "mean",
+                          logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
+                          z_loss: float = 0.0, label_smoothing: float = 0.0,
+                          accum_dtype: Optional[torch.dtype] = None) -> NumericOutput:
     """CE + weight * a numeric loss (SMMD, NTL or a weighted sum) in one pass over ``logits [..., V]``
     or a vocab-parallel shard (``tp_group``, ``vocab_start_index``). ``targets [...]`` are aligned
     with the logits (no shift). The reductions are :func:`reduce_losses`': given the optimizer
     step's ``num_items_in_batch`` and ``num_numeric_in_batch``, the call's share of the step's
-    objective, the same for any micro-batch, accumulation or parallel layout."""
+    objective, the same for any micro-batch, accumulation or parallel layout.
+
+    logit_scale, logit_softcap: the logits scored are ``cap * tanh(scale * logits / cap)`` (Cohere's
+        scale, Gemma-2/3's final soft-capping); CE, the z-loss and the numeric loss all read them
+    z_loss: adds ``z_loss * lse^2`` per token (PaLM), reported as ``out.z``
+    label_smoothing: as ``F.cross_entropy``'s; vocab-parallel, each rank's slot of the one exchange
+        carries one more per-token number (its shard's logit sum)
+    reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-token values in the targets' shape)
+    accum_dtype: the softmax statistics, CE and the gradient buffer's dtype; None = float32
+        (float64 for float64 logits), e.g. ``torch.bfloat16`` to follow bf16 logits
+    """
     weight = check_weight(weight)
+    reduction = check_reduction(reduction, num_items_in_batch, num_numeric_in_batch)
+    options = CrossEntropyOptions.checked(logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype)
     losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index, num_items_in_batch, weight,
-                              num_numeric_in_batch)
-    return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch)
+                              num_numeric_in_batch, options)
+    return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
 
 
 smmd_cross_entropy = renamed(numeric_cross_entropy, "smmd_cross_entropy", {"smmd": "numeric_loss"})

@@ -104,8 +104,9 @@ class NumericLoss:
         return options_fingerprint(type(self).__name__, self.vocab.fingerprint, self.ignore_index, *self.options())
 
     def numeric_mask(self, targets: torch.Tensor) -> torch.Tensor:
-        """``targets [...]`` -> bool ``[...]``: where the target is a numeric token (where the loss applies)."""
-        return torch.isin(targets, self.vocab.on(targets.device, torch.float32)[0])
+        """``targets [...]`` -> bool ``[...]``: where the target is a numeric token and not ``ignore_index``
+        (where the loss applies)."""
+        return torch.isin(targets, self.vocab.on(targets.device, torch.float32)[0]) & (targets != self.ignore_index)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                  vocab_start_index: Optional[int] = 0) -> torch.Tensor:

@@ -9,7 +9,9 @@ forward, every rank packs what the others need into **one SUM all-reduce**:
                                                   targets, its count of numeric positions P
     lse slots       float    [tokens, TP, 2]      its local log-sum-exp per token as (max, log of the sum of
                                                   exp(logit - max)), so no rounding at the logits'
-                                                  magnitude enters CE (CE only)
+                                                  magnitude enters CE (CE only); with label smoothing
+                                                  [tokens, TP, 3]: one more per-token scalar, the sum
+                                                  of its shard's logits
     target logits   logits'  [tokens]             logits[t, y_t] for the targets it owns (CE only)
     numeric logits  logits'  [capacity, N]        its numeric columns at the P numeric positions
 
@@ -93,6 +95,11 @@ class RankContribution:
     local_lse:         ``ShiftedLogSumExp`` of ``[tokens]`` in the compute dtype, or None (numeric-only calls
                        carry no CE contribution)
     target_logits:     ``[tokens]`` logits' dtype, logits[t, y_t] where this rank owns y_t else 0
+    local_logit_sum:   ``[tokens]`` compute dtype, the sum of this shard's logits per token (label
+                       smoothing only), or None
+    logit_sum_slot:    whether the lse slots have the third (logit sum) element: the call's label
+                       smoothing is on. It sets the buffer's length, so a rank whose input failed a
+                       check still sets it from its options (like N, it must agree across the group)
     """
 
     failed_check: Optional[FailedCheck]
@@ -108,6 +115,8 @@ class RankContribution:
     numeric_columns: tuple = (0, 0)
     local_lse: Optional[tuple] = None
     target_logits: Optional[torch.Tensor] = None
+    local_logit_sum: Optional[torch.Tensor] = None
+    logit_sum_slot: bool = False
     compute_dtype: torch.dtype = torch.float32
     logits_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -118,7 +127,8 @@ class RankContribution:
 class ExchangeResult:
     """What every rank holds after the exchange (identical on every rank of the group).
 
-    lse_slots: ``[tokens, TP, 2]`` every rank's local log-sum-exp as (max, log-sum) (None without CE)
+    lse_slots: ``[tokens, TP, 2]`` every rank's local log-sum-exp as (max, log-sum) (None without CE);
+        ``[tokens, TP, 3]`` with every rank's logit sum third (label smoothing)
     target_logits: ``[tokens]`` logits[t, y_t] (zero where y_t is ignored; None without CE)
     numeric_logits: ``[P, N]`` the full numeric slice at the numeric positions
     """
@@ -208,7 +218,8 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
     layout = _PackedBuffer()
     layout.reserve("header", (tp_size, HEADER_FIELDS), torch.int64)
     if contribution.with_ce:
-        layout.reserve("lse", (tokens, tp_size, 2), contribution.compute_dtype)
+        slots = 3 if contribution.logit_sum_slot else 2
+        layout.reserve("lse", (tokens, tp_size, slots), contribution.compute_dtype)
         layout.reserve("target", (tokens, ), contribution.logits_dtype)
     layout.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
     buffer, views = layout.allocate(contribution.device)
@@ -228,6 +239,8 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
         own_header[TARGETS_FINGERPRINT] = targets_fingerprint(contribution.targets)
         if contribution.with_ce:
             views["lse"][:, tp_rank, 0], views["lse"][:, tp_rank, 1] = contribution.local_lse
+            if contribution.local_logit_sum is not None:
+                views["lse"][:, tp_rank, 2] = contribution.local_logit_sum
             views["target"].copy_(contribution.target_logits)
         lo, hi = contribution.numeric_columns
         if contribution.numeric_positions <= state.capacity:

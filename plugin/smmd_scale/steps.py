@@ -1,13 +1,19 @@
 """The named steps of CE + a numeric loss, shared by the materialized op (``loss.py``) and the fused
 linear head (``fused_linear.py``), on one device or on a vocabulary-parallel shard.
 
+    transform_logits_ / transform_slope             -> scale and soft-cap the logits, and their derivative
     local_softmax_and_logsumexp / merge of blocks   -> this rank's ShiftedLogSumExp
-    gather_target_logits, gather_numeric_logits     -> what the exchange carries
+    gather_target_logits, gather_numeric_logits     -> what the exchange carries (the raw logits)
     exchange_or_keep_local                          -> GlobalPieces (one all-reduce under TP)
-    cross_entropy_per_token                         -> CE [T]
+    cross_entropy_per_token, z_loss_per_token       -> CE [T] (label smoothing included), z-loss [T]
     numeric_loss_and_gradient                       -> NumericGradient (the loss at P positions, d/d logits)
-    row_multipliers                                 -> how backward scales each softmax row
+    row_multipliers, smoothing_offsets              -> how backward scales and shifts each softmax row
+    dense_gradient_                                 -> a block of transformed logits -> its gradient, in place
     stat_sums / stats_dict                          -> the call's statistics, as an output of the op
+
+The exchange carries the raw logits (bit-exact, in the logits' dtype); every rank applies the
+call's transform (``CrossEntropyOptions``: scale, then soft-cap) to what it receives, so CE, the
+z-loss and the numeric loss all read the same transformed logits.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .call_plan import CallPlan, run_exchange
+from .call_plan import CallPlan, CrossEntropyOptions, run_exchange
+
+# Rows of a [T, V_local] buffer processed at once where a step needs a temporary of their size.
+ROW_BLOCK_ELEMENTS = 1 << 20
 
 
 class ShiftedLogSumExp(NamedTuple):
@@ -41,15 +50,18 @@ class CommCount(NamedTuple):
 class GlobalPieces(NamedTuple):
     """What every rank holds after the exchange (on one device: the local pieces).
 
-    lse: the full-vocabulary :class:`ShiftedLogSumExp` ``[T]`` (None for a numeric-only call)
-    target_logits: ``[T]`` logits[t, y_t] (None for a numeric-only call)
-    numeric_logits: ``[P, N]`` the whole numeric slice at the numeric positions
+    lse: the full-vocabulary :class:`ShiftedLogSumExp` ``[T]`` of the transformed logits (None for a
+        numeric-only call)
+    target_logits: ``[T]`` raw logits[t, y_t] (None for a numeric-only call)
+    numeric_logits: ``[P, N]`` the whole raw numeric slice at the numeric positions
+    logit_sum: ``[T]`` the sum of the transformed logits over the vocabulary (label smoothing only)
     """
 
     lse: Optional[ShiftedLogSumExp]
     target_logits: Optional[torch.Tensor]
     numeric_logits: torch.Tensor
     comm: CommCount
+    logit_sum: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -58,7 +70,8 @@ class NumericGradient:
 
     value:           ``[P]`` the loss per position
     parts:           named ``[P]`` statistics of the loss (e.g. SMMD's ``mmd`` and ``smooth``)
-    grad:            ``[P, N]`` d value / d numeric logits (through q = softmax over the numeric tokens)
+    grad:            ``[P, N]`` d value / d raw numeric logits (through q = softmax over the numeric
+                     tokens and the call's logit transform)
     row_coefficient: ``[P]`` or None: d value / d full-vocabulary logits also has
                      ``row_coefficient * softmax(full row)`` on every column (losses that weigh by
                      the numeric tokens' probability mass)
@@ -74,7 +87,59 @@ class NumericGradient:
     abs_error: torch.Tensor
 
 
-def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype) -> tuple:
+def transform_logits_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
+    """Scale, then soft-cap ``logits`` in place (``cap * tanh(scale * x / cap)``); returns them."""
+    if options.logit_softcap is not None:
+        return logits.mul_(options.scale / options.logit_softcap).tanh_().mul_(options.logit_softcap)
+    return logits.mul_(options.scale) if options.logit_scale is not None else logits
+
+
+def transform_slope(transformed: torch.Tensor, options: CrossEntropyOptions) -> Optional[torch.Tensor]:
+    """d transformed / d raw logit, from the transformed values: ``scale * (1 - (z / cap)^2)``;
+    None when the transform is the identity."""
+    if options.logit_softcap is not None:
+        capped = transformed / options.logit_softcap
+        return (1 - capped * capped).clamp_min_(0).mul_(options.scale)
+    if options.logit_scale is not None:
+        return torch.full_like(transformed, options.scale)
+    return None
+
+
+def row_blocks(rows: int, width: int) -> list:
+    """``[(start, end)]`` row ranges of a ``[rows, width]`` buffer, :data:`ROW_BLOCK_ELEMENTS` elements each."""
+    step = max(1, ROW_BLOCK_ELEMENTS // max(width, 1))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def transformed_logits_and_logsumexp(logits: torch.Tensor, options: CrossEntropyOptions,
+                                     compute_dtype: torch.dtype) -> tuple:
+    """``logits [T, V_local]`` -> (the soft-capped logits ``[T, V_local]`` in ``compute_dtype``, the
+    working buffer, and their :class:`ShiftedLogSumExp`). Soft-capping keeps the transformed logits,
+    not the softmax, so that backward can form tanh's derivative from them; the log-sum-exp takes
+    one row block's temporary at a time."""
+    transformed = transform_logits_(logits.to(compute_dtype, copy=True), options)
+    shift = transformed.amax(dim=-1)
+    sums = torch.empty_like(shift)
+    for start, end in row_blocks(*transformed.shape):
+        sums[start:end] = torch.sub(transformed[start:end], shift[start:end, None]).exp_().sum(dim=-1)
+    return transformed, ShiftedLogSumExp(shift, sums.log())
+
+
+def dense_gradient_(transformed: torch.Tensor, lse: ShiftedLogSumExp, multiplier: torch.Tensor,
+                    offsets: Optional[torch.Tensor], options: CrossEntropyOptions) -> torch.Tensor:
+    """A block of transformed logits ``[R, B]`` (compute dtype) -> in place, the dense part of the
+    gradient with respect to the raw logits: ``(softmax * multiplier - offset) * slope`` per row, the
+    slope being the transform's derivative (``lse``, ``multiplier``, ``offsets``: ``[R]``)."""
+    slope = transform_slope(transformed, options) if options.logit_softcap is not None else None
+    transformed.sub_(lse.shift[:, None]).sub_(lse.log_sum[:, None]).exp_().mul_(multiplier[:, None])
+    if offsets is not None:
+        transformed.sub_(offsets[:, None])
+    if slope is not None:
+        return transformed.mul_(slope)
+    return transformed.mul_(options.scale) if options.logit_scale is not None else transformed
+
+
+def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype, scale: float = 1.0) -> tuple:
     """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its :class:`ShiftedLogSumExp`).
 
     The softmax is the working buffer, written in ``compute_dtype``. The same steps on every device:
@@ -83,10 +148,14 @@ def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype
     then exp, sum and normalise in place. Not torch's softmax: with ``dtype=float32`` it converts a
     half shard to an fp32 copy first (about 10 bytes per logit at peak, not 6); its CPU kernel
     accumulates row sums with about 4x the error of ``sum``, and reading log-sum-exp back from the
-    largest probability misses the fp32 gradient target at some inputs.
+    largest probability misses the fp32 gradient target at some inputs. ``scale`` > 0: the softmax of
+    ``scale * logits`` (Cohere's logit scale; the shift is the scaled max).
     """
     max_logits = logits.amax(dim=-1).to(compute_dtype)
-    softmax = torch.sub(logits, max_logits[:, None])  # promotes to compute_dtype
+    softmax = torch.sub(logits, max_logits[:, None]).to(compute_dtype)  # promotes to compute_dtype
+    if scale != 1.0:
+        softmax.mul_(scale)
+        max_logits = max_logits * scale
     softmax.exp_()
     row_sums = softmax.sum(dim=-1)
     softmax.div_(row_sums[:, None])
@@ -128,23 +197,41 @@ def gather_numeric_logits(logits: torch.Tensor, positions: torch.Tensor, local_c
 
 
 def exchange_or_keep_local(plan: CallPlan, numeric_logits: torch.Tensor, local_lse: Optional[ShiftedLogSumExp] = None,
-                           target_logits: Optional[torch.Tensor] = None) -> GlobalPieces:
+                           target_logits: Optional[torch.Tensor] = None,
+                           local_logit_sum: Optional[torch.Tensor] = None) -> GlobalPieces:
     """One device: the local pieces are the global ones. Vocab-parallel: the one all-reduce."""
     if not plan.tensor_parallel:
-        return GlobalPieces(local_lse, target_logits, numeric_logits, CommCount(0, 0))
-    received = run_exchange(plan, numeric_logits, local_lse, target_logits)
-    lse = None if received.lse_slots is None else combine_logsumexp(received.lse_slots[..., 0],
-                                                                   received.lse_slots[..., 1])
+        return GlobalPieces(local_lse, target_logits, numeric_logits, CommCount(0, 0), local_logit_sum)
+    received = run_exchange(plan, numeric_logits, local_lse, target_logits, local_logit_sum)
+    slots = received.lse_slots
+    lse = None if slots is None else combine_logsumexp(slots[..., 0], slots[..., 1])
+    logit_sum = slots[..., 2].sum(dim=-1) if slots is not None and local_logit_sum is not None else None
     return GlobalPieces(lse, received.target_logits, received.numeric_logits,
-                        CommCount(received.comm_calls, received.comm_bytes))
+                        CommCount(received.comm_calls, received.comm_bytes), logit_sum)
 
 
-def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, valid: torch.Tensor,
+                            label_smoothing: float = 0.0, logit_sum: Optional[torch.Tensor] = None,
+                            vocab_size: int = 1) -> torch.Tensor:
     """``lse - logits[t, y_t]``, as ``(shift - target logit) + log_sum``, at valid positions; 0 at
     ignored ones unless their logits are not finite (``x - x`` is NaN there), so a NaN anywhere in
-    the logits never becomes a finite loss."""
-    return torch.where(valid, (lse.shift - target_logits) + lse.log_sum,
-                       (lse.shift - lse.shift) + (lse.log_sum - lse.log_sum))
+    the logits never becomes a finite loss. With label smoothing eps (``F.cross_entropy``'s
+    definition): ``(1 - eps) * (lse - z_y) + eps * (lse - logit_sum / V)``."""
+    if label_smoothing:
+        mean_logit = logit_sum / vocab_size
+        loss = ((1 - label_smoothing) * (lse.shift - target_logits) + label_smoothing * (lse.shift - mean_logit)
+                + lse.log_sum)
+    else:
+        loss = (lse.shift - target_logits) + lse.log_sum
+    return torch.where(valid, loss, (lse.shift - lse.shift) + (lse.log_sum - lse.log_sum))
+
+
+def z_loss_per_token(lse: ShiftedLogSumExp, valid: torch.Tensor, coefficient: float) -> torch.Tensor:
+    """PaLM's z-loss ``coefficient * lse^2`` ``[T]`` at valid positions, 0 elsewhere."""
+    if not coefficient:
+        return torch.zeros_like(lse.shift)
+    log_z = lse.shift + lse.log_sum
+    return torch.where(valid, coefficient * log_z * log_z, torch.zeros_like(log_z))
 
 
 def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
@@ -160,7 +247,7 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     the softmax subtracts nearly equal numbers); a loss's own heavier work (SMMD's ``[P, N] x [N, N]``
     product) runs in the compute dtype. The gradient comes back in the compute dtype.
     """
-    logits = numeric_logits.double()
+    logits = transform_logits_(numeric_logits.double(), plan.options)
     q = torch.softmax(logits, dim=-1)
     mass = None
     if plan.loss.needs_mass:
@@ -174,6 +261,9 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     if terms.grad_mass is not None:
         grad = grad + (terms.grad_mass * mass)[:, None] * q
         row_coefficient = (-terms.grad_mass * mass).to(plan.compute_dtype)
+    slope = transform_slope(logits, plan.options)
+    if slope is not None:
+        grad = grad * slope
     values = plan.values.double()
     return NumericGradient(value=terms.value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
@@ -212,21 +302,47 @@ def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> di
 
 
 def row_multipliers(plan: CallPlan, row_coefficient: Optional[torch.Tensor], grad_ce: torch.Tensor,
-                    grad_numeric: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                    grad_numeric: torch.Tensor, dtype: torch.dtype, lse: Optional[ShiftedLogSumExp] = None,
+                    grad_z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[T]``: what each full softmax row is multiplied by in the gradient: d loss / d CE (0 at
-    ignored positions), plus the numeric loss's row coefficient at the numeric positions."""
+    ignored positions), plus the z-loss's ``2 * coefficient * lse * d loss / d z``, plus the numeric
+    loss's row coefficient at the numeric positions."""
     multiplier = grad_ce.to(dtype) * plan.valid
+    if plan.options.z_loss and grad_z is not None:
+        log_z = (lse.shift + lse.log_sum).to(dtype)
+        multiplier = multiplier + (2 * plan.options.z_loss) * log_z * grad_z.to(dtype) * plan.valid
     if row_coefficient is not None and plan.positions.numel():
         multiplier = multiplier.index_add(0, plan.positions,
                                           row_coefficient.to(dtype) * grad_numeric[plan.positions].to(dtype))
     return multiplier
 
 
+def smoothing_offsets(plan: CallPlan, grad_ce: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``[T]``: label smoothing's share of d CE / d logit on every column, ``eps / V`` times d loss /
+    d CE at valid positions (subtracted from each row); None without label smoothing."""
+    if not plan.options.label_smoothing:
+        return None
+    return grad_ce.to(dtype) * plan.valid * (plan.options.label_smoothing / plan.loss.vocab.vocab_size)
+
+
+def target_coefficients(plan: CallPlan, grad_ce: torch.Tensor, target_slope: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``[T]``: what backward adds at each target column: ``-(1 - eps) * d loss / d CE``, times the
+    transform's slope at the target logit."""
+    coefficient = -grad_ce.to(dtype)
+    if plan.options.label_smoothing:
+        coefficient = coefficient * (1 - plan.options.label_smoothing)
+    return coefficient if target_slope is None else coefficient * target_slope.to(dtype)
+
+
 def claim_single_backward(ctx) -> None:
-    """Mark ``ctx``'s one backward as used; a second one raises. The fused ops' saved working buffer
-    becomes the gradient in place, so a second backward through the same forward
-    (``retain_graph=True``) would read a gradient as if it were a softmax."""
+    """Mark ``ctx``'s one backward as used; a second one raises. The materialized op's saved working
+    buffer (the softmax, or the soft-capped logits) becomes the gradient in place, so a second
+    backward through the same forward (``retain_graph=True``) would read a gradient as if it were a
+    softmax. (The fused linear head saves only its inputs and recomputes, so it has no such limit.)"""
     if ctx.consumed:
-        raise RuntimeError("smmd_scale's fused loss supports one backward per forward (its working buffer "
-                           "becomes the gradient in place); run the forward again instead of retain_graph=True")
+        raise RuntimeError("numeric_cross_entropy supports one backward per forward: its [tokens, V] working buffer "
+                           "(the softmax) becomes the gradient in place, which saves a second [tokens, V] buffer; "
+                           "run the forward again instead of retain_graph=True, or use "
+                           "linear_numeric_cross_entropy, which allows it")
     ctx.consumed = True

@@ -144,3 +144,45 @@ def reference_ntl(logits, targets, token_ids, values, kind="was", reweigh=True, 
     if not per_position:
         return flat_logits.sum() * 0.0
     return torch.stack(per_position).mean()
+
+
+def reference_transformed_logits(logits, logit_scale=None, logit_softcap=None):
+    """``cap * tanh(scale * logits / cap)`` in float64 (each step only when its option is set)."""
+    transformed = logits.double()
+    if logit_scale is not None:
+        transformed = transformed * logit_scale
+    if logit_softcap is not None:
+        transformed = logit_softcap * torch.tanh(transformed / logit_softcap)
+    return transformed
+
+
+def reference_with_options(logits, targets, numeric_reference, token_ids, weight=1.0, logit_scale=None,
+                           logit_softcap=None, z_loss=0.0, label_smoothing=0.0, reduction="mean", ignore_index=-100):
+    """(total, ce, numeric, z) of CE + z-loss + weight * a numeric loss on the transformed logits, in
+    float64 with autograd: CE is ``F.cross_entropy(..., label_smoothing=)``, the z-loss ``z_loss *
+    logsumexp^2`` at non-ignored positions, and ``numeric_reference(logits_row [1, V], target [1])`` the
+    numeric loss of one position, called at each non-ignored position whose target is in ``token_ids``
+    (0 elsewhere). ``reduction`` as in the op."""
+    transformed = reference_transformed_logits(logits, logit_scale, logit_softcap).reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    valid = flat_targets != ignore_index
+    ce = F.cross_entropy(transformed, flat_targets, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                         reduction="none")
+    lse = torch.logsumexp(transformed, dim=-1)
+    z = torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    token_ids = {int(token) for token in token_ids}
+    numeric_rows = [row for row, target in enumerate(flat_targets.tolist())
+                    if target != ignore_index and target in token_ids]
+    numeric = torch.zeros_like(lse)
+    for row in numeric_rows:
+        numeric = numeric.index_add(0, torch.tensor([row]),
+                                    numeric_reference(transformed[row:row + 1], flat_targets[row:row + 1]).view(1))
+    if reduction == "none":
+        shape = targets.shape
+        return (ce + z + weight * numeric).view(shape), ce.view(shape), numeric.view(shape), z.view(shape)
+    if reduction == "sum":
+        return ce.sum() + z.sum() + weight * numeric.sum(), ce.sum(), numeric.sum(), z.sum()
+    tokens = max(int(valid.sum()), 1)
+    numeric_positions = max(len(numeric_rows), 1)
+    mean_ce, mean_z, mean_numeric = ce.sum() / tokens, z.sum() / tokens, numeric.sum() / numeric_positions
+    return mean_ce + mean_z + weight * mean_numeric, mean_ce, mean_numeric, mean_z

@@ -280,3 +280,43 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     assert "rank 1 of the group: head_weight must be [V_local, H]" in width
     assert dtype.startswith("TypeError: tensor-parallel rank 1 of the group: hidden, head_weight and bias must share")
     assert "rank 1 of the group: chunk_size=-1 must be a positive int" in chunk
+
+
+def test_a_second_backward_with_retain_graph_adds_the_same_gradients(generator):
+    """The fused backward recomputes every block from its saved inputs and changes nothing it saved,
+    so retain_graph=True works as for any torch op: the second backward adds the same gradients."""
+    vocab, hidden, head, bias, targets = problem(generator)
+    leaves = [tensor.clone().requires_grad_(True) for tensor in (hidden, head, bias)]
+    out = linear_numeric_cross_entropy(leaves[0], leaves[1], targets, SMMDLoss(vocab), bias=leaves[2], chunk_size=9,
+                                       z_loss=1e-3, logit_softcap=5.0)
+    out.total.backward(retain_graph=True)
+    once = [leaf.grad.clone() for leaf in leaves]
+    out.total.backward()
+    for leaf, grad in zip(leaves, once):
+        assert torch.equal(leaf.grad, 2 * grad)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+def test_ignore_index_equal_to_a_numeric_token_contributes_nothing(generator, fused):
+    """With ignore_index a numeric token's id, its positions enter neither CE nor the numeric loss:
+    the same result as marking them -100."""
+    vocab, hidden, head, bias, targets = problem(generator, numeric_share=0.6, ignore_share=0.0)
+    ignored_id = int(vocab.token_ids[0])
+    targets.view(-1)[::3] = ignored_id
+    results = []
+    for ignore_index, marked in ((ignored_id, targets), (-100, torch.where(targets == ignored_id, -100, targets))):
+        smmd = SMMDLoss(vocab, ignore_index=ignore_index)
+        h = hidden.clone().requires_grad_(True)
+        if fused:
+            out = linear_numeric_cross_entropy(h, head, marked, smmd, bias=bias)
+        else:
+            out = numeric_cross_entropy(h @ head.T + bias, marked, smmd)
+        out.total.backward()
+        results.append((out, h.grad))
+        assert not smmd.numeric_mask(marked)[marked == ignored_id].any()  # Megatron's count of numeric positions
+    (ignoring, grad_ignoring), (marking, grad_marking) = results
+    assert ignoring.stats["numeric_tokens"] == marking.stats["numeric_tokens"]
+    assert ignoring.stats["tokens"] == marking.stats["tokens"]
+    for name in ("total", "ce", "numeric"):
+        assert getattr(ignoring, name).item() == pytest.approx(getattr(marking, name).item(), rel=1e-12, abs=1e-14)
+    assert relative(grad_ignoring, grad_marking) <= 1e-12

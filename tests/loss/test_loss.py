@@ -349,12 +349,14 @@ def test_alpha_auto_is_half_inverse_mean_degree():
     assert build_kernel(values, alpha=0.25).alpha == 0.25
 
 
-def test_single_backward_guard(generator):
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_single_backward_guard(generator, softcap):
     vocab, logits, targets = random_problem(generator)
     logits = logits.clone().requires_grad_(True)
-    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab))
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab), logit_softcap=softcap)
     out.total.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="one backward per forward"):
+    with pytest.raises(RuntimeError, match="numeric_cross_entropy supports one backward per forward: its "
+                                           r"\[tokens, V\] working buffer"):
         out.total.backward()
 
 

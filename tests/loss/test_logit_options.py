@@ -1,0 +1,226 @@
+"""The CE options of both ops — logit_scale, logit_softcap, z_loss, label_smoothing, reduction — against
+one float64 reference on materialized logits (helpers.reference.reference_with_options): the
+materialized op (numeric_cross_entropy) and the fused head (linear_numeric_cross_entropy), on one
+process and on real gloo groups of 2 and 4 ranks with uneven shards, with their collectives counted,
+and bad values refused on every rank before any collective."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
+from helpers.reference import reference_ntl, reference_smmd, reference_with_options
+from test_fused_linear import problem
+
+from smmd_scale import NTLoss, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
+
+# Each option alone, the Gemma-2 and Cohere heads, and everything at once.
+OPTION_SETS = {
+    "scale": dict(logit_scale=0.37),
+    "softcap": dict(logit_softcap=2.5),
+    "scale_softcap": dict(logit_scale=1.7, logit_softcap=4.0),
+    "z_loss": dict(z_loss=1e-2),
+    "label_smoothing": dict(label_smoothing=0.2),
+    "all": dict(logit_scale=1.3, logit_softcap=3.0, z_loss=3e-2, label_smoothing=0.1),
+}
+TOLERANCE = 1e-10
+
+
+def relative(actual, expected):
+    actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+
+
+def numeric_loss_and_reference(vocab, kind):
+    token_ids, values = vocab.token_ids.tolist(), vocab.values.tolist()
+    if kind == "smmd":
+        return SMMDLoss(vocab), functools.partial(reference_smmd, token_ids=token_ids, values=values)
+    # NTL-WAS weighs by the full softmax's mass on the numeric tokens: a gradient on every column
+    return NTLoss(vocab), functools.partial(reference_ntl, token_ids=token_ids, values=values, kind="was")
+
+
+def run_op(fused, hidden, head, bias, targets, numeric_loss, weight, tp=None, **options):
+    """(output, [grads], upstream) of one op on leaves made from the given tensors; ``tp``: (group,
+    start, end). Sets ``run_op.backward_calls``: the collectives its backward ran."""
+    group, start, end = tp or (None, 0, head.shape[0])
+    leaves = [hidden.clone().requires_grad_(True), head[start:end].clone().requires_grad_(True)]
+    if bias is not None:
+        leaves.append(bias[start:end].clone().requires_grad_(True))
+    h, w, b = (leaves + [None])[:3]
+    if fused:
+        out = linear_numeric_cross_entropy(h, w, targets, numeric_loss, weight, bias=b, tp_group=group,
+                                           vocab_start_index=start, chunk_size=7, **options)
+    else:
+        logits = h @ w.T if b is None else h @ w.T + b
+        out = numeric_cross_entropy(logits, targets, numeric_loss, weight, tp_group=group, vocab_start_index=start,
+                                    **options)
+    upstream = torch.rand(out.total.shape, dtype=out.total.dtype, generator=torch.Generator().manual_seed(3)) + 0.5
+    with CollectiveSpy() as backward:
+        (out.total * upstream).sum().backward()
+    run_op.backward_calls = backward.calls
+    if group is not None and not fused:  # what a column-parallel head's backward does with d hidden
+        dist.all_reduce(h.grad, group=group)
+    return out, [leaf.grad for leaf in leaves], upstream
+
+
+def reference(hidden, head, bias, targets, numeric_reference, token_ids, weight, upstream, **options):
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, head, bias) if t is not None]
+    logits = leaves[0] @ leaves[1].T if bias is None else leaves[0] @ leaves[1].T + leaves[2]
+    total, ce, numeric, z = reference_with_options(logits, targets, numeric_reference, token_ids, weight, **options)
+    (total * upstream).sum().backward()
+    return (total, ce, numeric, z), [leaf.grad for leaf in leaves]
+
+
+def assert_matches(out, grads, expected, expected_grads, label):
+    for name, value in zip(("total", "ce", "numeric", "z"), expected):
+        assert getattr(out, name).shape == value.shape, (label, name)
+        assert relative(getattr(out, name).detach(), value.detach()) <= TOLERANCE, (label, name)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert relative(grad, expected_grad) <= TOLERANCE, label
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+@pytest.mark.parametrize("option_set", sorted(OPTION_SETS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_each_option_equals_the_float64_reference(generator, fused, option_set, reduction):
+    for trial, kind in enumerate(("smmd", "ntl")):
+        vocab, hidden, head, bias, targets = problem(generator, with_bias=trial == 0)
+        numeric_loss, numeric_reference = numeric_loss_and_reference(vocab, kind)
+        options = dict(OPTION_SETS[option_set], reduction=reduction)
+        out, grads, upstream = run_op(fused, hidden, head, bias, targets, numeric_loss, 0.7, **options)
+        expected, expected_grads = reference(hidden, head, bias, targets, numeric_reference, vocab.token_ids, 0.7,
+                                             upstream, **options)
+        assert_matches(out, grads, expected, expected_grads, (option_set, reduction, kind))
+
+
+def test_softcap_bounds_what_the_numeric_loss_reads(generator):
+    """The numeric loss reads the capped logits: with a small cap its distribution over the numeric
+    tokens is nearly uniform whatever the raw logits say (docs/objective.md)."""
+    vocab, hidden, head, bias, targets = problem(generator, numeric_share=1.0, ignore_share=0.0)
+    smmd = SMMDLoss(vocab)
+    capped = numeric_cross_entropy(hidden @ head.T * 50, targets, smmd, logit_softcap=1e-3)
+    flat = numeric_cross_entropy(torch.zeros(*targets.shape, head.shape[0], dtype=torch.float64), targets, smmd)
+    assert relative(capped.numeric, flat.numeric) < 1e-2
+    assert relative(capped.ce, flat.ce) < 1e-2
+
+
+def test_large_cap_with_underflowing_probabilities_stays_finite(generator):
+    """fp32 logits spread over thousands: most probabilities are exactly 0 in fp32, the capped
+    logits are not, so the gradient (from the capped logits, not from the probabilities) is finite
+    and matches float64."""
+    vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=300)
+    logits = (torch.randn(*targets.shape, 300, generator=generator) * 400).requires_grad_(True)
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab), logit_softcap=1000.0, label_smoothing=0.1)
+    out.total.backward()
+    reference_logits = logits.detach().double().requires_grad_(True)
+    expected = numeric_cross_entropy(reference_logits, targets, SMMDLoss(vocab), logit_softcap=1000.0,
+                                     label_smoothing=0.1)
+    expected.total.backward()
+    assert torch.isfinite(logits.grad).all()
+    assert relative(out.total.detach(), expected.total.detach()) < 1e-5
+    assert (logits.grad.double() - reference_logits.grad).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+@pytest.mark.parametrize("option, value, message", [
+    ("logit_softcap", -1.0, r"logit_softcap=-1.0 must be a finite number > 0"),
+    ("logit_softcap", 0.0, r"logit_softcap=0.0 must be a finite number > 0"),
+    ("logit_scale", float("inf"), r"logit_scale=inf must be a finite number > 0"),
+    ("z_loss", float("nan"), r"z_loss=nan must be a finite number >= 0"),
+    ("z_loss", -1e-4, r"z_loss=-0.0001 must be a finite number >= 0"),
+    ("label_smoothing", 1.0, r"label_smoothing=1.0 must be in \[0, 1\)"),
+    ("label_smoothing", -0.1, r"label_smoothing=-0.1 must be in \[0, 1\)"),
+    ("label_smoothing", float("nan"), r"label_smoothing=nan must be in \[0, 1\)"),
+])
+def test_bad_values_are_named(generator, fused, option, value, message):
+    vocab, hidden, head, bias, targets = problem(generator)
+    with pytest.raises(ValueError, match=message):
+        run_op(fused, hidden, head, bias, targets, SMMDLoss(vocab), 1.0, **{option: value})
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(logit_softcap="30"), TypeError, "logit_softcap='30' must be a number or None"),
+    (dict(z_loss=True), TypeError, "z_loss=True must be a number"),
+    (dict(accum_dtype=torch.int32), TypeError, "accum_dtype=torch.int32 must be a floating torch.dtype"),
+    (dict(reduction="avg"), ValueError, r"reduction='avg' must be one of \('mean', 'sum', 'none'\)"),
+    (dict(reduction="sum", num_items_in_batch=7), ValueError, "divide the sums of reduction='mean'"),
+])
+def test_bad_arguments_are_named(generator, arguments, error, message):
+    vocab, hidden, head, bias, targets = problem(generator)
+    with pytest.raises(error, match=message):
+        numeric_cross_entropy(hidden @ head.T, targets, SMMDLoss(vocab), **arguments)
+    with pytest.raises(error, match=message):
+        linear_numeric_cross_entropy(hidden, head, targets, SMMDLoss(vocab), **arguments)
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary-parallel: real gloo groups, uneven shards
+# ------------------------------------------------------------------------------------------------
+
+
+def _tp_options(rank, world_size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    report = []
+    for option_set in sorted(OPTION_SETS):
+        for fused in (False, True):
+            vocab_size = int(torch.randint(40, 200, (1, ), generator=generator))  # > N (<= 30)
+            vocab, hidden, head, bias, targets = problem(generator, vocab_size=vocab_size, with_bias=fused)
+            cuts = sorted(torch.randperm(vocab_size - 1, generator=generator)[:world_size - 1].add(1).tolist())
+            bounds = [0] + cuts + [vocab_size]
+            kind = ("smmd", "ntl")[len(report) % 2]
+            numeric_loss, numeric_reference = numeric_loss_and_reference(vocab, kind)
+            reduction = ("mean", "sum", "none")[len(report) % 3]
+            options = dict(OPTION_SETS[option_set], reduction=reduction)
+            for repeat in range(2):  # the second call runs at the capacity the first one grew
+                with CollectiveSpy() as spy:
+                    out, grads, upstream = run_op(fused, hidden, head, bias, targets, numeric_loss, 0.6,
+                                                  tp=(dist.group.WORLD, bounds[rank], bounds[rank + 1]), **options)
+                assert spy.bytes == out.stats["comm_bytes"] + out.stats.get("backward_comm_bytes", 0) + \
+                    (not fused) * hidden.numel() * 8  # + the test's own d hidden all-reduce (float64)
+                expected, expected_grads = reference(hidden, head, bias, targets, numeric_reference, vocab.token_ids,
+                                                     0.6, upstream, **options)
+                start, end = bounds[rank], bounds[rank + 1]
+                expected_grads = [expected_grads[0]] + [grad[start:end] for grad in expected_grads[1:]]
+                assert_matches(out, grads, expected, expected_grads, (option_set, fused, kind, reduction))
+                report.append((option_set, fused, repeat, out.stats["comm_calls"], run_op.backward_calls))
+    return report
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_options_equal_the_reference_in_one_collective(world_size):
+    reports = values_or_raise(run_ranks(_tp_options, world_size, int(torch.randint(0, 2**31, (1, ))), timeout=400))
+    assert all(report == reports[0] for report in reports)
+    for option_set, fused, repeat, forward_calls, backward_calls in reports[0]:
+        # one all-reduce per forward once the group's capacity has grown; the fused head's backward
+        # runs the d hidden all-reduce, the materialized op's none
+        assert forward_calls == 1 or (forward_calls == 2 and repeat == 0), (option_set, fused, repeat)
+        assert backward_calls == int(fused), (option_set, fused)
+
+
+def _bad_option_on_one_rank(rank, world_size):
+    generator = torch.Generator().manual_seed(5)
+    vocab, hidden, head, bias, targets = problem(generator, vocab_size=40)
+    bounds = [0, 17, 40]
+    outcomes = []
+    for option, bad in (("logit_softcap", -30.0), ("z_loss", float("nan")), ("label_smoothing", 1.5)):
+        for fused in (False, True):
+            options = {option: bad if rank == 1 else dict(logit_softcap=30.0, z_loss=1e-4,
+                                                          label_smoothing=0.1)[option]}
+            try:
+                run_op(fused, hidden, head, bias, targets, SMMDLoss(vocab), 1.0,
+                       tp=(dist.group.WORLD, bounds[rank], bounds[rank + 1]), **options)
+                outcomes.append("no error")
+            except ValueError as error:
+                outcomes.append(str(error))
+    return outcomes
+
+
+@pytest.mark.gloo
+def test_bad_value_on_one_rank_raises_on_every_rank():
+    outcomes = values_or_raise(run_ranks(_bad_option_on_one_rank, 2, timeout=120, pg_timeout=30))
+    assert outcomes[0] == outcomes[1]
+    assert all(message.startswith("tensor-parallel rank 1 of the group: ") for message in outcomes[0])
+    assert "logit_softcap=-30.0 must be" in outcomes[0][0] and "logit_softcap=-30.0 must be" in outcomes[0][1]
+    assert "z_loss=nan must be" in outcomes[0][2] and "label_smoothing=1.5 must be" in outcomes[0][4]
