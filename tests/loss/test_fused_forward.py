@@ -30,14 +30,15 @@ def numeric_vocab():
 
 
 def batch(generator, rows=3, length=11):
-    """``ids``, ``labels`` (some ignored) and an ``attention_mask`` that pads row 1 on the left."""
+    """``ids``, ``labels`` (some ignored) and an ``attention_mask`` that pads row 1 on the right (left
+    padding leaves a query with no key, which eager attention, Gemma-2's, turns into NaN)."""
     ids = torch.randint(0, VOCAB_SIZE, (rows, length), generator=generator)
     ids[:, 1::2] = torch.randint(20, 35, (rows, length // 2), generator=generator)
     labels = ids.clone()
     labels[0, :3] = -100
     attention_mask = torch.ones_like(ids)
-    attention_mask[1, :2] = 0
-    labels[1, :2] = -100
+    attention_mask[1, -2:] = 0
+    labels[1, -2:] = -100
     return ids, labels, attention_mask
 
 
