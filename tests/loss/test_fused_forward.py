@@ -207,14 +207,15 @@ def test_a_logit_transform_the_op_cannot_apply_is_refused(monkeypatch, family, o
     assert "forward" not in vars(model) and "_loss_function" not in vars(model)
 
 
-def test_trainer_fused_equals_materialized(tmp_path, generator):
+@pytest.mark.parametrize("family", ["llama", "gemma2", "cohere", "qwen3_moe"])
+def test_trainer_fused_equals_materialized(tmp_path, generator, family):
     """transformers.Trainer with gradient accumulation (num_items_in_batch): the per-step losses of a
-    fused run equal those of a materialized one."""
+    fused run equal those of a materialized one (with a soft-cap, a logit scale, a router loss)."""
     ids, labels, _ = batch(generator, rows=4, length=16)
 
     histories = {}
     for fused in (False, True):
-        model = tiny("llama", tied=True, dtype=torch.float32)
+        model = tiny(family, tied=True, dtype=torch.float32)
         smmd_scale.install(model, numeric_vocab(), weight=1.0, fused_linear=fused)
         arguments = transformers.TrainingArguments(
             output_dir=str(tmp_path / str(fused)), max_steps=6, per_device_train_batch_size=2,
