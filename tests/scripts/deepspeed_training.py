@@ -7,7 +7,7 @@ process: a tiny causal LM of that family (LlamaForCausalLM by default; the famil
 ``--kv_heads`` and ``--vocab`` set its shape, e.g. 9 heads over 3 KV heads and a 50,257 vocabulary,
 which AutoTP splits unevenly) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
 a vocabulary-parallel LM head when ``--tp`` > 1, ``smmd_scale.install`` on the engine and a few
-optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses, the installed
+optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses and gradient norms, the installed
 loss's statistics, each rank's LM head shard and first q_proj rows and, for a fused variant, the
 relative differences of its final weights to its materialized twin's (per tensor and the largest). Variants of a family
 other than Llama are named ``<family>-<variant>``. The ordered shutdown at
@@ -37,6 +37,8 @@ parser.add_argument("--vocab", type=int, default=2048, help="the vocabulary (Aut
 parser.add_argument("--offload", action="store_true", help="also train each variant with ZeRO-3 offload")
 parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choices=["untied", "tied"])
 parser.add_argument("--families", nargs="+", default=["llama"], choices=sorted(FAMILY_CONFIGS))
+parser.add_argument("--untied_only", nargs="*", default=[], choices=sorted(FAMILY_CONFIGS),
+                    help="families to train with untied embeddings only")
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
@@ -87,7 +89,8 @@ def main() -> None:
               "variants": {}}
     materialized_weights = {}
     variants = [(family, offload, embedding == "tied") for family in args.families
-                for offload in ((False, True) if args.offload else (False, )) for embedding in args.embeddings]
+                for offload in ((False, True) if args.offload else (False, )) for embedding in args.embeddings
+                if embedding == "untied" or family not in args.untied_only]
     for family, offload, tied in variants:
         for fused in (False, True):
             name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
@@ -109,15 +112,16 @@ def main() -> None:
             variant["vocab_parallel"] = installed.vocab_parallel
             variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,
                                                                     installed.head.vocab_end_index]
-            losses, stats = [], []
+            losses, grad_norms, stats = [], [], []
             for ids in batches:
                 output = engine(input_ids=ids, labels=ids)
                 variant.setdefault("training_logits", output.logits is not None)
                 engine.backward(output.loss)
                 engine.step()
                 losses.append(output.loss.item())
+                grad_norms.append(float(engine.get_global_grad_norm()))
                 stats.append(installed.last_stats)
-            variant.update(losses=losses, stats=stats)
+            variant.update(losses=losses, grad_norms=grad_norms, stats=stats)
             q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
             shard = {"head": variant["head"], "q_proj_rows": getattr(q_proj, "ds_shape", q_proj.shape)[0]}
             shards = [None] * dist.get_world_size()

@@ -30,8 +30,13 @@ LAUNCHES = {"tp1": (1, ()), "tp2": (2, ("--tp", 2)),
             "dp2": (2, ("--offload", "--embeddings", "untied"))}
 TWINS = {"tp2": "tp1", "tp4": "tp1kv4", "tp2-uneven2": "tp1-uneven2", "tp4-uneven4": "tp1-uneven4"}
 FAMILIES = sorted(set(FAMILY_CONFIGS) - {"llama"})
+# DeepSpeed 0.19.8's vocabulary-parallel head refuses to shard an embedding tied to it whose forward is
+# its own, which Gemma-2's scaled embedding is (it allows Gemma-3's): tied Gemma-2 is trained at TP=1 only.
 FAMILY_LAUNCHES = {"families-tp1": (1, ("--families", *FAMILIES)),
-                   "families-tp2": (2, ("--tp", 2, "--families", *FAMILIES))}
+                   "families-tp2": (2, ("--tp", 2, "--families", *FAMILIES, "--untied_only", "gemma2"))}
+FAMILY_VARIANTS = [(family, embeddings, layout) for family in FAMILIES for embeddings in ("untied", "tied")
+                   for layout in sorted(FAMILY_LAUNCHES)
+                   if (family, embeddings, layout) != ("gemma2", "tied", "families-tp2")]
 
 
 def train(directory, launches: dict) -> dict:
@@ -97,13 +102,15 @@ def test_autotp_vocab_parallel_training_equals_tp1(trained, layout, name, vocab_
 
 
 def assert_fused_trains_like_materialized(result: dict, name: str, weights_tolerance: float) -> None:
-    """Per-step losses equal to 1e-5 relative and final weights to ``weights_tolerance`` (relative
-    Frobenius norm, per tensor); the fused variant never computed training logits; the same forward
-    exchange; under AutoTP its backward ran the one d hidden all-reduce of [tokens, H] fp32."""
+    """Per-step losses and gradient norms (which Adam's steps do not show) equal to 1e-5 relative and
+    final weights to ``weights_tolerance`` (relative Frobenius norm, per tensor); the fused variant never
+    computed training logits; the same forward exchange; under AutoTP its backward ran the one d hidden
+    all-reduce of [tokens, H] fp32."""
     materialized, fused = result["variants"][name], result["variants"][f"{name}-fused"]
     assert fused["fused_linear"] and not materialized["fused_linear"]
     assert materialized["training_logits"] and not fused["training_logits"]
     assert fused["losses"] == pytest.approx(materialized["losses"], rel=1e-5)
+    assert fused["grad_norms"] == pytest.approx(materialized["grad_norms"], rel=1e-5)
     # A key projection's bias shifts every score of a query by the same amount, which softmax ignores: its
     # gradient is zero but for rounding, which Adam turns into full steps; its values are noise on both paths.
     differences = {tensor: difference for tensor, difference in fused["weights_relative_differences"].items()
@@ -131,19 +138,19 @@ def test_fused_linear_head_trains_like_the_materialized_loss(trained, layout, na
                                           1e-5 if trained[layout]["vocab_size"] == 2048 else 1e-4)
 
 
-@pytest.mark.parametrize("layout", sorted(FAMILY_LAUNCHES))
-@pytest.mark.parametrize("embeddings", ["untied", "tied"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, embeddings, layout", FAMILY_VARIANTS)
 def test_each_family_fused_trains_like_its_materialized_loss(families_trained, family, embeddings, layout):
     """Each family's own forward (soft-cap, logit scale, router loss) with the fused head: its losses
     equal the materialized loss's; under AutoTP, ours at weight 0 equals DeepSpeed's CE-only loss on the
-    model's (transformed) logits, and TP=2 trains as one process. Final weights to 1e-4: the query
-    biases of Qwen2 and Qwen2-MoE (and a few attention weights of the MoE families) get gradients near
-    zero at initialisation, which Adam turns into full steps, so fp32 rounding parts the two paths'
-    weights there by up to 6e-5 (measured) while the losses agree to 1e-7."""
+    model's (transformed) logits, and TP=2 trains as one process. Final weights to 1e-3: Adam moves
+    each element by about the learning rate whatever its gradient's size, so elements whose gradient is
+    near zero take steps that fp32 rounding decides: the query biases of Qwen2 and Qwen2-MoE at
+    initialisation (up to 7e-5 measured), and above all an embedding row first seen in the last step
+    (Gemma-3 untied at TP=2: one row, 4.6e-4 of the embedding), while losses and gradient norms agree
+    to 1e-7."""
     result = families_trained[layout]
     name = f"{family}-{embeddings}"
-    assert_fused_trains_like_materialized(result, name, 1e-4)
+    assert_fused_trains_like_materialized(result, name, 1e-3)
     if result["tp"] > 1:
         parallel, single = result["variants"][name], families_trained["families-tp1"]["variants"][name]
         assert parallel["vocab_parallel"] and parallel["heads"] == [[0, 1024], [1024, 2048]]
