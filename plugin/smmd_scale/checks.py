@@ -62,7 +62,8 @@ _ERRORS = {
     NUM_NUMERIC: (ValueError, "num_numeric_in_batch={0} must be >= 0 (the numeric-target positions of the whole "
                   "optimizer step)"),
     WEIGHT: (ValueError, "weight={0} must be a finite number >= 0 (0 = CE only)"),
-    LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2}"),
+    LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2} "
+                    "(mixed floating dtypes are accepted under torch.autocast: the product runs in its dtype)"),
     LINEAR_DEVICES: (ValueError, "head_weight and bias must be on hidden's device {0}:{1}; one of them is on {2}:{3}"),
     HEAD_WEIGHT_SHAPE: (ValueError, "head_weight must be [V_local, H] with H = hidden's width {0}; got {1} dims of "
                         "sizes ({2}, {3}, ...)"),
@@ -168,11 +169,12 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
 
 
 def check_linear_inputs(hidden: torch.Tensor, head_weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_size,
-                        vocab_size: int, tensor_parallel: bool) -> Optional[FailedCheck]:
+                        vocab_size: int, tensor_parallel: bool, dtypes_agree: bool = True) -> Optional[FailedCheck]:
     """The fused linear path's own checks (before the logits' checks): ``hidden [..., H]``,
-    ``head_weight [V_local, H]``, ``bias [V_local]`` or None, ``chunk_size`` positive or None."""
+    ``head_weight [V_local, H]``, ``bias [V_local]`` or None, ``chunk_size`` positive or None.
+    ``dtypes_agree``: the inputs share a dtype, or autocast gives their product one."""
     dtypes = (hidden.dtype, head_weight.dtype, hidden.dtype if bias is None else bias.dtype)
-    if not hidden.dtype.is_floating_point or len(set(dtypes)) > 1:
+    if not all(dtype.is_floating_point for dtype in dtypes) or not dtypes_agree:
         return FailedCheck(LINEAR_DTYPES, (_dtype_code(hidden.dtype), _dtype_code(head_weight.dtype),
                                            -1 if bias is None else _dtype_code(bias.dtype)))
     for other in (head_weight, bias):

@@ -75,9 +75,26 @@ def default_chunk_size(tokens: int, hidden_size: int, head_rows: int) -> int:
 def block_logits(hidden: torch.Tensor, head_rows: torch.Tensor, bias_rows: Optional[torch.Tensor],
                  compute_dtype: torch.dtype) -> torch.Tensor:
     """``hidden [T, H] @ head_rows[B, H].T (+ bias)`` -> ``[T, B]`` in the compute dtype. The product
-    runs in the inputs' dtype, as the model's own head computes its logits."""
-    logits = hidden @ head_rows.T if bias_rows is None else torch.addmm(bias_rows, hidden, head_rows.T)
-    return logits.to(compute_dtype)
+    runs in hidden's dtype (the product dtype: head rows and bias are cast to it, a block at a time,
+    where they differ), as the model's own head computes its logits."""
+    head_rows = head_rows.to(hidden.dtype)
+    if bias_rows is None:
+        return (hidden @ head_rows.T).to(compute_dtype)
+    return torch.addmm(bias_rows.to(hidden.dtype), hidden, head_rows.T).to(compute_dtype)
+
+
+def product_dtype(hidden: torch.Tensor, head_weight: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    """The dtype of the head's product: the inputs' one dtype; for mixed dtypes (bf16 hidden with an
+    fp32 head, what torch.autocast and HF Trainer's bf16 AMP hand the head) autocast's dtype, as
+    autocast would run the head's linear; None for mixed dtypes without autocast (refused)."""
+    dtypes = {hidden.dtype, head_weight.dtype, hidden.dtype if bias is None else bias.dtype}
+    if len(dtypes) == 1:
+        return hidden.dtype
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def _blocks(rows: int, chunk_size: int):
@@ -95,7 +112,9 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int):
-        with torch.autocast(hidden.device.type, enabled=False):  # the block GEMMs in the inputs' dtype
+        with torch.autocast(hidden.device.type, enabled=False):  # the block GEMMs in the product dtype
+            ctx.save_for_backward(hidden, head_weight, bias)
+            hidden = hidden.to(plan.spec.dtype)  # the product dtype (a copy only for mixed dtypes)
             compute_dtype = plan.compute_dtype
             tokens = hidden.shape[0]
             running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
@@ -131,7 +150,6 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             ctx.plan, ctx.chunk_size = plan, chunk_size
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
             ctx.target_slope = transform_slope(target_logits, options)
-            ctx.save_for_backward(hidden, head_weight, bias)
             return ce, numeric_per_token(plan, numeric, ce), z, sums
 
     @staticmethod
@@ -139,6 +157,8 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
         # Nothing saved is changed here (each block is recomputed), so retain_graph=True may run it again.
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as in the forward
             hidden, head_weight, bias = ctx.saved_tensors
+            hidden_dtype, weight_dtype = hidden.dtype, head_weight.dtype
+            hidden = hidden.to(ctx.plan.spec.dtype)
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -148,7 +168,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             target_coefficient = target_coefficients(plan, grad_ce, ctx.target_slope, compute_dtype)
             grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
             grad_weight = torch.empty_like(head_weight) if needs_weight else None
-            grad_bias = torch.empty_like(bias) if needs_bias else None
+            grad_bias = torch.empty_like(bias) if needs_bias else None  # from the compute-dtype block
             lo, hi = plan.numeric_columns
             numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
             blocks = _blocks(head_weight.shape[0], ctx.chunk_size)
@@ -162,7 +182,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             local_columns = plan.local_numeric_columns.tolist()
 
             for index, (start, end) in enumerate(blocks):
-                head_rows = head_weight[start:end]
+                head_rows = head_weight[start:end].to(hidden.dtype)
                 bias_rows = None if bias is None else bias[start:end]
                 transformed = transform_logits_(block_logits(hidden, head_rows, bias_rows, compute_dtype), options)
                 grad_logits = dense_gradient_(transformed, lse, multiplier, offsets, options)
@@ -174,11 +194,14 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                     columns = plan.local_numeric_columns[first:last] - start
                     grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
                                            accumulate=True)
-                grad_logits = grad_logits.to(hidden.dtype)
-                if needs_weight:
-                    torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
                 if needs_bias:
                     grad_bias[start:end] = grad_logits.sum(dim=0)
+                grad_logits = grad_logits.to(hidden.dtype)
+                if needs_weight:
+                    if weight_dtype == hidden.dtype:
+                        torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
+                    else:
+                        grad_weight[start:end] = grad_logits.T @ hidden
                 if needs_hidden:
                     if hidden.dtype == compute_dtype:
                         grad_hidden.addmm_(grad_logits, head_rows)
@@ -188,7 +211,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             if needs_hidden:
                 if plan.tensor_parallel:
                     reduce_input_gradient(grad_hidden, plan.tp_group)
-                grad_hidden = grad_hidden.to(hidden.dtype)
+                grad_hidden = grad_hidden.to(hidden_dtype)
             return grad_hidden, grad_weight, grad_bias, None, None
 
 
@@ -209,11 +232,12 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"chunk_size={chunk_size!r} must be an int (head rows per block) or None")
     tp_size, _ = group_size_and_rank(tp_group)
+    logits_dtype = product_dtype(hidden, head_weight, bias)
     failed_check = checks.check_linear_inputs(hidden, head_weight, bias, chunk_size, numeric_loss.vocab.vocab_size,
-                                              tensor_parallel=tp_size > 1)
+                                              tensor_parallel=tp_size > 1, dtypes_agree=logits_dtype is not None)
     width = head_weight.shape[0] if head_weight.dim() == 2 else 0
-    spec = LogitsSpec(tuple(hidden.shape[:-1]) + (width, ) if hidden.dim() else (width, ), hidden.dtype,
-                      hidden.device)
+    spec = LogitsSpec(tuple(hidden.shape[:-1]) + (width, ) if hidden.dim() else (width, ),
+                      logits_dtype or hidden.dtype, hidden.device)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
                      failed_check=failed_check, options=options)

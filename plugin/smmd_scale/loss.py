@@ -7,9 +7,10 @@ the single-device path skips that step. The steps are ``steps.py``'s, shared wit
 linear head (``fused_linear.py``).
 
 Memory: the op keeps **one** ``[tokens, V_local]`` working buffer in the compute dtype (float32, or
-float64 for float64 logits): the local softmax, kept for backward and turned into the gradient in
-place. The numeric part reads only ``[P, N]`` numeric logits at the P numeric-target positions
-(never a ``[P, V]`` block).
+float64 for float64 logits; ``accum_dtype`` chooses another): the local softmax — under soft-capping
+the capped logits, whose softmax and tanh derivative backward forms a row block at a time —, kept
+for backward and turned into the gradient in place. The numeric part reads only ``[P, N]`` numeric
+logits at the P numeric-target positions (never a ``[P, V]`` block).
 """
 
 from __future__ import annotations

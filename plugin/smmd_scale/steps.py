@@ -97,9 +97,8 @@ def transform_logits_(logits: torch.Tensor, options: CrossEntropyOptions) -> tor
 def transform_slope(transformed: torch.Tensor, options: CrossEntropyOptions) -> Optional[torch.Tensor]:
     """d transformed / d raw logit, from the transformed values: ``scale * (1 - (z / cap)^2)``;
     None when the transform is the identity."""
-    if options.logit_softcap is not None:
-        capped = transformed / options.logit_softcap
-        return (1 - capped * capped).clamp_min_(0).mul_(options.scale)
+    if options.logit_softcap is not None:  # |z| <= cap, so this is >= 0 up to rounding
+        return torch.mul(transformed, transformed).mul_(-options.scale / options.logit_softcap**2).add_(options.scale)
     if options.logit_scale is not None:
         return torch.full_like(transformed, options.scale)
     return None

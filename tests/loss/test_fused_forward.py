@@ -30,12 +30,18 @@ def numeric_vocab():
 
 
 def batch(generator, rows=3, length=11):
-    """``ids``, ``labels`` (some ignored) and an ``attention_mask`` that pads row 1 on the right (left
-    padding leaves a query with no key, which eager attention, Gemma-2's, turns into NaN)."""
+    """``ids`` and ``labels`` (some ignored)."""
     ids = torch.randint(0, VOCAB_SIZE, (rows, length), generator=generator)
     ids[:, 1::2] = torch.randint(20, 35, (rows, length // 2), generator=generator)
     labels = ids.clone()
     labels[0, :3] = -100
+    return ids, labels
+
+
+def padded_batch(generator):
+    """A :func:`batch` and an ``attention_mask`` that pads row 1 on the right (left padding leaves a
+    query with no key, which eager attention, Gemma-2's, turns into NaN)."""
+    ids, labels = batch(generator)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, -2:] = 0
     labels[1, -2:] = -100
@@ -87,7 +93,7 @@ def test_fused_loss_is_the_models_own_loss_plus_our_numeric_term(generator, fami
     and MoE families add the model's router auxiliary loss (attention mask included) and return it."""
     model = tiny(family, tied)
     model.train()
-    ids, labels, attention_mask = batch(generator)
+    ids, labels, attention_mask = padded_batch(generator)
     inputs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask, num_items_in_batch=21)
     own, reference, reference_grads = own_loss_plus_numeric_term(model, **inputs)
 
@@ -117,7 +123,7 @@ def test_the_router_loss_follows_output_router_logits_as_the_model_does(generato
     added, in the fused forward as in the model's own."""
     model = tiny(family, tied=False, output_router_logits=in_config)
     model.train()
-    ids, labels, attention_mask = batch(generator)
+    ids, labels, attention_mask = padded_batch(generator)
     inputs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask)
     if in_call is not None:
         inputs["output_router_logits"] = in_call
@@ -129,9 +135,38 @@ def test_the_router_loss_follows_output_router_logits_as_the_model_does(generato
     assert (fused.aux_loss is not None) == (own.aux_loss is not None) == routed
 
 
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "mixtral"])
+def test_the_hooks_ce_options_apply_on_top_of_the_familys_transform(generator, family):
+    """z-loss and label smoothing set on the hook (``ce_options``) read the family's transformed logits
+    in the fused op as on the model's logits; a second logit transform there is refused."""
+    model = tiny(family, tied=True)
+    model.train()
+    ids, labels, attention_mask = padded_batch(generator)
+    inputs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    results = []
+    for fused in (False, True):
+        installed = smmd_scale.install(model, numeric_vocab(), weight=WEIGHT, fused_linear=fused)
+        installed.hook.ce_options = {"z_loss": 0.01, "label_smoothing": 0.1}
+        output, grads = loss_and_grads(model, **inputs)
+        results.append((output.loss, grads, installed.hook.last_z))
+        installed.restore()
+    (materialized, materialized_grads, materialized_z), (fused, fused_grads, fused_z) = results
+    assert_same(fused, fused_grads, materialized, materialized_grads)
+    assert fused_z.item() == pytest.approx(materialized_z.item(), rel=1e-10) and fused_z.item() > 0
+
+    installed = smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+    installed.hook.ce_options = {"logit_scale": 2.0}
+    if family == "mixtral":  # no transform of its own: the hook's scale applies on both paths alike
+        model(**inputs)
+    else:
+        with pytest.raises(ValueError, match=r"the model's forward already transforms its logits \(\{'logit_(softcap|"
+                                             r"scale)': .*ce_options add \{'logit_scale': 2.0\}"):
+            model(**inputs)
+
+
 def test_evaluation_generation_and_explicit_logits_use_the_models_forward(generator):
     model = tiny("llama", tied=True)
-    ids, labels, _ = batch(generator)
+    ids, labels = batch(generator)
     installed = smmd_scale.install(model, numeric_vocab(), fused_linear=True)
     model.train()
     assert model(input_ids=ids, labels=labels).logits is None
@@ -155,7 +190,7 @@ def test_restore_puts_back_the_forward_and_the_loss_function(generator):
     assert "forward" in vars(model) and model.forward.__wrapped__ == original_forward
     installed.restore()
     assert "forward" not in vars(model) and "_loss_function" not in vars(model)
-    ids, labels, _ = batch(generator)
+    ids, labels = batch(generator)
     model.train()
     assert model(input_ids=ids, labels=labels).logits is not None
 
@@ -211,7 +246,7 @@ def test_a_logit_transform_the_op_cannot_apply_is_refused(monkeypatch, family, o
 def test_trainer_fused_equals_materialized(tmp_path, generator, family):
     """transformers.Trainer with gradient accumulation (num_items_in_batch): the per-step losses of a
     fused run equal those of a materialized one (with a soft-cap, a logit scale, a router loss)."""
-    ids, labels, _ = batch(generator, rows=4, length=16)
+    ids, labels = batch(generator, rows=4, length=16)
 
     histories = {}
     for fused in (False, True):

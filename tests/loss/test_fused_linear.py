@@ -20,7 +20,7 @@ def problem(generator, dtype=torch.float64, with_bias=True, numeric_share=0.4, i
     vocab_size = vocab_size or draw(40, 400)
     hidden_size = draw(2, 40)
     shape = shape or (draw(1, 4), draw(1, 20))
-    numeric_size = draw(2, 30)
+    numeric_size = draw(2, min(30, vocab_size))  # a vocabulary of 16 cannot hold 29 numeric tokens
     token_ids = torch.randperm(vocab_size, generator=generator)[:numeric_size]
     values = torch.randperm(3 * numeric_size, generator=generator)[:numeric_size].double()
     vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
@@ -320,3 +320,43 @@ def test_ignore_index_equal_to_a_numeric_token_contributes_nothing(generator, fu
     for name in ("total", "ce", "numeric"):
         assert getattr(ignoring, name).item() == pytest.approx(getattr(marking, name).item(), rel=1e-12, abs=1e-14)
     assert relative(grad_ignoring, grad_marking) <= 1e-12
+
+
+def test_mixed_dtypes_under_autocast_compute_as_autocast_would(generator):
+    """bf16 hidden with an fp32 head weight and bias under torch.autocast (what HF Trainer's bf16 AMP
+    hands the head): the product in bf16, as autocast runs the head's linear; each gradient in its
+    input's dtype, equal to the same op on the autocast-cast inputs (bf16 weight and bias)."""
+    vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=200)
+    smmd = SMMDLoss(vocab)
+    mixed = [hidden.bfloat16().requires_grad_(True), head.clone().requires_grad_(True),
+             bias.clone().requires_grad_(True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_numeric_cross_entropy(mixed[0], mixed[1], targets, smmd, bias=mixed[2], chunk_size=33)
+    out.total.backward()
+    cast = [hidden.bfloat16().requires_grad_(True), head.bfloat16().requires_grad_(True),
+            bias.bfloat16().requires_grad_(True)]
+    expected = linear_numeric_cross_entropy(cast[0], cast[1], targets, smmd, bias=cast[2], chunk_size=33)
+    expected.total.backward()
+    assert out.total.item() == expected.total.item()
+    assert [leaf.grad.dtype for leaf in mixed] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(mixed[0].grad, cast[0].grad)
+    # the weight's gradient is the bf16 product cast to fp32; the bias's is summed in fp32
+    assert torch.equal(mixed[1].grad, cast[1].grad.float())
+    assert relative(mixed[2].grad, cast[2].grad.float()) <= 1e-2
+    # the materialized op on autocast's own logits agrees to bf16 accuracy
+    reference = [hidden.bfloat16().requires_grad_(True), head.clone().requires_grad_(True),
+                 bias.clone().requires_grad_(True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(*reference)
+    materialized = numeric_cross_entropy(logits, targets, smmd)
+    materialized.total.backward()
+    assert out.total.item() == pytest.approx(materialized.total.item(), rel=1e-6)
+    for ours, theirs in zip(mixed, reference):
+        assert ours.grad.dtype == theirs.grad.dtype and relative(ours.grad.float(), theirs.grad.float()) <= 2e-2
+
+
+def test_mixed_dtypes_without_autocast_are_refused(generator):
+    vocab, hidden, head, bias, targets = problem(generator, dtype=torch.float32, vocab_size=60)
+    with pytest.raises(TypeError, match="must share one floating dtype; got torch.bfloat16, torch.float32 and "
+                                        "torch.float32 .mixed floating dtypes are accepted under torch.autocast"):
+        linear_numeric_cross_entropy(hidden.bfloat16(), head, targets, SMMDLoss(vocab), bias=bias)

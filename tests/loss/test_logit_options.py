@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
 from helpers.reference import reference_ntl, reference_smmd, reference_with_options
+from test_fused_forward import batch, numeric_vocab, tiny
 from test_fused_linear import problem
 
+import smmd_scale
 from smmd_scale import NTLoss, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
 
 # Each option alone, the Gemma-2 and Cohere heads, and everything at once.
@@ -23,6 +25,7 @@ OPTION_SETS = {
     "z_loss": dict(z_loss=1e-2),
     "label_smoothing": dict(label_smoothing=0.2),
     "all": dict(logit_scale=1.3, logit_softcap=3.0, z_loss=3e-2, label_smoothing=0.1),
+    "all_but_softcap": dict(logit_scale=0.6, z_loss=2e-2, label_smoothing=0.15),
 }
 TOLERANCE = 1e-10
 
@@ -224,3 +227,24 @@ def test_bad_value_on_one_rank_raises_on_every_rank():
     assert all(message.startswith("tensor-parallel rank 1 of the group: ") for message in outcomes[0])
     assert "logit_softcap=-30.0 must be" in outcomes[0][0] and "logit_softcap=-30.0 must be" in outcomes[0][1]
     assert "z_loss=nan must be" in outcomes[0][2] and "label_smoothing=1.5 must be" in outcomes[0][4]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+def test_the_hf_hook_passes_its_ce_options_to_both_paths(generator, fused):
+    """NumericCausalLMLoss.ce_options reach the op on either path: the model's training loss is
+    numeric_cross_entropy with those options on the model's own (shifted) logits; last_z is the z-loss."""
+    ids, labels = batch(generator)
+    model = tiny("llama", tied=False)
+    options = dict(logit_softcap=3.0, logit_scale=0.8, z_loss=1e-3, label_smoothing=0.1)
+    installed = smmd_scale.install(model, numeric_vocab(), weight=0.5, fused_linear=fused)
+    installed.hook.ce_options = dict(options)
+    loss = model(input_ids=ids, labels=labels).loss
+    assert installed.last_path == ("fused_linear" if fused else "logits")
+    installed.restore()
+    logits = model(input_ids=ids).logits
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    expected = numeric_cross_entropy(logits, targets, SMMDLoss(numeric_vocab()), 0.5, **options)
+    assert loss.item() == pytest.approx(expected.total.item(), rel=1e-10)
+    assert installed.hook.last_z.item() == pytest.approx(expected.z.item(), rel=1e-10) and expected.z.item() > 0
+    with pytest.raises(ValueError, match="reduction is not a ce_option"):
+        smmd_scale.integrations.NumericCausalLMLoss(SMMDLoss(numeric_vocab()), ce_options=dict(reduction="sum"))

@@ -360,9 +360,12 @@ def test_single_backward_guard(generator, softcap):
         out.total.backward()
 
 
-def test_one_working_buffer_is_saved_for_backward(generator):
+@pytest.mark.parametrize("options", [{}, dict(logit_scale=0.5, logit_softcap=30.0, z_loss=1e-4, label_smoothing=0.1)],
+                         ids=["plain", "softcap_and_all_options"])
+def test_one_working_buffer_is_saved_for_backward(generator, options):
     """Between forward and backward the fused op holds one [tokens, V] buffer in the compute
-    dtype (plus O(tokens) and O(P * N) pieces), even for bf16 logits."""
+    dtype (plus O(tokens) and O(P * N) pieces), even for bf16 logits, also under soft-capping (the
+    buffer holds the capped logits then)."""
     vocab, logits, targets = random_problem(generator, vocab_size=4000, numeric_size=30, shape=(4, 64))
     for dtype, compute_bytes in ((torch.float32, 4), (torch.bfloat16, 4), (torch.float64, 8)):
         saved = []
@@ -373,7 +376,7 @@ def test_one_working_buffer_is_saved_for_backward(generator):
 
         x = logits.to(dtype).requires_grad_(True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = numeric_cross_entropy(x, targets, SMMDLoss(vocab))
+            out = numeric_cross_entropy(x, targets, SMMDLoss(vocab), **options)
         big = [t for t in saved if t.numel() >= 256 * 4000]
         assert len(big) == 1 and big[0].element_size() == compute_bytes, [tuple(t.shape) for t in saved]
         small_bytes = sum(t.numel() * t.element_size() for t in saved if t.numel() < 256 * 4000)

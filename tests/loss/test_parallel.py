@@ -23,11 +23,12 @@ def _uneven_bounds(generator, vocab_size, tp_size):
 def _problem(generator, tp_size, placement, dtype):
     vocab_size = int(torch.randint(tp_size * 8, 240, (1, ), generator=generator))
     bounds = _uneven_bounds(generator, vocab_size, tp_size)
-    if placement == "one_rank":  # every numeric token in one shard
-        owner = int(torch.randint(0, tp_size, (1, ), generator=generator))
+    if placement == "one_rank":  # every numeric token in one shard (of at least two ids)
+        wide = [rank for rank in range(tp_size) if bounds[rank + 1] - bounds[rank] >= 2]
+        owner = wide[int(torch.randint(0, len(wide), (1, ), generator=generator))]
         pool = torch.arange(bounds[owner], bounds[owner + 1])
-    elif placement == "none_on_some":  # the first shard holds none
-        pool = torch.arange(bounds[1], vocab_size)
+    elif placement == "none_on_some":  # the first shard holds none (unless the rest hold fewer than two ids)
+        pool = torch.arange(min(bounds[1], vocab_size - 2), vocab_size)
     else:
         pool = torch.arange(vocab_size)
     numeric_size = int(torch.randint(2, min(len(pool), 30) + 1, (1, ), generator=generator))

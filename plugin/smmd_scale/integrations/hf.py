@@ -36,12 +36,15 @@ class NumericCausalLMLoss:
     ``num_numeric_in_batch`` (pass it to the model's forward like ``num_items_in_batch``) divides
     the numeric term, so that the step's micro-batches add up to the step's objective (see
     :func:`smmd_scale.loss.reduce_losses`).
+    ``ce_options``: keyword options both ops take (``logit_scale``, ``logit_softcap``, ``z_loss``,
+    ``label_smoothing``, ``accum_dtype``; docs/objective.md), passed to every call.
     After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
-    :class:`DetachedLosses` and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or
-    ``"fused_linear"`` (from the head's input, no logits).
+    :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off) and ``last_path`` how it
+    ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the head's input, no logits).
     """
 
-    def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0):
+    def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0,
+                 ce_options: Optional[dict] = None):
         self.numeric_loss = numeric_loss
         self.weight = weight
         self.tp_group = tp_group
@@ -49,6 +52,10 @@ class NumericCausalLMLoss:
         self.last_stats: Optional[dict] = None
         self.last_losses: Optional[DetachedLosses] = None
         self.last_path: Optional[str] = None
+        self.last_z: Optional[torch.Tensor] = None
+        self.ce_options = dict(ce_options or {})
+        if "reduction" in self.ce_options:
+            raise ValueError("the loss_function hook returns the mean loss HF expects; reduction is not a ce_option")
         # (the Trainer's num_items_in_batch object, the step's numeric-target count): InstalledLoss.attach_to_trainer
         self.trainer_step_counts: Optional[tuple] = None
 
@@ -93,7 +100,7 @@ class NumericCausalLMLoss:
         output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
                                        num_items_in_batch=num_items_in_batch,
-                                       num_numeric_in_batch=num_numeric_in_batch)
+                                       num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
         self._record(output, "logits")
         return output
 
@@ -104,7 +111,8 @@ class NumericCausalLMLoss:
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
         ``call_through_module`` so that its weight is gathered and released like the head's own.
         ``op_options``: the op's keywords for the logit transform the model's forward applies
-        between its head and its loss (``logit_softcap``, ``logit_scale``)."""
+        between its head and its loss (``logit_softcap``, ``logit_scale``), added to ``ce_options``."""
+        options = self.fused_options(op_options or {})
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         outputs = []
@@ -114,14 +122,25 @@ class NumericCausalLMLoss:
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
                                                   num_items_in_batch=num_items_in_batch,
-                                                  num_numeric_in_batch=num_numeric_in_batch,
-                                                  **(op_options or {}))
+                                                  num_numeric_in_batch=num_numeric_in_batch, **options)
             outputs.append(output)
             return output.total
 
         total = call_through_module(head, head_loss, hidden)
         self._record(outputs[0], "fused_linear")
         return total
+
+    def fused_options(self, op_options: dict) -> dict:
+        """``ce_options`` + the model's own logit transform (``op_options``). A transform in both is
+        refused: on logits the hook would apply its own after the model's (e.g. scale the soft-capped
+        logits), which the fused op, transforming once, does not compute."""
+        transforms = ("logit_scale", "logit_softcap")
+        mine = {key: self.ce_options[key] for key in transforms if self.ce_options.get(key) is not None}
+        if op_options and mine:
+            raise ValueError(f"the model's forward already transforms its logits ({op_options}) and the loss hook's "
+                             f"ce_options add {mine} on top; the fused head cannot apply both; drop {sorted(mine)} "
+                             "from ce_options")
+        return {**self.ce_options, **op_options}
 
     def numeric_labels(self, batch: dict) -> dict:
         """``batch`` with its ``labels`` (and ``shift_labels``) kept only at numeric targets (the rest
@@ -139,6 +158,7 @@ class NumericCausalLMLoss:
     def _record(self, output: NumericOutput, path: str) -> None:
         self.last_stats = output.stats
         self.last_losses = DetachedLosses(output.total.detach(), output.ce.detach(), output.numeric.detach())
+        self.last_z = output.z.detach()
         self.last_path = path
 
 
