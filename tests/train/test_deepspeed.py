@@ -102,15 +102,17 @@ def test_autotp_vocab_parallel_training_equals_tp1(trained, layout, name, vocab_
 
 
 def assert_fused_trains_like_materialized(result: dict, name: str, weights_tolerance: float) -> None:
-    """Per-step losses and gradient norms (which Adam's steps do not show) equal to 1e-5 relative and
-    final weights to ``weights_tolerance`` (relative Frobenius norm, per tensor); the fused variant never
-    computed training logits; the same forward exchange; under AutoTP its backward ran the one d hidden
+    """Per-step losses equal to 1e-5 relative, the first step's gradient norm to 1e-6 and final weights
+    to ``weights_tolerance`` (relative Frobenius norm, per tensor); the fused variant never computed
+    training logits; the same forward exchange; under AutoTP its backward ran the one d hidden
     all-reduce of [tokens, H] fp32."""
     materialized, fused = result["variants"][name], result["variants"][f"{name}-fused"]
     assert fused["fused_linear"] and not materialized["fused_linear"]
     assert materialized["training_logits"] and not fused["training_logits"]
     assert fused["losses"] == pytest.approx(materialized["losses"], rel=1e-5)
-    assert fused["grad_norms"] == pytest.approx(materialized["grad_norms"], rel=1e-5)
+    # At the first step both paths hold the same weights: the gradient norms compare the gradients, whose scale
+    # Adam's steps do not show (measured 3.5e-8 at most); later norms follow the weights Adam parts.
+    assert fused["grad_norms"][0] == pytest.approx(materialized["grad_norms"][0], rel=1e-6)
     # A key projection's bias shifts every score of a query by the same amount, which softmax ignores: its
     # gradient is zero but for rounding, which Adam turns into full steps; its values are noise on both paths.
     differences = {tensor: difference for tensor, difference in fused["weights_relative_differences"].items()
@@ -146,8 +148,7 @@ def test_each_family_fused_trains_like_its_materialized_loss(families_trained, f
     each element by about the learning rate whatever its gradient's size, so elements whose gradient is
     near zero take steps that fp32 rounding decides: the query biases of Qwen2 and Qwen2-MoE at
     initialisation (up to 7e-5 measured), and above all an embedding row first seen in the last step
-    (Gemma-3 untied at TP=2: one row, 4.6e-4 of the embedding), while losses and gradient norms agree
-    to 1e-7."""
+    (Gemma-3 untied at TP=2: one row, 4.6e-4 of the embedding), while the losses agree to 1.1e-7."""
     result = families_trained[layout]
     name = f"{family}-{embeddings}"
     assert_fused_trains_like_materialized(result, name, 1e-3)
