@@ -58,6 +58,16 @@ def trainer_count_items(trainer, batch_samples: list, device):
     return count(batch_samples, device)
 
 
+def router_load_balancing_loss(model) -> Callable:
+    """The ``load_balancing_loss_func`` of the transformers modeling module that defines ``model``'s
+    class (Mixtral, Qwen2-MoE, Qwen3-MoE): the router auxiliary loss their ``ForCausalLM.forward`` adds,
+    used as is so that the fused forward adds exactly the same term. Module-level, not exported."""
+    import sys
+
+    return _private(sys.modules[type(model).__module__], "load_balancing_loss_func", "transformers",
+                    f"add {type(model).__name__}'s router auxiliary loss to the fused head's loss")
+
+
 # HF causal LMs keep an assigned ``loss_function`` in this instance attribute (the property's setter);
 # reading it tells whether the model had its own hook before smmd_scale.install replaced it.
 _LOSS_FUNCTION_ATTRIBUTE = "_loss_function"

@@ -160,7 +160,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       help="SMMD kernel bandwidths, on value distances squashed to [1, 9]")
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
-                      "(Llama, Mistral, Qwen2, Qwen3); evaluation still uses logits")
+                      "(Llama, Mistral, Qwen2/3, Gemma-2/3, Cohere, Mixtral, Qwen2/3-MoE); evaluation uses logits")
     smmd.add_argument("--ntl_reweigh", action=argparse.BooleanOptionalAction, default=True,
                       help="NTL: scale by the probability mass on number tokens (ntloss's default)")
     smmd.add_argument("--ntl_squash_factor", type=float, default=None,

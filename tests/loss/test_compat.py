@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from helpers.distributed import run_ranks, values_or_raise
 from helpers.launching import REPO
-from helpers.models import tiny_llama
+from helpers.models import MOE_FAMILIES, tiny_causal_lm, tiny_llama
 
 from smmd_scale import compat
 
@@ -64,6 +64,15 @@ def test_assigned_loss_function_of_an_hf_model():
     assert compat.assigned_loss_function(model) == (True, hook) and model.loss_function is hook
     compat.forget_loss_function(model)
     assert model.loss_function is ForCausalLMLoss
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_load_balancing_loss_of_each_moe_family(family):
+    """The fused forward calls it positionally, as the MoE forwards do."""
+    model = tiny_causal_lm(family, 32, tied=False, layers=1)
+    function = compat.router_load_balancing_loss(model)
+    assert function.__module__ == type(model).__module__
+    assert list(inspect.signature(function).parameters) == ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
 def test_deepspeed_private_apis_exist():

@@ -1,13 +1,16 @@
 """Run under the deepspeed launcher (or as one plain process for TP=1) by tests/train/test_deepspeed.py.
 
-Per variant (tied or untied embeddings; the materialized loss or ``fused_linear``; with ``--offload``,
-ZeRO-3 with and without parameter and optimizer offload), in one process: a tiny LlamaForCausalLM
-(``--heads``, ``--kv_heads`` and ``--vocab`` set its shape, e.g. 9 heads over 3 KV heads and a 50,257
-vocabulary, which AutoTP splits unevenly) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
+Per variant (each of ``--families``; tied or untied embeddings; the materialized loss or
+``fused_linear``; with ``--offload``, ZeRO-3 with and without parameter and optimizer offload), in one
+process: a tiny causal LM of that family (LlamaForCausalLM by default; the families of
+``helpers.models.FAMILY_CONFIGS``, so the launching test puts tests/ on PYTHONPATH; ``--heads``,
+``--kv_heads`` and ``--vocab`` set its shape, e.g. 9 heads over 3 KV heads and a 50,257 vocabulary,
+which AutoTP splits unevenly) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
 a vocabulary-parallel LM head when ``--tp`` > 1, ``smmd_scale.install`` on the engine and a few
-optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses, the installed
+optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses and gradient norms, the installed
 loss's statistics, each rank's LM head shard and first q_proj rows and, for a fused variant, the
-largest relative difference of its final weights to its materialized twin's. The ordered shutdown at
+relative differences of its final weights to its materialized twin's (per tensor and the largest). Variants of a family
+other than Llama are named ``<family>-<variant>``. The ordered shutdown at
 the end must leave no process group alive (else the rank exits 1).
 """
 
@@ -18,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.utils import groups
-from transformers import AutoModelForCausalLM, LlamaConfig
+from helpers.models import FAMILY_CONFIGS, MOE_FAMILIES, tiny_causal_lm
 from transformers.integrations import HfDeepSpeedConfig
 
 import smmd_scale
@@ -33,13 +36,16 @@ parser.add_argument("--kv_heads", type=int, default=2, help="AutoTP splits them,
 parser.add_argument("--vocab", type=int, default=2048, help="the vocabulary (AutoTP splits it unevenly too)")
 parser.add_argument("--offload", action="store_true", help="also train each variant with ZeRO-3 offload")
 parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choices=["untied", "tied"])
+parser.add_argument("--families", nargs="+", default=["llama"], choices=sorted(FAMILY_CONFIGS))
+parser.add_argument("--untied_only", nargs="*", default=[], choices=sorted(FAMILY_CONFIGS),
+                    help="families to train with untied embeddings only")
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 VOCAB, BATCH, LENGTH = args.vocab, 4, 24
 
 
-def build_engine(tied: bool, offload: bool):
+def build_engine(family: str, tied: bool, offload: bool):
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "torch_adam": True, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}
@@ -47,13 +53,15 @@ def build_engine(tied: bool, offload: bool):
         config["zero_optimization"].update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     if args.tp > 1:
         config["tensor_parallel"] = {"autotp_size": args.tp, "vocab_parallel_lm_head": True}
-    torch.manual_seed(0)
+        if family in MOE_FAMILIES:
+            # DeepSpeed rejects the MoE families' HF tp_plan (its experts' partition styles); shard the
+            # attention and leave the router and the experts whole on every rank (the head stays vocab-parallel).
+            config["tensor_parallel"]["partition_config"] = {"use_default_specs": False, "layer_specs": [
+                {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"}]}
     zero_init = HfDeepSpeedConfig(dict(config))
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16 * args.heads, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=64,
-        tie_word_embeddings=tied),
-        torch_dtype=torch.float32)
+    model = tiny_causal_lm(family, VOCAB, tied=tied, hidden_size=16 * args.heads, heads=args.heads,
+                           kv_heads=args.kv_heads, intermediate_size=128, dtype=torch.float32)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                            mpu=groups if args.tp > 1 else None)
     del zero_init
@@ -80,56 +88,61 @@ def main() -> None:
     result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "hidden_size": 16 * args.heads,
               "variants": {}}
     materialized_weights = {}
-    for offload in ((False, True) if args.offload else (False, )):
-        for tied in (embedding == "tied" for embedding in args.embeddings):
-            for fused in (False, True):
-                name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
-                engine = build_engine(tied, offload)
-                variant = {}
-                if args.tp > 1 and not fused:
-                    # DeepSpeed installed its own CE-only vocab-parallel loss; ours with weight 0 must agree with it.
-                    with torch.no_grad():
-                        deepspeed_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
-                    variant["deepspeed_loss_function"] = type(engine.module.loss_function).__name__
-                    probe = smmd_scale.install(engine, vocab, weight=0.0)
-                    with torch.no_grad():
-                        ours_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
-                    variant["ce_ours_vs_deepspeed"] = [ours_ce, deepspeed_ce]
-                    probe.restore()
-                installed = smmd_scale.install(engine, vocab, weight=1.0, fused_linear=fused)
-                variant["fused_linear"] = installed.fused_linear
-                variant["vocab_parallel"] = installed.vocab_parallel
-                variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,
-                                                                        installed.head.vocab_end_index]
-                losses, stats = [], []
-                for ids in batches:
-                    output = engine(input_ids=ids, labels=ids)
-                    variant.setdefault("training_logits", output.logits is not None)
-                    engine.backward(output.loss)
-                    engine.step()
-                    losses.append(output.loss.item())
-                    stats.append(installed.last_stats)
-                variant.update(losses=losses, stats=stats)
-                q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
-                shard = {"head": variant["head"], "q_proj_rows": getattr(q_proj, "ds_shape", q_proj.shape)[0]}
-                shards = [None] * dist.get_world_size()
-                dist.all_gather_object(shards, shard)
-                variant["heads"] = [rank["head"] for rank in shards]
-                variant["q_proj_rows"] = [rank["q_proj_rows"] for rank in shards]
-                weights = compat.consolidated_state_dict(engine)  # a collective: every rank calls it
-                if dist.get_rank() == 0:
-                    twin = name.replace("-fused", "")
-                    if fused:
-                        reference = materialized_weights[twin]
-                        # per tensor: |w_fused - w_materialized| / |w_materialized| (Frobenius norms)
-                        variant["weights_relative_difference"] = max(
-                            ((weights[key] - reference[key]).norm() / reference[key].norm()).item()
-                            for key in reference)
-                    else:
-                        materialized_weights[name] = {key: value.clone() for key, value in weights.items()}
-                result["variants"][name] = variant
-                installed.restore()
-                del engine
+    variants = [(family, offload, embedding == "tied") for family in args.families
+                for offload in ((False, True) if args.offload else (False, )) for embedding in args.embeddings
+                if embedding == "untied" or family not in args.untied_only]
+    for family, offload, tied in variants:
+        for fused in (False, True):
+            name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
+            name = name if family == "llama" else f"{family}-{name}"
+            engine = build_engine(family, tied, offload)
+            variant = {}
+            if args.tp > 1 and not fused:
+                # DeepSpeed installed its own CE-only vocab-parallel loss; ours with weight 0 must agree with it.
+                with torch.no_grad():
+                    deepspeed_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
+                variant["deepspeed_loss_function"] = type(engine.module.loss_function).__name__
+                probe = smmd_scale.install(engine, vocab, weight=0.0)
+                with torch.no_grad():
+                    ours_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
+                variant["ce_ours_vs_deepspeed"] = [ours_ce, deepspeed_ce]
+                probe.restore()
+            installed = smmd_scale.install(engine, vocab, weight=1.0, fused_linear=fused)
+            variant["fused_linear"] = installed.fused_linear
+            variant["vocab_parallel"] = installed.vocab_parallel
+            variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,
+                                                                    installed.head.vocab_end_index]
+            losses, grad_norms, stats = [], [], []
+            for ids in batches:
+                output = engine(input_ids=ids, labels=ids)
+                variant.setdefault("training_logits", output.logits is not None)
+                engine.backward(output.loss)
+                engine.step()
+                losses.append(output.loss.item())
+                grad_norms.append(float(engine.get_global_grad_norm()))
+                stats.append(installed.last_stats)
+            variant.update(losses=losses, grad_norms=grad_norms, stats=stats)
+            q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
+            shard = {"head": variant["head"], "q_proj_rows": getattr(q_proj, "ds_shape", q_proj.shape)[0]}
+            shards = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, shard)
+            variant["heads"] = [rank["head"] for rank in shards]
+            variant["q_proj_rows"] = [rank["q_proj_rows"] for rank in shards]
+            weights = compat.consolidated_state_dict(engine)  # a collective: every rank calls it
+            if dist.get_rank() == 0:
+                twin = name.replace("-fused", "")
+                if fused:
+                    reference = materialized_weights[twin]
+                    # per tensor: |w_fused - w_materialized| / |w_materialized| (Frobenius norms)
+                    differences = {key: ((weights[key] - reference[key]).norm() / reference[key].norm()).item()
+                                   for key in reference}
+                    variant["weights_relative_differences"] = differences
+                    variant["weights_relative_difference"] = max(differences.values())
+                else:
+                    materialized_weights[name] = {key: value.clone() for key, value in weights.items()}
+            result["variants"][name] = variant
+            installed.restore()
+            del engine
 
     if dist.get_rank() == 0:
         with open(args.out, "w") as handle:

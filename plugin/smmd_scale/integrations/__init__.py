@@ -24,16 +24,16 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     the hook computes on this rank's logits shard with the head's ``mp_group`` and
     ``vocab_start_index`` (one packed all-reduce per forward); otherwise on full logits.
     ``fused_linear=True`` also replaces this model's ``forward`` so that a training forward with
-    labels never computes the logits (``integrations/fused_forward.py``; Llama, Mistral, Qwen2 and
-    Qwen3 families); evaluation and generation still return logits. ``smmd_options`` go to
-    :class:`SMMDLoss` when no ``numeric_loss`` is given. ``ce_options`` (e.g. ``{"z_loss": 1e-4,
-    "label_smoothing": 0.1}``) go to every call of the op (:class:`NumericCausalLMLoss`). Returns an
-    :class:`InstalledLoss` with
+    labels never computes the logits (``integrations/fused_forward.py``: Llama, Mistral, Qwen2,
+    Qwen3, Gemma-2, Gemma-3 (text), Cohere, Mixtral, Qwen2-MoE and Qwen3-MoE, with their logit
+    soft-capping, logit scale and router auxiliary loss; other models are refused); evaluation and
+    generation still return logits. ``smmd_options`` go to :class:`SMMDLoss` when no ``numeric_loss``
+    is given. ``ce_options`` (e.g. ``{"z_loss": 1e-4, "label_smoothing": 0.1}``) go to every call of
+    the op (:class:`NumericCausalLMLoss`). Returns an :class:`InstalledLoss` with
     ``last_stats``, ``last_path`` and ``restore()``.
     """
     model = unwrap_model(model_or_engine)
-    if fused_linear:
-        check_fused_support(model)
+    fused_head = check_fused_support(model) if fused_linear else None
     if numeric_loss is None:
         numeric_loss = SMMDLoss(vocab, **smmd_options)
     elif smmd_options:
@@ -61,7 +61,7 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     if fused_linear:
         # The head is looked up at call time: with AutoTP it is the VocabParallelLinear found above.
         model.forward = fused_forward(model, model.forward, hook,
-                                      lambda: head if head is not None else model.get_output_embeddings())
+                                      lambda: head if head is not None else model.get_output_embeddings(), fused_head)
         installed.fused_linear = True
     return installed
 

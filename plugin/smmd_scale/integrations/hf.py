@@ -108,10 +108,14 @@ class NumericCausalLMLoss:
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
-                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None) -> torch.Tensor:
+                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None,
+                   op_options: Optional[dict] = None) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
-        ``call_through_module`` so that its weight is gathered and released like the head's own."""
+        ``call_through_module`` so that its weight is gathered and released like the head's own.
+        ``op_options``: the op's keywords for the logit transform the model's forward applies
+        between its head and its loss (``logit_softcap``, ``logit_scale``), added to ``ce_options``."""
+        options = self.fused_options(op_options or {})
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         outputs = []
@@ -121,13 +125,25 @@ class NumericCausalLMLoss:
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
                                                   num_items_in_batch=num_items_in_batch,
-                                                  num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
+                                                  num_numeric_in_batch=num_numeric_in_batch, **options)
             outputs.append(output)
             return output.total
 
         total = call_through_module(head, head_loss, hidden)
         self._record(outputs[0], "fused_linear", (num_items_in_batch, num_numeric_in_batch))
         return total
+
+    def fused_options(self, op_options: dict) -> dict:
+        """``ce_options`` + the model's own logit transform (``op_options``). A transform in both is
+        refused: on logits the hook would apply its own after the model's (e.g. scale the soft-capped
+        logits), which the fused op, transforming once, does not compute."""
+        transforms = ("logit_scale", "logit_softcap")
+        mine = {key: self.ce_options[key] for key in transforms if self.ce_options.get(key) is not None}
+        if op_options and mine:
+            raise ValueError(f"the model's forward already transforms its logits ({op_options}) and the loss hook's "
+                             f"ce_options add {mine} on top; the fused head cannot apply both; drop {sorted(mine)} "
+                             "from ce_options")
+        return {**self.ce_options, **op_options}
 
     def numeric_labels(self, batch: dict) -> dict:
         """``batch`` with its ``labels`` (and ``shift_labels``) kept only at numeric targets (the rest
