@@ -320,7 +320,7 @@ def convert_to_universal(output_dir: str, tag: str, log=None) -> Path:
         (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer beside its output
     for path in universal.glob("zero/*/*.pt"):
         if path.stem in ZERO3_STATES:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = load_deepspeed_shard(path)
             wrapped = wrapped_universal_state(state)
             if wrapped is not state:
                 torch.save(wrapped, path)
@@ -328,6 +328,14 @@ def convert_to_universal(output_dir: str, tag: str, log=None) -> Path:
     if log:
         log(f"{tag}: converted to a universal checkpoint in {universal} ({time.perf_counter() - began:.1f} s)")
     return universal
+
+
+def load_deepspeed_shard(path: Path):
+    """One of DeepSpeed's own shard files of this run's checkpoint tag (or of its universal
+    conversion). They hold pickled objects besides tensors (configs, enums), so they are read as
+    DeepSpeed's ``engine.load_checkpoint`` reads them, without ``weights_only``: the one such read in
+    the project, and only ever on files under the run's own ``--output_dir``."""
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def wrapped_universal_state(state):
@@ -383,8 +391,8 @@ def _dp_partitioned_copy(tag_dir: Path, target: Path) -> None:
     world = tp_size * dp_size
     if len(models) != world:
         raise ValueError(f"{tag_dir} has {len(models)} ZeRO-3 model-state files, not {tp_size} x {dp_size}")
-    model_states = {key: torch.load(path, map_location="cpu", weights_only=False) for key, path in models.items()}
-    optim_states = {key: torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    model_states = {key: load_deepspeed_shard(path) for key, path in models.items()}
+    optim_states = {key: load_deepspeed_shard(path)["optimizer_state_dict"]
                     for key, path in optims.items()}
     target.mkdir(parents=True)
     optims_changed = False
@@ -407,7 +415,7 @@ def _dp_partitioned_copy(tag_dir: Path, target: Path) -> None:
                 _set_flat_state(optim_states[tp, dp], group, name, split[dp])
     for key, path in optims.items():
         if optims_changed:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = load_deepspeed_shard(path)
             state["optimizer_state_dict"] = optim_states[key]
             torch.save(state, target / path.name)
         else:

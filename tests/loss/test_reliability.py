@@ -158,6 +158,11 @@ def test_no_shell_no_remote_code_no_pickles_from_elsewhere():
         assert "shell=True" not in text, path
         assert "trust_remote_code=True" not in text, path  # only ever the user's --trust_remote_code flag
         for call in _calls(text, "torch.load"):
+            # The one exception: DeepSpeed's own (pickled) shard files of the run's checkpoint, read for
+            # the universal conversion as DeepSpeed's loader reads them, in one named function.
+            if path.name == "checkpoint.py" and call == 'torch.load(path, map_location="cpu", weights_only=False)':
+                assert text.count("weights_only=False") == 1 and "def load_deepspeed_shard(path: Path):" in text
+                continue
             assert "weights_only=True" in call, (path, call)
     train = sources[REPO / "plugin" / "smmd_train" / "train.py"]
     arguments = sources[REPO / "plugin" / "smmd_train" / "arguments.py"]
