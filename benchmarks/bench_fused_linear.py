@@ -2,6 +2,8 @@
 
 Contenders, all on the same ``hidden [tokens, H]`` and head ``weight [V, H]`` (both require grad):
   torch_ce          F.cross_entropy(hidden @ weight.T): what HF's ForCausalLMLoss does
+  torch_linear_ce   F.linear_cross_entropy(hidden, weight, ..., options=LinearCrossEntropyOptions()):
+                    torch 2.13's own chunked linear CE (CE only), its per-(device, dtype) defaults
   ours_materialized smmd_scale.numeric_cross_entropy(hidden @ weight.T, ...) with SMMD weight 1
   ours_fused_w0     smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 0 (CE only)
   ours_fused        smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 1
@@ -49,8 +51,8 @@ from benchmarks.common import machine, write_results  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("torch_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "deepspeed_fused", "liger_fallback",
-              "cce_compile")
+CONTENDERS = ("torch_ce", "torch_linear_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "deepspeed_fused",
+              "liger_fallback", "cce_compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NUMERIC_SIZE, NUMERIC_SHARE, IGNORE_SHARE, SEED = 1000, 0.3, 0.05, 0
 WARMUP_TOKENS = 64
@@ -106,6 +108,12 @@ def build(name: str, shape: Shape, numeric_ids: torch.Tensor):
     """``loss(hidden, weight, targets)`` of contender ``name``; raises Unavailable for a missing peer."""
     if name == "torch_ce":
         return lambda hidden, weight, targets: F.cross_entropy((hidden @ weight.T).float(), targets)
+    if name == "torch_linear_ce":
+        if not hasattr(F, "linear_cross_entropy"):
+            raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy (2.13+)")
+        options = torch.nn.LinearCrossEntropyOptions()  # the chunked path, torch's per-(device, dtype) defaults
+        return lambda hidden, weight, targets: F.linear_cross_entropy(hidden, weight, targets, ignore_index=-100,
+                                                                      options=options)
     if name.startswith("ours"):
         smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(numeric_ids.tolist(), list(range(NUMERIC_SIZE)),
                                                            shape.vocab_size))

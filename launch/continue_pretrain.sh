@@ -5,9 +5,10 @@
 #   MODEL_DIR=/models/llama-3-8b DATA=/data/math.jsonl NUM_NODES=2 bash launch/continue_pretrain.sh
 # TP=2 (or 4, 8) adds AutoTP tensor parallelism with a vocabulary-parallel LM head, or SP=2 (or 4,
 # 8) Ulysses sequence parallelism for long sequences; DS_CONFIG=
-# ds_configs/zero3_offload.json offloads parameters and optimizer states to the CPU.
+# ds_configs/zero3_offload.json offloads parameters and optimizer states to the CPU. Relative paths
+# are taken from the folder it is called from.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+LAUNCH_DIR="$(cd "$(dirname "$0")" && pwd)"
 
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to a local Hugging Face model directory}"
 DATA="${DATA:?set DATA to one or more training files}"
@@ -16,5 +17,5 @@ MAX_STEPS="${MAX_STEPS:-2000}"
 SAVE_STEPS="${SAVE_STEPS:-250}"
 
 # shellcheck source=launch/deepspeed_train.sh
-. launch/deepspeed_train.sh --model "$MODEL_DIR" --lr "${LR:-2e-5}" --warmup_steps "${WARMUP_STEPS:-50}" \
+. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --lr "${LR:-2e-5}" --warmup_steps "${WARMUP_STEPS:-50}" \
   --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "$@"

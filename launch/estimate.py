@@ -1,8 +1,9 @@
-"""Per-GPU memory for training a model preset under ZeRO-3 (+ AutoTP), before booking a cluster.
+"""Per-GPU memory for training a Llama model under ZeRO-3 (+ AutoTP), before booking a cluster.
 
     python launch/estimate.py --model 7b --nodes 4 --gpus_per_node 8 [--tp 2] [--offload]
         [--seq_len 4096] [--micro_batch 1] [--gradient_checkpointing] [--vocab_size 128256]
         [--no-flash_attention] [--gpu_memory_gib 80] [--json]
+    python launch/estimate.py --model /models/llama-3-8b --nodes 1 --gpus_per_node 8   # an HF folder or config.json
     python launch/estimate.py --all --nodes 1 --gpus_per_node 8 [...]   # markdown table, 1b..70b
 
 What is counted, and what is not: ``smmd_train/memory.py``.

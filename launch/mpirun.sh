@@ -5,8 +5,8 @@
 # The MPI runtime comes with the project: `pip install -e ".[mpi]"` installs mpich, whose mpirun
 # needs no root flags. Open MPI as root also needs OMPI_ALLOW_RUN_AS_ROOT=1 and
 # OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, and --oversubscribe past the core count.
+# Relative paths are taken from the folder it is called from.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
 NP="${NP:-2}"
 PYTHON="${PYTHON:-python}"
@@ -16,4 +16,4 @@ if [ -n "${HOSTS:-}" ]; then
 else
   args+=(-launcher fork -hosts 127.0.0.1)  # one machine, no ssh
 fi
-exec mpirun "${args[@]}" "$PYTHON" launch/train.py "$@"
+exec mpirun "${args[@]}" "$PYTHON" "$(cd "$(dirname "$0")" && pwd)/train.py" "$@"

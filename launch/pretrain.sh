@@ -5,9 +5,10 @@
 # Every variable can be overridden from the environment (the shared ones: launch/deepspeed_train.sh);
 # TP, the AutoTP degree (vocabulary-parallel LM head), must divide the ranks per node; SP=2 (or 4,
 # 8) splits each sequence over that many ranks instead (Ulysses, for long SEQ_LEN). Extra arguments
-# go to train.py.
+# go to train.py. Relative paths (TOKENIZER, DATA, OUTPUT_DIR, HOSTFILE, DS_CONFIG, ...) are taken
+# from the folder it is called from, as for any command.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+LAUNCH_DIR="$(cd "$(dirname "$0")" && pwd)"
 
 MODEL="${MODEL:-1b}"
 TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory}"
@@ -17,4 +18,4 @@ MAX_STEPS="${MAX_STEPS:-10000}"
 SAVE_STEPS="${SAVE_STEPS:-500}"
 
 # shellcheck source=launch/deepspeed_train.sh
-. launch/deepspeed_train.sh --model "$MODEL" --tokenizer "$TOKENIZER" "$@"
+. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL" --tokenizer "$TOKENIZER" "$@"

@@ -12,6 +12,7 @@ from .fused_linear import linear_numeric_cross_entropy, linear_smmd_cross_entrop
 from .integrations import install, vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
 from .loss import NumericOutput, SMMDOutput, numeric_cross_entropy, smmd_cross_entropy
 from .ntl import NTLoss
+from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .registry import NUMERIC_LOSSES, build_numeric_loss
 from .smmd import SMMDLoss
@@ -19,8 +20,19 @@ from .vocab import NumericVocab
 
 __version__ = "0.2.0"
 
-__all__ = ["NTLoss", "NUMERIC_LOSSES", "NumericLoss", "NumericOutput", "NumericVocab", "SMMDLoss",
-           "WeightedNumericLosses", "build_numeric_loss", "install", "linear_numeric_cross_entropy",
-           "numeric_cross_entropy", "vocab_parallel_numeric_cross_entropy", "__version__",
+
+def __getattr__(name: str):
+    """``NumericLossCallback`` (a ``transformers.TrainerCallback``), imported on first use."""
+    if name == "NumericLossCallback":
+        from .integrations.hf_callback import NumericLossCallback
+
+        return NumericLossCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["NTLoss", "NUMERIC_LOSSES", "NumberLevelNTLoss", "NumericLoss", "NumericLossCallback", "NumericOutput",
+           "NumericVocab", "SMMDLoss", "WeightedNumericLosses", "build_numeric_loss", "install",
+           "linear_numeric_cross_entropy", "numeric_cross_entropy", "vocab_parallel_numeric_cross_entropy",
+           "__version__",
            # deprecated aliases, one release
            "SMMDOutput", "linear_smmd_cross_entropy", "smmd_cross_entropy", "vocab_parallel_smmd_cross_entropy"]

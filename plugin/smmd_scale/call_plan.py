@@ -35,6 +35,8 @@ class NumericLossLike(Protocol):
 
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype): ...
 
+    def terms_for_call(self, plan, q, mass): ...  # numeric_terms, or a loss that reads the call's targets
+
 
 def check_numeric_loss(numeric_loss) -> None:
     if not isinstance(numeric_loss, NumericLossLike):

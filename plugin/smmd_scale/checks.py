@@ -37,10 +37,12 @@ EMPTY_INPUT = 14
 CHUNK_SIZE = 15
 HEAD_ROWS = 16
 NUM_NUMERIC = 17
-LOGIT_SCALE = 18
-LOGIT_SOFTCAP = 19
-Z_LOSS = 20
-LABEL_SMOOTHING = 21
+LOSS_WEIGHTS_SHAPE = 18
+LOSS_WEIGHTS_VALUE = 19
+LOGIT_SCALE = 20
+LOGIT_SOFTCAP = 21
+Z_LOSS = 22
+LABEL_SMOOTHING = 23
 
 _ERRORS = {
     LOGITS_DTYPE: (TypeError, "logits have dtype {0}; expected a floating dtype (float32, bfloat16, float16 or "
@@ -62,6 +64,10 @@ _ERRORS = {
     NUM_NUMERIC: (ValueError, "num_numeric_in_batch={0} must be >= 0 (the numeric-target positions of the whole "
                   "optimizer step)"),
     WEIGHT: (ValueError, "weight={0} must be a finite number >= 0 (0 = CE only)"),
+    LOSS_WEIGHTS_SHAPE: (ValueError, "loss_weights hold {0} positions in {1} dims but targets hold {2} in {3} dims (or "
+                         "lie on another device); give one weight per target position, on the targets' device"),
+    LOSS_WEIGHTS_VALUE: (ValueError, "loss_weights[{0}] = {1} must be a finite number >= 0 (position counted over the "
+                         "flattened targets)"),
     LINEAR_DTYPES: (TypeError, "hidden, head_weight and bias must share one floating dtype; got {0}, {1} and {2} "
                     "(mixed floating dtypes are accepted under torch.autocast: the product runs in its dtype)"),
     LINEAR_DEVICES: (ValueError, "head_weight and bias must be on hidden's device {0}:{1}; one of them is on {2}:{3}"),
@@ -115,6 +121,8 @@ class FailedCheck(NamedTuple):
             args[2] = _name(DEVICE_TYPES, args[2])
         if self.code in (WEIGHT, LOGIT_SCALE, LOGIT_SOFTCAP, Z_LOSS, LABEL_SMOOTHING):
             args[0] = bits_float(args[0])
+        if self.code == LOSS_WEIGHTS_VALUE:
+            args[1] = bits_float(args[1])
         return exception_type(prefix + template.format(*args))
 
 
@@ -193,6 +201,20 @@ def check_linear_inputs(hidden: torch.Tensor, head_weight: torch.Tensor, bias: O
         return FailedCheck(CHUNK_SIZE, (int(chunk_size), ))
     if not tensor_parallel and head_weight.shape[0] != vocab_size:
         return FailedCheck(HEAD_ROWS, (head_weight.shape[0], vocab_size))
+    return None
+
+
+def check_loss_weights(loss_weights: torch.Tensor, targets: torch.Tensor) -> Optional[FailedCheck]:
+    """A standalone numeric loss's per-position ``loss_weights``: the targets' shape and device,
+    finite and >= 0 (one reduction and a host read)."""
+    if tuple(loss_weights.shape) != tuple(targets.shape) or loss_weights.device != targets.device:
+        return FailedCheck(LOSS_WEIGHTS_SHAPE, (loss_weights.numel(), loss_weights.dim(), targets.numel(),
+                                                targets.dim()))
+    flat = loss_weights.reshape(-1).double()
+    bad = ~(torch.isfinite(flat) & (flat >= 0))
+    if bad.any():
+        position = int(bad.nonzero()[0, 0])
+        return FailedCheck(LOSS_WEIGHTS_VALUE, (position, float_bits(float(flat[position]))))
     return None
 
 

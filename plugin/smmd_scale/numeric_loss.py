@@ -8,12 +8,16 @@ the probability ``mass`` the full softmax puts on the numeric tokens ``[P]``. A 
 :meth:`~NumericLoss.numeric_terms` (plus an entry in ``registry.py`` for the command line and the
 monitor); the ops (``loss.py``, ``fused_linear.py``) chain its gradient through the softmax, so it
 runs on full logits, vocabulary-parallel shards and the fused linear head with the same one exchange.
-Calling a loss runs the op (:func:`smmd_scale.loss.numeric_loss_mean`), so this module imports the
-op; the op never imports a loss: it sees one only through the small protocol in ``call_plan.py``.
+Calling a loss runs the standalone op (:func:`smmd_scale.standalone.numeric_loss_alone`), so this
+module imports it; the ops never import a loss: they see one only through the small protocol in
+``call_plan.py``. A loss whose value at a position depends on other positions (number-level NTL:
+a number spans several digit positions) overrides :meth:`~NumericLoss.terms_for_call`, which sees
+the call's plan (its targets and positions), and :meth:`~NumericLoss.value_owners`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import math
@@ -22,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .loss import numeric_loss_mean
+from .standalone import numeric_loss_alone
 from .vocab import NumericVocab
 
 
@@ -96,6 +100,23 @@ class NumericLoss:
         runs in ``compute_dtype`` (the logits' precision, at least float32)."""
         raise NotImplementedError
 
+    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
+        """:meth:`numeric_terms` for one call's plan (``smmd_scale.call_plan.CallPlan``): what the ops
+        call. A loss that needs more of the call than the numeric targets (the positions, the other
+        targets) overrides this; the others implement :meth:`numeric_terms`."""
+        return self.numeric_terms(q, plan.numeric_targets, mass, plan.compute_dtype)
+
+    def value_owners(self, plan) -> Optional[torch.Tensor]:
+        """``[P]``: for each numeric position of ``plan``, the position (index into ``plan.positions``)
+        whose value its gradient belongs to, or None when each position owns its own value (a
+        number-level loss keeps a number's value at its first digit)."""
+        return None
+
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        """Which of ``plan``'s P numeric positions the loss reads the mass at (indices), or None for
+        all of them; a standalone call computes the full-row log-sum-exp only there."""
+        return None
+
     # -- identity and use -----------------------------------------------------------------------
 
     @functools.cached_property
@@ -108,9 +129,26 @@ class NumericLoss:
         (where the loss applies)."""
         return torch.isin(targets, self.vocab.on(targets.device, torch.float32)[0]) & (targets != self.ignore_index)
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
-                 vocab_start_index: Optional[int] = 0) -> torch.Tensor:
-        return numeric_loss_mean(self, logits, targets, tp_group, vocab_start_index)
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, tp_group=None, vocab_start_index: Optional[int] = 0,
+                 *, reduction: str = "mean", loss_weights: Optional[torch.Tensor] = None,
+                 ignore_index: Optional[int] = None) -> torch.Tensor:
+        """The loss alone on ``logits [..., V]`` (or a vocab-parallel shard): ``reduction`` ``"mean"``
+        (default), ``"sum"`` or ``"none"``; ``loss_weights`` per position (targets' shape, >= 0);
+        ``ignore_index`` for this call (default: the loss's). See
+        :func:`smmd_scale.standalone.numeric_loss_alone`."""
+        loss = self if ignore_index is None else self.with_ignore_index(ignore_index)
+        return numeric_loss_alone(loss, logits, targets, tp_group, vocab_start_index, reduction, loss_weights)
+
+    def with_ignore_index(self, ignore_index: int) -> "NumericLoss":
+        """A copy of this loss with another ``ignore_index`` (its own fingerprint)."""
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index={ignore_index!r} must be an int")
+        if ignore_index == self.ignore_index:
+            return self
+        other = copy.copy(self)
+        other.__dict__.pop("fingerprint", None)  # the cached fingerprint includes ignore_index
+        other.ignore_index = ignore_index
+        return other
 
     # -- composition: ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)`` --------------------------------
 
@@ -183,10 +221,29 @@ class WeightedNumericLosses(NumericLoss):
 
     def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
                       compute_dtype: torch.dtype) -> NumericTerms:
+        return self._combine([term.numeric_terms(q, numeric_targets, mass, compute_dtype) for term, _ in self.terms])
+
+    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
+        return self._combine([term.terms_for_call(plan, q, mass) for term, _ in self.terms])
+
+    def value_owners(self, plan) -> Optional[torch.Tensor]:
+        """The terms' owners when they all agree (one kind of loss); a sum that mixes per-position and
+        number-level terms gives each position its own (exact under reductions that weigh a number's
+        digit positions alike)."""
+        owners = [term.value_owners(plan) for term, _ in self.terms]
+        if all(owner is None for owner in owners):
+            return None
+        first = owners[0]
+        return first if all(owner is not None and torch.equal(owner, first) for owner in owners) else None
+
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        rows = [term.mass_rows(plan) for term, _ in self.terms if term.needs_mass]
+        return None if not rows or any(row is None for row in rows) else torch.unique(torch.cat(rows))
+
+    def _combine(self, all_terms: list) -> NumericTerms:
         value = grad_q = grad_mass = None
         parts = {}
-        for term, weight in self.terms:
-            terms = term.numeric_terms(q, numeric_targets, mass, compute_dtype)
+        for (_, weight), terms in zip(self.terms, all_terms):
             value = weight * terms.value.double() if value is None else value + weight * terms.value.double()
             grad_q = weight * terms.grad_q.double() if grad_q is None else grad_q + weight * terms.grad_q.double()
             if terms.grad_mass is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .ntl import NTLoss
+from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .smmd import SMMDLoss
 from .vocab import NumericVocab
@@ -46,6 +47,11 @@ def _ntl(kind: str) -> Callable[..., NumericLoss]:
     return build
 
 
+def _number_level(vocab: NumericVocab, reweigh: bool = True, squash_factor=None, **options) -> NumericLoss:
+    # the "ntl" option group's squash_factor shapes NTL-WAS's distances; number-level NTL has none
+    return NumberLevelNTLoss(vocab, reweigh=reweigh, **options)
+
+
 NUMERIC_LOSSES = {entry.name: entry for entry in (
     NumericLossEntry("smmd", "smmd", ("mmd", "smooth"), "smmd", SMMDLoss,
                      "Smooth MMD: value-distance kernel MMD + graph-Laplacian smoothness"),
@@ -53,6 +59,9 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
                      "Number Token Loss, Wasserstein-1 to the target value"),
     NumericLossEntry("ntl-mse", "ntl_mse", (), "ntl", _ntl("mse"),
                      "Number Token Loss, squared error of the expected value"),
+    NumericLossEntry("ntl-number", "ntl_number", (), "ntl", _number_level,
+                     "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
+                     "(needs a digit vocabulary: --numeric_policy digits)"),
 )}
 
 

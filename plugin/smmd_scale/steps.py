@@ -253,7 +253,7 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
         positions = plan.positions
         mass = torch.exp((torch.logsumexp(logits, dim=-1) - lse.shift[positions].double())
                          - lse.log_sum[positions].double())
-    terms = plan.loss.numeric_terms(q, plan.numeric_targets, mass, plan.compute_dtype)
+    terms = plan.loss.terms_for_call(plan, q, mass)
     grad_q = terms.grad_q.double()
     grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
     row_coefficient = None

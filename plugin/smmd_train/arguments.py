@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -43,10 +45,46 @@ class DeprecatedFlag(argparse.Action):
         namespace.deprecated = (*namespace.deprecated, note)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each option's default after its help (where it has one)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "%(default)" not in text and not isinstance(action, argparse._HelpAction)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class TrainArgumentParser(argparse.ArgumentParser):
+    """argparse as a launched job wants it: a bad command line is one line on rank 0 (every rank of a
+    launch parses the same arguments; the others exit quietly with the same code), no 40-line usage,
+    and an unknown flag names the close ones. Abbreviations are off: ``--max_step`` is a typo, not
+    ``--max_steps``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+        self.exit(2)
+
+    def check_known(self, argv: Sequence[str]) -> None:
+        """Refuse flags the parser does not have, each with its close matches (before argparse's own
+        error, which would first complain about a required flag that the typo was meant to be)."""
+        known = [option for action in self._actions for option in action.option_strings]
+        for token in argv:
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in known:
+                close = difflib.get_close_matches(name, known, n=3)
+                self.error(f"unknown option {name}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     import deepspeed
 
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = TrainArgumentParser(description=description)
     model = parser.add_argument_group("model and data")
     model.add_argument("--model", required=True, help=f"a local HF model dir (continued pretraining) or a preset "
                        f"to pretrain from scratch: {', '.join(PRESETS)}")
@@ -55,8 +93,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                        help="allow model/tokenizer code shipped inside the model dir to run (off by default)")
     model.add_argument("--data", nargs="+", required=True, help=".jsonl/.json/.txt/.parquet files or "
                        "datasets.save_to_disk dirs")
-    model.add_argument("--text_field", default="text")
-    model.add_argument("--seq_len", type=int, default=1024)
+    model.add_argument("--text_field", default="text", help="the column (JSON key) holding the text")
+    model.add_argument("--seq_len", type=int, default=1024, help="tokens per packed training sequence")
     model.add_argument("--eval_data", nargs="+", help="held-out data, packed like --data")
     model.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     model.add_argument("--eval_batches", type=int, default=50, help="micro-batches per evaluation")
@@ -71,19 +109,23 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                        "all-to-all; must divide the world size, --seq_len and the attention heads; not with --tp > 1")
     train.add_argument("--max_steps", type=int, required=True, help="optimizer steps")
     train.add_argument("--micro_batch_size", type=int, default=1, help="resolves train_micro_batch_size_per_gpu")
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--lr", type=float, default=3e-4)
-    train.add_argument("--weight_decay", type=float, default=0.1)
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    train.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup_steps", type=int,
                        help="linear warmup steps, then cosine decay (default 100; at most 10%% of --max_steps; "
                        "step 1 already trains at lr / warmup_steps)")
     train.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay to this fraction of --lr")
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--gradient_checkpointing", action="store_true")
-    train.add_argument("--output_dir", required=True)
+    train.add_argument("--seed", type=int, default=1234, help="initialisation and data order")
+    train.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in the backward")
+    train.add_argument("--output_dir", required=True, help="checkpoints, metrics.jsonl, run_config.json, TensorBoard")
     train.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the latest committed checkpoint in "
-                       "--output_dir (starts fresh if there is none, so restart loops can always pass it)")
+                       "--output_dir (starts fresh if there is none, so restart loops can always pass it); without "
+                       "it, a committed checkpoint there is refused")
+    train.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that "
+                       "holds an earlier run's checkpoints: they, its metrics.jsonl and its TensorBoard events are "
+                       "removed first")
     train.add_argument("--export_hf", help="write a Hugging Face model dir here at the end")
     train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
     train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,
@@ -109,9 +151,12 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       choices=["integers", "digits", "floats"], help=argparse.SUPPRESS)
     smmd.add_argument("--smmd_max_value", dest="numeric_max_value", type=float, action=DeprecatedFlag,
                       replacement="--numeric_max_value", help=argparse.SUPPRESS)
-    smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"])
-    smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"])
-    smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0])
+    smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"],
+                      help="SMMD: both terms, or the MMD or the smoothness term alone (ablations)")
+    smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"],
+                      help="SMMD's value kernel (random and shuffled: ablations without value structure)")
+    smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0],
+                      help="SMMD kernel bandwidths, on value distances squashed to [1, 9]")
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
                       "(Llama, Mistral, Qwen2, Qwen3); evaluation still uses logits")
@@ -132,6 +177,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] = None) -> argparse.Namespace:
     """train.py's arguments, with the checks that need no file, model or process group."""
     parser = build_parser(description)
+    parser.check_known(sys.argv[1:] if argv is None else [str(token) for token in argv])
     args = parser.parse_args(argv)
     args.explicit = explicit_flags(argv)
     if not args.deepspeed_config:
@@ -150,6 +196,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    if args.resume and args.overwrite_output_dir:
+        parser.error("--resume continues the run in --output_dir and --overwrite_output_dir removes it: pass one")
     if args.fused_linear and args.framework_loss:
         parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with --framework_loss")
     args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))

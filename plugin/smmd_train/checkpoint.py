@@ -63,8 +63,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, output_dir: str, step: int, client_state: dict) -> str:
-    """Save and commit a checkpoint for ``step`` on every rank; returns its tag."""
+def save(engine, output_dir: str, step: int, client_state: dict, run_record: Optional[dict] = None) -> str:
+    """Save and commit a checkpoint for ``step`` on every rank; returns its tag. ``run_record`` (the
+    layout and the learning-rate schedule, :func:`run_record`) goes into the commit marker, where a
+    resume reads it before any model is built."""
     tag = tag_for_step(step)
     engine.save_checkpoint(output_dir, tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     rank = dist.get_rank()
@@ -72,7 +74,7 @@ def save(engine, output_dir: str, step: int, client_state: dict) -> str:
     dist.barrier()  # every rank's files are on disk before the commit
     if rank == 0:
         _atomic_write(Path(output_dir, tag, COMMIT_FILE), json.dumps({"step": step, "world_size":
-                                                                       dist.get_world_size()}))
+                                                                       dist.get_world_size(), **(run_record or {})}))
         _atomic_write(Path(output_dir, LATEST_FILE), tag)
     dist.barrier()
     return tag
@@ -121,13 +123,59 @@ def agreed_resume_tag(output_dir: str) -> Optional[str]:
                      "filesystem every node shares (not a node-local disk), written by rank 0 and read by all")
 
 
+def read_commit(output_dir: str, tag: str) -> dict:
+    """The commit marker of ``tag``: its step, world size and (written since the marker has them)
+    ``tp_size``, ``sp_size`` and ``schedule``."""
+    return json.loads(Path(output_dir, tag, COMMIT_FILE).read_text())
+
+
+def run_record(topology, schedule: dict) -> dict:
+    """What a commit marker records about the run besides step and world size: the parallel layout
+    its shards depend on and the learning-rate schedule a resume continues."""
+    return {"tp_size": topology.tp_size, "sp_size": topology.sp_size, "schedule": schedule}
+
+
+def check_resume_layout(output_dir: str, tag: str, committed: dict, topology) -> None:
+    """Refuse, before any model is built, a resume whose parallel layout cannot load ``tag``'s shards:
+    another world size, or another AutoTP degree (the model states are saved per tensor-parallel
+    rank, and DeepSpeed's loader looks for this layout's slices of every weight). A
+    sequence-parallel degree changes no shard (Ulysses keeps whole weights) and is allowed."""
+    problems = []
+    if committed["world_size"] != topology.world_size:
+        problems.append(f"{committed['world_size']} ranks, this run has {topology.world_size}")
+    if committed.get("tp_size", topology.tp_size) != topology.tp_size:
+        problems.append(f"--tp {committed['tp_size']}, this run has --tp {topology.tp_size}")
+    if problems:
+        raise ValueError(f"checkpoint {tag} in {output_dir} was written with {'; '.join(problems)}: its ZeRO-3 and "
+                         "tensor-parallel shards load only into the same layout; resume with the checkpoint's "
+                         "layout, or export it (launch/export_hf.py) and continue pretraining from the HF directory "
+                         "under the new one")
+
+
+def clear_run(output_dir: str, tensorboard_dir: Optional[str]) -> list:
+    """Remove what an earlier run left in ``output_dir`` (``--overwrite_output_dir``): its checkpoint
+    tags and ``latest``, metrics.jsonl and run_config.json, and the event files in
+    ``tensorboard_dir``; other files (an export, the data cache) stay. Returns the removed paths."""
+    import shutil
+
+    directory = Path(output_dir)
+    removed = [path for path in directory.glob("step" + "[0-9]" * 8) if path.is_dir()]
+    for path in removed:
+        shutil.rmtree(path)
+    for name in (LATEST_FILE, "metrics.jsonl", "run_config.json"):
+        if (directory / name).is_file():
+            (directory / name).unlink()
+            removed.append(directory / name)
+    if tensorboard_dir:
+        for path in Path(tensorboard_dir).glob("events.out.tfevents.*"):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def load(engine, output_dir: str, tag: str) -> dict:
-    """Load model, optimizer and scheduler state and this rank's RNG state; returns client state."""
-    committed = json.loads(Path(output_dir, tag, COMMIT_FILE).read_text())
-    if committed["world_size"] != dist.get_world_size():
-        raise ValueError(f"checkpoint {tag} in {output_dir} was written by {committed['world_size']} ranks but this "
-                         f"run has {dist.get_world_size()}; resume with the same number of ranks (or export it with "
-                         "launch/export_hf.py and continue pretraining from the HF directory)")
+    """Load model, optimizer and scheduler state and this rank's RNG state; returns client state.
+    (The layout was checked when the run was planned: :func:`check_resume_layout`.)"""
     load_path, client_state = engine.load_checkpoint(output_dir, tag=tag, load_module_strict=True,
                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
@@ -159,22 +207,21 @@ class Checkpointer:
     (``save_steps`` 0: never), each save committed (:func:`save`); :meth:`resume` loads the newest
     committed one. ``last_tag``: the newest committed checkpoint of this run (None: none yet)."""
 
-    def __init__(self, engine, output_dir: str, save_steps: int, max_steps: int):
+    def __init__(self, engine, output_dir: str, save_steps: int, max_steps: int, record: Optional[dict] = None):
         self.engine, self.output_dir, self.save_steps, self.max_steps = engine, output_dir, save_steps, max_steps
+        self.record = record  # the commit markers' run record (:func:`run_record`)
         self.last_tag: Optional[str] = None
 
-    def resume(self, state: TrainState) -> Optional[str]:
-        """Load the newest committed checkpoint (rank 0's choice, :func:`agreed_resume_tag`) into the
-        engine and ``state``; returns its tag, or None (and leaves ``state`` alone) when ``output_dir``
-        holds none."""
-        tag = agreed_resume_tag(self.output_dir)
-        if tag is not None:
-            state.load_state_dict(load(self.engine, self.output_dir, tag))
-            self.last_tag = tag
-        return tag
+    def resume(self, state: TrainState, tag: str) -> None:
+        """Load the committed checkpoint ``tag`` (the one every rank agreed on when the run was
+        planned) into the engine and ``state``."""
+        state.load_state_dict(load(self.engine, self.output_dir, tag))
+        self.last_tag = tag
 
-    def maybe_save(self, state: TrainState) -> None:
-        """Save ``state`` if its step is due."""
+    def maybe_save(self, state: TrainState) -> Optional[str]:
+        """Save ``state`` if its step is due; returns the new tag, or None."""
         if self.save_steps and (state.step % self.save_steps == 0 or state.step == self.max_steps):
             client_state = state.state_dict()
-            self.last_tag = save(self.engine, self.output_dir, client_state.pop("step"), client_state)
+            self.last_tag = save(self.engine, self.output_dir, client_state.pop("step"), client_state, self.record)
+            return self.last_tag
+        return None

@@ -100,6 +100,10 @@ def _load_one_source(path: Path, text_field: str) -> datasets.Dataset:
             # datasets' wording for a file that parses to zero rows ("[]", blank lines, an empty parquet).
             if "corresponds to no data" in str(error):
                 raise ValueError(f"{path} has no rows; remove it from the data paths") from error
+            _raise_on_broken_json(path, error)
+            raise
+        except Exception as error:  # datasets' DatasetGenerationError chain for a line it cannot parse
+            _raise_on_broken_json(path, error)
             raise
         if path.suffix.lower() == ".txt" and text_field != "text":
             dataset = dataset.rename_column("text", text_field)
@@ -111,6 +115,35 @@ def _load_one_source(path: Path, text_field: str) -> datasets.Dataset:
     dataset = dataset.select_columns([text_field])
     _check_strings(dataset, text_field, path)
     return dataset
+
+
+def _raise_on_broken_json(path: Path, error: Exception) -> None:
+    """After ``datasets`` failed to read a .jsonl/.json file: raise ValueError naming the file and
+    the 1-based line (and column) of its first line that is not one JSON object, instead of
+    datasets' chained tracebacks that count rows from 0. Returns when no such line is found (the
+    caller re-raises ``error``). Runs only after a failure, so reading a good file costs nothing more."""
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        return
+    with open(path, encoding="utf-8") as handle:
+        first = handle.read(1)
+    if path.suffix.lower() == ".json" and first == "[":  # one JSON document, not JSON lines
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as broken:
+            raise ValueError(f"{path}:{broken.lineno}: not valid JSON ({broken.msg}, column {broken.colno})") from error
+        return
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.strip())
+            except json.JSONDecodeError as broken:
+                raise ValueError(f"{path}:{number}: not valid JSON ({broken.msg}, column {broken.colno}); each line "
+                                 "of a JSON-lines file must be one JSON object") from error
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}:{number}: a JSON {type(value).__name__}, not an object; each line of a "
+                                 "JSON-lines file must be one JSON object") from error
 
 
 def _load_saved_dataset(path: Path) -> datasets.Dataset:

@@ -156,6 +156,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     # drop, so every run ended with "process group(s) are still referenced"; imported first, it
     # holds none.
     importlib.import_module("torch._dynamo")
+    # DeepSpeed's ZeRO-3 (0.19) calls the collectives torch 2.13 renamed; torch warns on every rank
+    # at every first call. Nothing the user can act on, so the warning of a clean run stays empty.
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning,
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     launch = discover_launch()
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":

@@ -37,6 +37,13 @@ def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batc
             "eval/numeric_tokens": numeric}
 
 
+def describe(metrics: dict) -> str:
+    """One console line of held-out metrics."""
+    return (f"eval ce {metrics['eval/ce']:.4f} (perplexity {metrics['eval/perplexity']:.4g}), numeric accuracy "
+            f"{metrics['eval/numeric_accuracy']:.3f}, numeric MAE {metrics['eval/numeric_mae']:.4g} over "
+            f"{metrics['eval/numeric_tokens']:.0f} numeric positions")
+
+
 class Evaluator:
     """The evaluation cadence of a run (``smmd_train.run.PreparedRun``): every ``every_steps`` steps
     (0: only at the end) and once at the end unless the last step just evaluated; the metrics go to
@@ -56,9 +63,11 @@ class Evaluator:
         self.last = (step, metrics)
         return metrics
 
-    def maybe_evaluate(self, step: int) -> None:
+    def maybe_evaluate(self, step: int) -> Optional[dict]:
+        """Evaluate if ``step`` is due; returns the metrics, or None."""
         if self.enabled and self.every_steps and step % self.every_steps == 0:
-            self.evaluate(step)
+            return self.evaluate(step)
+        return None
 
     def finish(self, step: int) -> Optional[dict]:
         """The final evaluation at ``step`` (reused if that step just ran one); None when off."""

@@ -1,7 +1,8 @@
-"""The memory planner: per-GPU memory for training a model preset under ZeRO-3 (+ AutoTP), before
-booking a cluster, and what to change when it does not fit. ``launch/estimate.py`` runs :func:`main`.
+"""The memory planner: per-GPU memory for training a Llama model (a preset, or a Hugging Face model
+folder / config.json: :func:`model_config`) under ZeRO-3 (+ AutoTP), before booking a cluster, and
+what to change when it does not fit. ``launch/estimate.py`` runs :func:`main`.
 
-    result = estimate(preset_config("7b", vocab_size=128256), nodes=4, gpus_per_node=8, tp_size=2)
+    result = estimate(model_config("/models/llama-3-8b"), nodes=4, gpus_per_node=8, tp_size=2)
     result["total_gpu_bytes"], result["verdict"], next_steps(config, nodes=4, gpus_per_node=8)
 
 Per GPU, in bf16 mixed precision with Adam:
@@ -43,7 +44,10 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Optional
+
+import transformers
 
 from smmd_scale.fused_linear import default_chunk_size
 
@@ -58,6 +62,34 @@ ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default margin on the CPU memory
 HEADROOM_FRACTION = 0.1  # what this estimate does not count (see the module docstring)
 TABLE_PRESETS = ("1b", "3b", "7b", "13b", "34b", "70b")
 MAX_NODES_TRIED = 1024
+LLAMA3_VOCAB_SIZE = 128256  # a preset's vocabulary unless --vocab_size says otherwise
+
+
+def model_config(model: str, vocab_size: Optional[int] = None):
+    """The ``LlamaConfig`` to plan for: a preset name (vocabulary ``vocab_size``, default Llama-3's),
+    or a local Hugging Face model folder or its ``config.json`` (its own vocabulary unless
+    ``vocab_size`` is given; only the config is read, no weights, no hub). Raises ValueError naming
+    what is wrong: neither a preset nor a file, not JSON, or not a Llama decoder (the layer this
+    planner counts)."""
+    if model in PRESETS:
+        return preset_config(model, vocab_size=vocab_size or LLAMA3_VOCAB_SIZE)
+    path = Path(model)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(f"not a preset ({', '.join(PRESETS)}), and "
+                         + ("the folder has no config.json" if path.is_dir() else "no such file or folder"))
+    try:
+        values = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not JSON: {error}") from None
+    if not isinstance(values, dict) or values.get("model_type") != "llama":
+        found = values.get("model_type") if isinstance(values, dict) else None
+        raise ValueError(f"{config_file}: model_type {found!r}; the planner counts the layers of Llama decoders "
+                         "(model_type 'llama': Llama 2 and 3, CodeLlama and other LlamaForCausalLM checkpoints)")
+    config = transformers.LlamaConfig.from_dict(values)
+    if vocab_size:
+        config.vocab_size = vocab_size
+    return config
 
 
 def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
@@ -204,7 +236,8 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
 
 
 def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
-    """The most sequences per micro batch whose estimate "fits" with ``setup`` (0 if not even one)."""
+    """The most sequences per micro batch, at most ``limit``, whose estimate "fits" with ``setup``
+    (0 if not even one)."""
     def fits(micro_batch):
         return estimate(config, **{**setup, "micro_batch": micro_batch})["verdict"] == "fits"
 
@@ -213,20 +246,18 @@ def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
     low, high = 1, 2
     while high <= limit and fits(high):
         low, high = high, 2 * high
-    while high - low > 1:  # fits(low), not fits(high)
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low), not fits(high) (or high is past the limit)
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
 
 def _options(config, setup: dict) -> list:
-    """Every setup reachable from ``setup`` by the changes this estimate knows: the fused linear
-    head, a smaller micro batch (halving; gradient accumulation keeps the global batch), gradient
-    checkpointing, more TP (doubling, inside the node, while every rank keeps a KV head), CPU
-    offload."""
-    micro_batches = [setup["micro_batch"]]
-    while micro_batches[-1] > 1:
-        micro_batches.append(micro_batches[-1] // 2)
+    """Every setup reachable from ``setup`` by the changes this estimate knows, at ``setup``'s micro
+    batch: the fused linear head, gradient checkpointing, more TP (doubling, inside the node, while
+    every rank keeps a KV head), CPU offload. :func:`_cheapest_fit` then lowers each one's micro
+    batch to the largest that fits (gradient accumulation keeps the global batch)."""
     tp_sizes = [setup["tp_size"]]
     while setup.get("sp_size", 1) == 1 and setup["gpus_per_node"] % (2 * tp_sizes[-1]) == 0:  # TP or SP, not both
         try:
@@ -234,11 +265,10 @@ def _options(config, setup: dict) -> list:
         except ValueError:  # more ranks than KV heads: AutoTP cannot split the attention that many ways
             break
         tp_sizes.append(2 * tp_sizes[-1])
-    return [{**setup, "micro_batch": micro_batch, "gradient_checkpointing": checkpointing, "tp_size": tp_size,
-             "offload": offload, "fused_linear": fused}
-            for micro_batch in micro_batches for checkpointing in {setup["gradient_checkpointing"], True}
-            for tp_size in tp_sizes for offload in {setup["offload"], True}
-            for fused in {setup["fused_linear"], True}]
+    return [{**setup, "gradient_checkpointing": checkpointing, "tp_size": tp_size, "offload": offload,
+             "fused_linear": fused}
+            for checkpointing in {setup["gradient_checkpointing"], True} for tp_size in tp_sizes
+            for offload in {setup["offload"], True} for fused in {setup["fused_linear"], True}]
 
 
 def _cost(setup: dict) -> tuple:
@@ -251,10 +281,16 @@ def _cost(setup: dict) -> tuple:
 
 
 def _cheapest_fit(config, setup: dict, offload: bool = True) -> Optional[dict]:
-    """The estimate of the cheapest setup (by :func:`_cost`) among :func:`_options` that fits,
-    only those without offload when ``offload`` is False; None if none fits."""
-    fitting = [result for result in (estimate(config, **option) for option in _options(config, setup)
-                                     if offload or not option["offload"]) if result["verdict"] == "fits"]
+    """The estimate of the cheapest setup (by :func:`_cost`) that fits among :func:`_options`, each
+    at the largest micro batch up to ``setup``'s that fits (:func:`largest_micro_batch`), only those
+    without offload when ``offload`` is False; None if none fits even at micro batch 1."""
+    fitting = []
+    for option in _options(config, setup):
+        if option["offload"] and not offload:
+            continue
+        micro_batch = largest_micro_batch(config, limit=setup["micro_batch"], **option)
+        if micro_batch:
+            fitting.append(estimate(config, **{**option, "micro_batch": micro_batch}))
     return min(fitting, key=lambda result: _cost(result["setup"]), default=None)
 
 
@@ -273,7 +309,7 @@ def next_steps(config, **setup) -> Optional[dict]:
     best = _cheapest_fit(config, setup)
     fits = best is not None
     if not fits:
-        best = min((estimate(config, **option) for option in _options(config, setup)),
+        best = min((estimate(config, **{**option, "micro_batch": 1}) for option in _options(config, setup)),
                    key=lambda result: result["total_gpu_bytes"])
     steps = {"flags": _flags(setup, best["setup"]), "estimate": best, "fits": fits, "without_offload": None}
     if best["setup"]["offload"] and not setup["offload"]:
@@ -367,11 +403,21 @@ def format_report(name: str, config, result: dict, steps: Optional[dict], larges
     lines += [f"{label:<50}{_gib(value):>8}" for label, value in rows]
     lines += ["", f"verdict: {result['verdict']} in {setup['gpu_memory_gib']:g} GiB"
               + (f"; {_advice(steps)}" if steps else "")]
-    tokens = {key: value * setup["seq_len"] for key, value in largest.items()}
-    lines.append(f"largest micro batch that fits: {largest['materialized']} sequences ({tokens['materialized']:,} "
-                 f"tokens) with materialized logits, {largest['fused_linear']} ({tokens['fused_linear']:,} tokens) "
-                 "with --fused_linear")
+    lines.append(_largest_line(largest, setup["seq_len"]))
     return "\n".join(lines)
+
+
+def _largest_line(largest: dict, seq_len: int) -> str:
+    """The largest micro batch that fits as set up, with materialized logits and with --fused_linear."""
+    if not any(largest.values()):
+        return ("no micro batch fits as set up, not even 1 sequence, with materialized logits or --fused_linear "
+                "(the advice above says what would)")
+
+    def sequences(count):
+        return f"{count} sequence{'s' * (count > 1)} ({count * seq_len:,} tokens)" if count else "none"
+
+    return (f"largest micro batch that fits: {sequences(largest['materialized'])} with materialized logits, "
+            f"{sequences(largest['fused_linear'])} with --fused_linear")
 
 
 def format_markdown(results: list, vocab_size: int) -> str:
@@ -389,10 +435,11 @@ def format_markdown(results: list, vocab_size: int) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Per-GPU memory for training a model preset under ZeRO-3 "
-                                     "(+ AutoTP), before booking a cluster")
+    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama model (a preset or a Hugging "
+                                     "Face config) under ZeRO-3 (+ AutoTP), before booking a cluster")
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", choices=list(PRESETS), help="a model preset")
+    which.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), or a local Hugging Face model folder or "
+                       "its config.json (model_type llama; only the config is read)")
     which.add_argument("--all", action="store_true", help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus_per_node", type=int, default=8)
@@ -408,7 +455,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
                         help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
                              "a*s*s attention scores)")
-    parser.add_argument("--vocab_size", type=int, default=128256, help="default: Llama-3's")
+    parser.add_argument("--vocab_size", type=int, help=f"default: the model's own (a Hugging Face config), "
+                        f"{LLAMA3_VOCAB_SIZE} (Llama-3's) for a preset")
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
@@ -423,17 +471,18 @@ def main(argv=None) -> None:
     results = []
     for name in (TABLE_PRESETS if args.all else [args.model]):
         try:
-            config = preset_config(name, vocab_size=args.vocab_size)
+            config = model_config(name, args.vocab_size)
             largest = {key: largest_micro_batch(config, **{**setup, "fused_linear": key == "fused_linear"})
                        for key in ("materialized", "fused_linear")}
             results.append((name, config, estimate(config, **setup), next_steps(config, **setup), largest))
-        except ValueError as error:  # a layout or TP size that does not fit this model
+        except ValueError as error:  # a model that cannot be read, a layout or TP size that does not fit it
             raise SystemExit(f"estimate.py: {name}: {error}") from None
     if args.json:
         records = [with_gib({"model": name, **result, "next_steps": steps, "largest_micro_batch": largest})
                    for name, _, result, steps, largest in results]
         print(json.dumps(records if args.all else records[0], indent=2))
     elif args.all:
-        print(format_markdown([(name, result, steps) for name, _, result, steps, _ in results], args.vocab_size))
+        print(format_markdown([(name, result, steps) for name, _, result, steps, _ in results],
+                              results[0][1].vocab_size))
     else:
         print(format_report(*results[0]))

@@ -12,6 +12,29 @@ from transformers.integrations import HfDeepSpeedConfig
 from .presets import PRESETS, preset_config
 
 
+def check_local_sources(model: str, tokenizer: Optional[str]) -> None:
+    """Refuse, with what to do, a ``--model`` that is neither a preset nor a local Hugging Face model
+    folder, and a ``--tokenizer`` that is not a folder: train.py reads local files only (every rank of
+    a job would otherwise contact the Hub, and a typo'd path ends in a hub lookup's traceback)."""
+    from pathlib import Path
+
+    if model not in PRESETS:
+        folder = Path(model)
+        if not folder.is_dir():
+            import difflib
+
+            close = difflib.get_close_matches(model, PRESETS, n=1)
+            hint = f" (did you mean the preset {close[0]}?)" if close else ""
+            raise ValueError(f"--model {model}: no such folder, and not a preset{hint}; presets: {', '.join(PRESETS)}. "
+                             "train.py reads a model from a local folder: download it first (e.g. `hf download "
+                             "<repo> --local-dir DIR`) and pass --model DIR")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--model {model} has no config.json: it is not a Hugging Face model folder")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {tokenizer}: no such folder; pass a local tokenizer folder (one written by "
+                         "save_pretrained)")
+
+
 def model_config(model: str, tokenizer, seq_len: int, trust_remote_code: bool = False):
     """The architecture: a preset sized for the tokenizer (its vocabulary padded to a multiple of 64,
     the same at every TP degree: AutoTP splits any vocabulary), or the model dir's own config."""

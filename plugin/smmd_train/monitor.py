@@ -1,6 +1,7 @@
 """Per-step training metrics to the run's TensorBoard directory, to DeepSpeed's monitor (so the
 config's csv, wandb or comet monitors get them too) and to ``metrics.jsonl``, on rank 0; HParams,
-the Custom Scalars layout and an end-of-run summary (``summary/*``) for comparing runs.
+the Custom Scalars layout of the tags the run writes (smmd_train.dashboards) and an end-of-run
+summary (``summary/*``) for comparing runs.
 
 Names are a contract (what dashboards key on):
 
@@ -78,11 +79,12 @@ class TrainingMonitor:
         rank_zero = dist.get_rank() == 0
         self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
         self.writer = None
+        self._charted = set()  # the tags the run's Custom Scalars layout holds
         if tensorboard_dir and rank_zero:
             self.writer = dashboards.open_writer(tensorboard_dir)
-            dashboards.write_layout(self.writer)
             if hparams:
-                dashboards.write_hparams(self.writer, hparams, description=Path(tensorboard_dir).name)
+                dashboards.write_hparams(self.writer, hparams, dashboards.trial_id(tensorboard_dir),
+                                         experiment=not dashboards.has_experiment(Path(tensorboard_dir).parent))
                 self.writer.add_text("run/settings", "\n".join(f"* {key}: {value}" for key, value in hparams.items()))
         self._steps_seen = 0
         self._after_warmup = []  # per step after warm-up: (tokens/s, peak GiB, loss bytes)
@@ -214,6 +216,13 @@ class TrainingMonitor:
         if self.writer is not None and tensorboard:
             for name, value in items:
                 self.writer.add_scalar(name, float(value), step)
+            # The layout charts what the run writes: rewritten when a tag appears (the first step, the
+            # first evaluation); the fused head's backward bytes once they are not 0.
+            charted = self._charted | {name for name, value in items
+                                       if name != "comm/loss_backward_bytes" or value}
+            if dashboards.step_layout(charted) != dashboards.step_layout(self._charted):
+                dashboards.write_layout(self.writer, dashboards.step_layout(charted), step)
+            self._charted = charted
             self.writer.flush()
         if self.metrics_path is not None:
             with open(self.metrics_path, "a") as handle:

@@ -26,10 +26,10 @@ from .config import (
     tensorboard_dir,
 )
 from .data import check_tokenizer_fits_model
-from .model import model_config
+from .model import check_local_sources, model_config
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
-from .schedule import MAX_WARMUP_FRACTION, warmup_steps_for
+from .schedule import MAX_WARMUP_FRACTION, Schedule, warmup_steps_for
 from .sequence_parallel import check_sequence_parallel
 
 
@@ -42,11 +42,16 @@ class RunPlan:
     pretrained_dir: Optional[str]  # None: a preset trained from scratch
     tensorboard: bool  # the config's tensorboard.enabled: train.py writes the run's TensorBoard events
     tensorboard_dir: str  # where (--tensorboard_dir, or the config's tensorboard output_path/job_name)
-    warmup_steps: int  # the warmup actually used (smmd_train.schedule.warmup_steps_for)
+    schedule: Schedule  # the learning-rate schedule (a resumed run's: its checkpoint's, smmd_train.run)
     numeric_vocab: object  # smmd_scale.NumericVocab for the model's (padded) vocabulary
     numeric_loss: object  # the smmd_scale numeric loss on numeric_vocab (None with --framework_loss)
     numeric_weight: float  # multiplies the numeric loss (1; the deprecated --smmd_weight changes it)
     warnings: list = field(default_factory=list)
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warmup actually used (``smmd_train.schedule.warmup_steps_for``)."""
+        return self.schedule.warmup_steps
 
 
 def numeric_loss(args, vocab):
@@ -66,6 +71,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
 
     import smmd_scale
 
+    check_local_sources(args.model, args.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     explicit = {name: getattr(args, name) for name in args.explicit}
     json_config = load_config(args.deepspeed_config)
@@ -75,6 +81,9 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
     check_sequence_parallel(config, args.sp, args.seq_len, tensor_parallel_size(raw_config), world_size)
     warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]
+    if args.framework_loss and args.eval_data:
+        warnings.append("--eval_data is not evaluated with --framework_loss: the held-out metrics come from the "
+                        "installed numeric loss, which a --framework_loss run does not have")
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
@@ -95,6 +104,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
                    pretrained_dir=None if args.model in PRESETS else args.model,
                    tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
                    tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
-                   warmup_steps=warmup_steps, numeric_vocab=vocab,
+                   schedule=Schedule(ds_config.get("optimizer", {}).get("params", {}).get("lr", args.lr), warmup_steps,
+                                     args.max_steps, args.min_lr_ratio), numeric_vocab=vocab,
                    numeric_loss=None if args.framework_loss else numeric_loss(args, vocab),
                    numeric_weight=args.smmd_weight, warnings=[warning for warning in warnings if warning])

@@ -61,6 +61,7 @@ class PreparedRun:
     sp_rank: int = 0  # which shard of each sequence this rank holds
     sp_group: object = None  # this rank's sequence-parallel group (None without --sp)
     sp_loss_scale: float = 1.0  # multiplies this rank's loss share before the backward (sequence_parallel)
+    resume_tag: Optional[str] = None  # the committed checkpoint --resume continues (every rank's choice)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
     fused_linear_ran: Optional[bool] = None  # did the last micro-batch run the fused head (no logits)?
 
@@ -88,7 +89,7 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
     try:
         plan = plan_run(args, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
         check_tensor_parallel_within_node(plan.topology.tp_size, launch.local_size)
-        run = PreparedRun(args=args, launch=launch, plan=plan)
+        run = PreparedRun(args=args, launch=launch, plan=plan, resume_tag=plan_resume(args, plan))
         if until == "plan":
             return run
         run.train_blocks = _packed(args, plan, args.data)
@@ -119,6 +120,36 @@ def check_tensor_parallel_within_node(tp_size: int, ranks_per_node: int) -> None
         raise ValueError(f"--tp {tp_size} spans nodes: this node runs {ranks_per_node} ranks, and tensor parallelism "
                          f"all-reduces every layer's activations inside its group; use --tp {ranks_per_node} or less "
                          "(data parallelism across the nodes)")
+
+
+def plan_resume(args, plan: RunPlan) -> Optional[str]:
+    """The committed checkpoint in ``--output_dir`` this run continues (None: it starts at step 0),
+    decided before any model exists and alike on every rank (``checkpoint.agreed_resume_tag``).
+
+    Without ``--resume`` a committed checkpoint is refused unless ``--overwrite_output_dir`` says to
+    start over (train.py then clears the old run's files): a forgotten ``--resume`` must not repoint
+    ``latest`` and append a second run to the first one's metrics. With ``--resume`` the checkpoint's
+    layout must be this run's (``checkpoint.check_resume_layout``), and the run continues the
+    checkpoint's learning-rate schedule (``schedule.resumed_schedule``; the differences go to
+    ``plan.warnings``)."""
+    from .checkpoint import agreed_resume_tag, check_resume_layout, read_commit
+    from .schedule import resumed_schedule
+
+    tag = agreed_resume_tag(args.output_dir)
+    if tag is None:
+        return None
+    committed = read_commit(args.output_dir, tag)
+    if not args.resume:
+        if args.overwrite_output_dir:
+            return None
+        raise ValueError(f"--output_dir {args.output_dir} holds a committed checkpoint of an earlier run ({tag}, "
+                         f"step {committed['step']}): pass --resume to continue that run, or --overwrite_output_dir to "
+                         "start a new one there (its checkpoints, metrics.jsonl and TensorBoard events are removed)")
+    check_resume_layout(args.output_dir, tag, committed, plan.topology)
+    if "schedule" in committed:
+        plan.schedule, notes = resumed_schedule(committed["schedule"], plan.schedule, committed["step"])
+        plan.warnings += notes
+    return tag
 
 
 def _packed(args, plan: RunPlan, paths):
@@ -170,7 +201,6 @@ def _build_engine(run: PreparedRun) -> None:
     import smmd_scale
 
     from .data import PackedBatches
-    from .schedule import warmup_cosine
 
     args, plan, topology = run.args, run.plan, run.plan.topology
     log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel x "
@@ -178,7 +208,7 @@ def _build_engine(run: PreparedRun) -> None:
     run.engine, run.flops_per_token = build_engine(
         plan.model_config, plan.ds_config, topology.tp_size, args.seq_len, pretrained_dir=plan.pretrained_dir,
         trust_remote_code=args.trust_remote_code, gradient_checkpointing=args.gradient_checkpointing,
-        lr_scheduler=warmup_cosine(plan.warmup_steps, args.max_steps, args.min_lr_ratio), sp_size=topology.sp_size)
+        lr_scheduler=plan.schedule.scheduler(), sp_size=topology.sp_size)
     run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank() // topology.sp_size
     run.dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
     if topology.sp_size > 1:  # the SP groups are consecutive ranks (DeepSpeed's parallel_state_sp)

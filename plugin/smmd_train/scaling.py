@@ -56,10 +56,14 @@ from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
 # train.py options that the sweep sets per run.
-SWEEP_OWNED = ("tensorboard_dir", "resume", "local_rank")  # and --tp, --sp, --output_dir: the sweep's own options
-# What each scaling-<layout> TensorBoard run holds, as scaling/<name> at x = world size.
-SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank", "efficiency",
-                   "speedup", "peak_memory_gib", "loss_bytes_per_step")
+# and --tp, --sp, --output_dir: the sweep's own options
+SWEEP_OWNED = ("tensorboard_dir", "resume", "overwrite_output_dir", "local_rank")
+# What each scaling-<layout> TensorBoard run holds, as scaling/<name> at x = world size; the ideal_*
+# values are linear scaling from the baseline, baseline_peak_memory_gib the baseline's peak memory (the
+# upper edges of the bands of smmd_train.dashboards.SCALING_LAYOUT).
+SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank",
+                   "ideal_tokens_per_second_per_rank", "efficiency", "ideal_efficiency", "speedup", "peak_memory_gib",
+                   "baseline_peak_memory_gib", "loss_bytes_per_step")
 SUMMARY_KEYS = ("tokens_per_second", "tokens_per_second_per_rank", "tflops_per_rank", "peak_memory_gib",
                 "loss_bytes_per_step", "final_loss_total")
 
@@ -202,7 +206,8 @@ def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
     """train.py options (``train_flags`` keywords) for one run of the sweep."""
     options = {"output_dir": str(output_dir / "runs" / config.name),
                "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp, "sp": config.sp,
-               "cache_dir": train_args.cache_dir}  # the runs share one tokenized, packed copy of the data
+               "cache_dir": train_args.cache_dir,  # the runs share one tokenized, packed copy of the data
+               "overwrite_output_dir": True}  # an unfinished or re-run configuration starts clean
     if not sweep.weak:
         per_step = config.dp * train_args.micro_batch_size
         if sweep.global_batch % per_step:
@@ -263,8 +268,8 @@ def scaling_table(configs: Sequence[Config], results: dict) -> list:
 
 
 def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> list:
-    """One TensorBoard run per layout (``scaling-tp<T>``, ``scaling-tp<T>-sp<S>``), x = world size;
-    returns their dirs."""
+    """One TensorBoard run per layout (``scaling-tp<T>``, ``scaling-tp<T>-sp<S>``), x = world size,
+    with the scaling charts' layout (:data:`smmd_train.dashboards.SCALING_LAYOUT`); returns their dirs."""
     written = []
     for layout in sorted({row["layout"] for row in rows}):
         points = [row for row in rows if row["layout"] == layout and "efficiency" in row]
@@ -275,12 +280,17 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
             for old in run_dir.glob("events.out.tfevents.*"):
                 old.unlink()
         writer = dashboards.open_writer(str(run_dir))
-        dashboards.write_layout(writer)
+        dashboards.write_layout(writer, dashboards.SCALING_LAYOUT)
         writer.add_text("sweep/settings", f"{mode(sweep)}, {layout.replace('-', ' ').upper()}, x = world size")
+        baseline = {row["name"]: row for row in rows}[points[0]["baseline"]]
         for row in sorted(points, key=lambda row: row["world_size"]):
-            for key in SCALING_SCALARS:
-                if key in row:
-                    writer.add_scalar(f"scaling/{key}", float(row[key]), row["world_size"])
+            linear = {"ideal_tokens_per_second_per_rank": row["ideal_tokens_per_second"] / row["world_size"],
+                      "ideal_efficiency": 1.0}
+            if "peak_memory_gib" in baseline:
+                linear["baseline_peak_memory_gib"] = baseline["peak_memory_gib"]
+            for key, value in {**row, **linear}.items():
+                if key in SCALING_SCALARS:
+                    writer.add_scalar(f"scaling/{key}", float(value), row["world_size"])
         writer.close()
         written.append(run_dir)
     return written
@@ -351,6 +361,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"scaling: {len(runnable)} runs ({mode(sweep)}): " + ", ".join(config.name for config in runnable),
           flush=True)
 
+    # The HParams view across the sweep's runs, written before them: TensorBoard takes the first
+    # experiment it finds among the runs (each run declares its own), in order of their start.
+    varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
+               "sp_size": {c.sp for c in runnable},
+               "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
+                                                                  for c in runnable},
+               "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
+    dashboards.write_experiment(str(output_dir / "tensorboard"),
+                                 differs=[name for name, values in varying.items() if len(values) > 1])
     results = {name: {"status": f"refused: {reason}"} for name, reason in refused.items()}
     (output_dir / "logs").mkdir(exist_ok=True)
     for config in runnable:
@@ -358,12 +377,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if summary is not None:
             results[config.name] = {"status": "ok (earlier)", "summary": summary}
             continue
-        run_dir = output_dir / "runs" / config.name
-        if run_dir.exists():  # an unfinished or re-run configuration starts clean
-            for stale in ("metrics.jsonl", "run_config.json"):
-                (run_dir / stale).unlink(missing_ok=True)
-        for old in (output_dir / "tensorboard" / config.name).glob("events.out.tfevents.*"):
-            old.unlink()
         command = launch_command(TRAIN_SCRIPT, *train_argv, *train_flags(**options[config.name]),
                                  processes=config.per_node, nodes=config.nodes, hostfile=sweep.hostfile)
         log_path = output_dir / "logs" / f"{config.name}.log"
@@ -381,13 +394,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"scaling: {config.name}: {status} in {time.monotonic() - began:.0f} s", flush=True)
 
     rows = scaling_table(configs, results)  # refused configurations keep their row, with the reason
-    varying = {"world_size": {c.world_size for c in runnable}, "tp_size": {c.tp for c in runnable},
-               "sp_size": {c.sp for c in runnable},
-               "dp_size": {c.dp for c in runnable}, "grad_accum": {options[c.name].get("gradient_accumulation_steps")
-                                                                  for c in runnable},
-               "global_batch": {c.dp for c in runnable} if sweep.weak else set()}
-    dashboards.write_experiment(str(output_dir / "tensorboard"),  # the HParams view across the sweep's runs
-                                 differs=[name for name, values in varying.items() if len(values) > 1])
     views = write_scaling_view(output_dir / "tensorboard", rows, sweep)
     (output_dir / "scaling.json").write_text(json.dumps(
         {"settings": settings, "configs": [asdict(config) for config in configs], "rows": rows}, indent=1))

@@ -11,6 +11,7 @@ step, taken before the scheduler has stepped, always has learning rate 0.)
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -44,3 +45,48 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float):
             optimizer, lambda stepped: lr_factor(stepped + 1, warmup_steps, max_steps, min_ratio))
 
     return build
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A run's learning-rate schedule: ``lr`` warmed up over ``warmup_steps``, then a cosine to
+    ``min_lr_ratio * lr`` at ``max_steps`` (its horizon), and that rate after it. A checkpoint records
+    it; a resumed run continues the recorded schedule (:func:`resumed_schedule`)."""
+
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+
+    def scheduler(self):
+        """The ``deepspeed.initialize(lr_scheduler=...)`` callable of this schedule."""
+        return warmup_cosine(self.warmup_steps, self.max_steps, self.min_lr_ratio)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def resumed_schedule(recorded: dict, requested: Schedule, resumed_step: int) -> tuple:
+    """(the schedule a run resumed at ``resumed_step`` trains with, notes for the log). The
+    checkpoint's optimizer and scheduler states carry its rates, so the run continues the recorded
+    schedule: a larger ``--max_steps`` extends the run at the schedule's final rate (the horizon is
+    kept, the rate does not jump back up the cosine), a smaller one stops before the horizon; a
+    changed ``--lr``, ``--warmup_steps`` or ``--min_lr_ratio`` is not applied. Each difference is said."""
+    schedule = Schedule(**recorded)
+    notes = []
+    if requested.max_steps > schedule.max_steps:
+        final = schedule.lr * schedule.min_lr_ratio
+        notes.append(f"--max_steps {requested.max_steps} extends a run scheduled for {schedule.max_steps} steps: the "
+                     f"learning-rate schedule keeps its {schedule.max_steps}-step horizon, and steps "
+                     f"{max(schedule.max_steps, resumed_step) + 1}-{requested.max_steps} train at its final rate "
+                     f"{final:.3g}")
+    elif requested.max_steps < schedule.max_steps:
+        notes.append(f"--max_steps {requested.max_steps} stops a run scheduled for {schedule.max_steps} steps early: "
+                     "the learning rate follows the original schedule and will not have decayed to its minimum")
+    changed = [f"--{name} {getattr(requested, name)} (the checkpoint's: {getattr(schedule, name)})"
+               for name in ("lr", "warmup_steps", "min_lr_ratio")
+               if getattr(requested, name) != getattr(schedule, name)]
+    if changed:
+        notes.append(f"not applied on resume: {', '.join(changed)}; the checkpoint's optimizer and scheduler states "
+                     "continue its schedule (start a new run, e.g. from an HF export, for another one)")
+    return schedule, notes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from .arguments import parse_args
-from .checkpoint import Checkpointer, TrainState
-from .distributed import init_distributed, shutdown_distributed
-from .evaluation import Evaluator
+from .checkpoint import Checkpointer, TrainState, clear_run, run_record
+from .distributed import init_distributed, run_on_rank_zero, shutdown_distributed
+from .evaluation import Evaluator, describe
 from .export import export_hf
 from .guard import NonFiniteGuard, NonFiniteLossError
 from .run import RunRefused, log, open_monitor, prepare_run, train_step, write_run_config
@@ -53,11 +54,17 @@ def main(argv=None) -> None:
     # Resume: model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG.
     guard = NonFiniteGuard(args.max_skipped_steps)
     state = TrainState(run.batches, guard)
-    checkpointer = Checkpointer(run.engine, args.output_dir, args.save_steps, args.max_steps)
-    if args.resume:
-        tag = checkpointer.resume(state)
-        log(f"resumed from {tag} at step {state.step}" if tag else
-            f"no committed checkpoint in {args.output_dir}; starting from step 0")
+    checkpointer = Checkpointer(run.engine, args.output_dir, args.save_steps, args.max_steps,
+                                run_record(run.plan.topology, run.plan.schedule.as_dict()))
+    if run.resume_tag is not None:
+        checkpointer.resume(state, run.resume_tag)
+        log(f"resumed from {run.resume_tag} at step {state.step}")
+    elif args.resume:
+        log(f"no committed checkpoint in {args.output_dir}; starting from step 0")
+    elif args.overwrite_output_dir:
+        removed = run_on_rank_zero(lambda: clear_run(args.output_dir, run.plan.tensorboard_dir))
+        if removed:
+            log(f"--overwrite_output_dir: removed {len(removed)} file(s) and checkpoint(s) of an earlier run")
 
     monitor = open_monitor(run)
     write_run_config(run)
@@ -68,6 +75,8 @@ def main(argv=None) -> None:
     # Train. A step whose loss is NaN/inf on any rank is skipped on every rank (NonFiniteGuard).
     progress = tqdm(total=args.max_steps, initial=state.step, disable=launch.rank != 0, desc="train",
                     dynamic_ncols=True)
+    note = (lambda text: progress.write(f"[train] {text}")) if launch.rank == 0 else (lambda text: None)
+    began, first_step = time.monotonic(), state.step
     run.engine.train()  # from_pretrained returns a model in eval mode (no dropout, and no fused linear head)
     for step in range(state.step + 1, args.max_steps + 1):
         metrics = train_step(run, step, guard, monitor)
@@ -75,17 +84,44 @@ def main(argv=None) -> None:
         guard.raise_if_exhausted(checkpointer.last_tag)
         progress.update(1)
         progress.set_postfix(loss=f"{metrics['loss/total']:.4f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
-        evaluator.maybe_evaluate(step)
-        checkpointer.maybe_save(state)
+        evaluation = evaluator.maybe_evaluate(step)
+        if evaluation is not None:
+            note(f"step {step}: {describe(evaluation)}")
+        if checkpointer.maybe_save(state) is not None:
+            note(f"step {step}: saved checkpoint {Path(args.output_dir, checkpointer.last_tag)}")
     progress.close()
 
     evaluation = evaluator.finish(args.max_steps)
-    if evaluation is not None:
-        log("eval " + " ".join(f"{key}={value:.4g}" for key, value in evaluation.items()))
-    monitor.finish(args.max_steps)
+    summary = monitor.finish(args.max_steps)
     if args.export_hf:
         export_hf(run.engine, args.export_hf, run.plan.tokenizer)
-        log(f"exported a Hugging Face model to {args.export_hf}")
+    for line in end_of_run(run, state.step - first_step, time.monotonic() - began, summary, evaluation,
+                           checkpointer.last_tag):
+        log(line)
+
+
+def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, checkpoint_tag) -> list:
+    """The console's end-of-run summary: what was trained, the final losses and throughput, the held-out
+    metrics, and where the checkpoint, the metrics, TensorBoard and the export went."""
+    args, plan = run.args, run.plan
+    lines = [f"done: {steps} step(s) in {seconds:.1f} s, to step {args.max_steps}"]
+    losses = [f"{name} {summary[f'summary/final_loss_{name}']:.4f}" for name in ("total", "ce", "numeric")
+              if f"summary/final_loss_{name}" in summary]
+    if losses:
+        lines.append("final loss: " + ", ".join(losses))
+    if "summary/tokens_per_second" in summary:
+        lines.append(f"throughput: {summary['summary/tokens_per_second']:,.0f} tokens/s "
+                     f"({summary['summary/tokens_per_second_per_rank']:,.0f} per rank, median after warm-up); peak "
+                     f"memory {summary['summary/peak_memory_gib']:.2f} GiB")
+    if evaluation is not None:
+        lines.append(describe(evaluation))
+    if checkpoint_tag is not None:
+        lines.append(f"checkpoint: {Path(args.output_dir, checkpoint_tag)} (continue with --resume)")
+    lines.append(f"metrics: {Path(args.output_dir, 'metrics.jsonl')}" +
+                 (f"; TensorBoard: tensorboard --logdir {plan.tensorboard_dir}" if plan.tensorboard else ""))
+    if args.export_hf:
+        lines.append(f"Hugging Face model: {args.export_hf}")
+    return lines
 
 
 def cli(argv=None) -> None:

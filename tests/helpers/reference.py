@@ -186,3 +186,56 @@ def reference_with_options(logits, targets, numeric_reference, token_ids, weight
     numeric_positions = max(len(numeric_rows), 1)
     mean_ce, mean_z, mean_numeric = ce.sum() / tokens, z.sum() / tokens, numeric.sum() / numeric_positions
     return mean_ce + mean_z + weight * mean_numeric, mean_ce, mean_numeric, mean_z
+
+
+def reference_ntl_per_position(logits, targets, token_ids, values, ignore_index=-100, **options):
+    """``targets``-shaped float64 NTL per position (0 where the target is not numeric or ignored):
+    :func:`reference_ntl` one position at a time."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    rows = []
+    for row in range(flat_targets.numel()):
+        rows.append(reference_ntl(flat_logits[row:row + 1], flat_targets[row:row + 1], token_ids, values,
+                                  ignore_index=ignore_index, **options))
+    return torch.stack(rows).view(targets.shape)
+
+
+def reference_number_level(logits, targets, token_ids, values, reweigh=True, dot_ids=(), ignore_index=-100,
+                           max_number_length=20):
+    """Number-level NTL (ntloss's NumberLevelLoss) per position of ``targets [B, T]`` (or ``[T]``), float64,
+    autograd: each run of digit targets along the last dim is one number (a dot target between two
+    digits joins two runs when ``dot_ids`` is given); its symmetric relative error sits at its first digit."""
+    token_ids = [int(t) for t in token_ids]
+    values = torch.as_tensor(values, dtype=torch.float64)
+    width = logits.shape[-1]
+    rows_targets = targets.reshape(-1, targets.shape[-1]).tolist() if targets.dim() else [[int(targets)]]
+    rows_logits = logits.reshape(-1, targets.shape[-1] if targets.dim() else 1, width).double()
+    out = [[logits.sum().double() * 0.0 for _ in row] for row in rows_targets]
+    eps = float(torch.finfo(torch.float32).eps)
+    for b, row in enumerate(rows_targets):
+        is_digit = [target != ignore_index and target in token_ids for target in row]
+        numbers, current, t = [], [], 0
+        while t < len(row):
+            if is_digit[t]:
+                current.append(t)
+            elif (current and row[t] in dot_ids and t + 1 < len(row) and is_digit[t + 1]):
+                pass  # a dot between digits: the number goes on
+            elif current:
+                numbers.append(current)
+                current = []
+            t += 1
+        if current:
+            numbers.append(current)
+        for digits in numbers:
+            y = yhat = 0.0
+            for index, t in enumerate(digits):
+                power = 10.0 ** min(len(digits) - 1 - index, max_number_length - 1)
+                q = torch.softmax(rows_logits[b, t][token_ids], dim=0)
+                y = y + values[token_ids.index(row[t])] * power
+                yhat = yhat + (q * values).sum() * power
+            loss = (yhat - y).abs() / (yhat.abs() + abs(y) + eps)
+            if reweigh:
+                mass = torch.softmax(rows_logits[b, digits[0]], dim=0)[token_ids].sum()
+                loss = loss * mass + 1.01 * (1 - mass)
+            out[b][digits[0]] = loss
+    return torch.stack([torch.stack(row) for row in out]).view(targets.shape)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers.launching import REPO
 
 CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours"]
@@ -72,3 +73,40 @@ def test_bench_sp_writes_the_peak_per_rank_of_each_sp_degree(tmp_path):
     assert [row["sp"] for row in rows] == [1, 2] and rows[0]["peak_vs_sp1"] == 1.0
     assert all(row["peak_gib_per_rank"] > row["fixed_gib_per_rank"] > 0 for row in rows)
     assert rows[1]["loss_step1"] == pytest.approx(rows[0]["loss_step1"], rel=1e-5)
+
+
+def test_the_fused_linear_benchmark_s_contenders_compute_the_same_ce():
+    """torch 2.13's chunked linear_cross_entropy and DeepSpeed's fused linear CE, as the benchmark
+    calls them, give torch CE's loss and gradients on the benchmark's own inputs (at weight 0 ours
+    too): the table compares the same objective."""
+    from benchmarks.bench_fused_linear import Shape, build, make_inputs, numeric_token_ids
+
+    shape = Shape(96, 32, 1500, "fp32")  # the benchmark draws N = 1000 numeric ids
+    results = {}
+    for name in ("torch_ce", "torch_linear_ce", "deepspeed_fused", "ours_fused_w0"):
+        hidden, weight, targets = make_inputs(shape, shape.tokens)  # fp32, as benchmarked
+        loss = build(name, shape, numeric_token_ids(shape))(hidden, weight, targets)
+        loss.backward()
+        results[name] = (loss.detach(), hidden.grad, weight.grad)
+    for name in ("torch_linear_ce", "deepspeed_fused", "ours_fused_w0"):
+        for value, reference in zip(results[name], results["torch_ce"]):
+            torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_bench_ntl_standalone_writes_rows_where_every_contender_computes_the_same_loss(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_ntl_standalone", "--tokens", "600", "--vocab_size",
+                          "300", "--repeats", "2", "--memory", "--results_dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, cwd=REPO, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_ntl_standalone.json").read_text())
+    rows = results["rows"]
+    assert {(row["kind"], row["contender"]) for row in rows} == {
+        (kind, name) for kind in ("was", "mse", "number") for name in ("ntloss", "before", "after")} - {
+        ("number", "before")}
+    for row in rows:  # the same objective, measured side by side
+        ntloss_row = next(other for other in rows if other["kind"] == row["kind"] and other["contender"] == "ntloss"
+                          and other["numeric_share"] == row["numeric_share"])
+        assert row["value"] == pytest.approx(ntloss_row["value"], rel=1e-5)
+        assert row["forward_ms"] > 0 and row["forward_backward_ms"] > 0
+    assert len(results["memory"]) == len(rows) and all(row["peak_mib"] > 0 for row in results["memory"])

@@ -5,6 +5,7 @@ files. Runs are shared where a test only reads one (the ZeRO-3 run is also the r
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,13 +105,21 @@ def zero3_run(tmp_path_factory, corpus):
     HF export at the end): the subject of the ZeRO-3 test and the uninterrupted reference of the
     resume tests (evaluating changes no training state)."""
     output, port = tmp_path_factory.mktemp("zero3") / "run", free_port()
-    run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, eval_steps=3,
-                                         export_hf=output / "hf"), port=port), timeout=600)
-    return output, port
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=6, save_steps=2, eval_steps=3,
+                                                     export_hf=output / "hf"), port=port), timeout=600)
+    return output, port, completed.stdout + completed.stderr
 
 
 def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
-    output, port = zero3_run
+    output, port, log = zero3_run
+    # A clean run warns about nothing (the deepspeed launcher's own note that a one-node launch has
+    # no hostfile aside), and says on the console what it did.
+    warnings = [line for line in log.splitlines() if re.search(r"warn", line, re.IGNORECASE)
+                and "Unable to find hostfile, will proceed with training with local resources only" not in line]
+    assert not warnings, warnings
+    for said in ("[train] step 3: eval ce", "[train] step 6: saved checkpoint", "[train] done: 6 step(s)",
+                 "[train] final loss: total", "[train] throughput:", f"[train] Hugging Face model: {output / 'hf'}"):
+        assert said in log, said
     # DeepSpeed's CPU all-reduce segments (64 MiB per rank) are not left behind in /dev/shm.
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     logged = metrics(output)
@@ -126,7 +135,7 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     scalars, hparams = tensorboard_run(output)
     assert CONTRACT_SCALARS <= scalars
     assert (hparams["world_size"], hparams["tp_size"], hparams["dp_size"], hparams["launcher"]) == \
-        (2, 1, 2, "deepspeed/torchrun")
+        ("2", "1", "2", "deepspeed/torchrun")  # settings as text (smmd_train.dashboards.hparam_value)
     # The exported model scores the eval data exactly as the trained engine did.
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
     # Training runs without a KV cache; the exported model generates with one.
@@ -211,6 +220,28 @@ def test_a_crash_mid_save_never_resumes_from_the_broken_checkpoint(tmp_path, cor
     resumed = metrics(output)
     for step in (5, 6):
         assert resumed[step]["loss/total"] == pytest.approx(expected[step]["loss/total"], rel=1e-6)
+
+
+def test_a_longer_resumed_run_keeps_its_schedule_and_a_forgotten_resume_is_refused(tmp_path, corpus, zero3_run):
+    import shutil
+
+    expected = metrics(zero3_run[0])
+    output = tmp_path / "run"
+    shutil.copytree(zero3_run[0], output, ignore=shutil.ignore_patterns("hf", "tensorboard"))
+    # Without --resume, the committed checkpoints are not silently restarted over: every rank stops
+    # before any model is built, rank 0 says why in one line, and nothing in the directory changes.
+    with pytest.raises(AssertionError) as refused:
+        run(deepspeed_command(2, *train_args(corpus, output, steps=8)), timeout=300)
+    message = str(refused.value)
+    assert message.count("[train] refused: ") == 1 and "pass --resume to continue that run" in message
+    assert (output / "latest").read_text() == "step00000006" and metrics(output) == expected
+    # With --resume and a larger --max_steps: steps 7-8 train at the 6-step schedule's final rate.
+    completed = run(deepspeed_command(2, *train_args(corpus, output, steps=8, resume=True)), timeout=600)
+    assert "resumed from step00000006 at step 6" in completed.stdout
+    assert "keeps its 6-step horizon, and steps 7-8 train at its final rate 0.0003" in completed.stdout
+    resumed = metrics(output)
+    assert [resumed[step]["train/lr"] for step in (7, 8)] == pytest.approx([3e-4, 3e-4], rel=1e-6)
+    assert resumed[6]["train/lr"] == pytest.approx(expected[6]["train/lr"], rel=1e-9)
 
 
 def test_mpirun_two_ranks(tmp_path, corpus):

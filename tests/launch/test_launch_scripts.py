@@ -15,10 +15,12 @@ from smmd_train.launcher import launch_command
 
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD"
+pwd > "$RECORD.cwd"
 """
+TRAIN_SCRIPT = str(REPO / "launch" / "train.py")
 
 
-def launch(tmp_path: Path, script: str, **variables) -> tuple:
+def launch(tmp_path: Path, script: str, cwd=None, **variables) -> tuple:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "deepspeed").write_text(STUB)
@@ -30,7 +32,7 @@ def launch(tmp_path: Path, script: str, **variables) -> tuple:
                           "MASTER_ADDR", "MASTER_PORT"}}
     env.update(PYTHON=sys.executable, DEEPSPEED=str(bin_dir / "deepspeed"), RECORD=str(record),
                **{k: str(v) for k, v in variables.items()})
-    completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env,
+    completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env, cwd=cwd,
                                capture_output=True, text=True, timeout=60)
     argv = record.read_text().splitlines() if record.exists() else None
     return completed, argv
@@ -46,8 +48,8 @@ def test_pretrain_single_node_command(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--num_nodes") == "1" and flag(argv, "--num_gpus") == "4"
     assert flag(argv, "--master_port") == "29811" and "--hostfile" not in argv
-    assert argv[argv.index("launch/train.py") + 1:argv.index("launch/train.py") + 7] == [
-        "--deepspeed_config", "ds_configs/zero3.json", "--tp", "1", "--sp", "2"]
+    assert argv[argv.index(TRAIN_SCRIPT) + 1:argv.index(TRAIN_SCRIPT) + 7] == [
+        "--deepspeed_config", str(REPO / "ds_configs" / "zero3.json"), "--tp", "1", "--sp", "2"]
     assert flag(argv, "--model") == "7b" and flag(argv, "--tokenizer") == "/data/tok"
     data = argv.index("--data")
     assert argv[data + 1:data + 3] == ["/data/a.jsonl", "/data/b.jsonl"]  # several files stay several
@@ -133,5 +135,25 @@ def test_neither_launcher_passes_a_device_count_or_master_the_user_did_not_set(t
     hostfile.write_text("node-001 slots=8\nnode-002 slots=8\n")
     completed, argv = launch(tmp_path, script, DATA="/d", NUM_NODES=2, HOSTFILE=hostfile, **required)
     assert completed.returncode == 0, completed.stderr
-    launcher_args = argv[:argv.index("launch/train.py")]
+    launcher_args = argv[:argv.index(TRAIN_SCRIPT)]
     assert launcher_args == ["--hostfile", str(hostfile), "--num_nodes", "2"]
+
+
+@pytest.mark.parametrize("script, required, model_flag", [
+    ("pretrain.sh", {"TOKENIZER": "tok"}, "--tokenizer"),
+    ("continue_pretrain.sh", {"MODEL_DIR": "models/m"}, "--model")])
+def test_relative_paths_are_the_caller_s(tmp_path, script, required, model_flag):
+    """The launchers start the ranks in the caller's folder and pass relative paths as given, so
+    ``DATA=data/a.jsonl`` means the caller's ``data/a.jsonl`` (scaling.sh's rule too); only the
+    launcher's own files (train.py, the default DeepSpeed config and hostfile) are found beside it."""
+    caller = tmp_path / "project"
+    caller.mkdir()
+    completed, argv = launch(tmp_path, script, cwd=caller, DATA="data/a.jsonl", OUTPUT_DIR="runs/one",
+                             DS_CONFIG="my_zero3.json", **required)
+    assert completed.returncode == 0, completed.stderr
+    assert Path(str(tmp_path / "argv.txt") + ".cwd").read_text().strip() == str(caller)
+    assert TRAIN_SCRIPT in argv
+    assert flag(argv, "--data") == "data/a.jsonl" and flag(argv, "--output_dir") == "runs/one"
+    assert flag(argv, "--deepspeed_config") == "my_zero3.json"
+    assert flag(argv, model_flag) == next(iter(required.values()))
+    assert not (REPO / "runs").exists()

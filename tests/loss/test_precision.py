@@ -54,9 +54,11 @@ def test_bf16_inputs_accumulate_in_fp32_by_default(fused):
     # rounding of its bf16 output (2^-8 relative)
     assert fp32["lse"] < 2e-5 and fp32["ce"] < 2e-5, fp32
     assert fp32["grad"] < 2**-7, fp32
-    # following bf16 costs orders of magnitude (bf16 keeps 8 bits); the fused head's d hidden, summed
-    # over its blocks in bf16, loses more than its output rounding
+    # following bf16 costs orders of magnitude (bf16 keeps 8 bits). The materialized op's d hidden is
+    # torch's bf16 GEMM of a bf16 d logits either way (its output rounding dominates: within 2^-7 both
+    # ways); the fused head's, summed over its blocks in bf16, loses more than its output rounding
     assert bf16["lse"] > 100 * fp32["lse"] and bf16["ce"] > 100 * fp32["ce"], (fp32, bf16)
-    assert bf16["grad"] >= fp32["grad"], (fp32, bf16)
     if fused:
         assert bf16["grad"] > 1.2 * fp32["grad"], (fp32, bf16)
+    else:
+        assert bf16["grad"] < 2**-7, bf16

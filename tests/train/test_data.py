@@ -152,6 +152,31 @@ def test_missing_text_field_lists_the_columns(tmp_path, rng):
         load_text_dataset([str(path)])
 
 
+@pytest.mark.parametrize("suffix, broken, message", [
+    (".jsonl", '{"text": "cut off', r":(\d+): not valid JSON \(Unterminated string starting at, column 10\)"),
+    (".jsonl", "42", r":(\d+): a JSON int, not an object"),
+    (".jsonl", '{"text": "a",, "id": 1}', r":(\d+): not valid JSON \(Expecting property name"),
+])
+def test_a_broken_json_line_is_named_by_file_and_1_based_line(tmp_path, rng, suffix, broken, message):
+    lines = [json.dumps({"text": document}) for document in random_documents(rng, rng.randint(5, 40))]
+    line = rng.randrange(len(lines))
+    lines[line] = broken
+    path = tmp_path / f"corpus{suffix}"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as refused:
+        load_text_dataset([str(path)])
+    text = str(refused.value)
+    found = re.search(re.escape(str(path)) + message, text)
+    assert found and int(found.group(1)) == line + 1 and "\n" not in text, text
+
+
+def test_a_broken_json_array_names_its_line(tmp_path):
+    path = tmp_path / "corpus.json"
+    path.write_text('[{"text": "a"},\n {"text": "b"},\n {"text": "c",,}\n]')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: not valid JSON (Expecting property name")):
+        load_text_dataset([str(path)])
+
+
 def test_non_string_values_name_the_first_offending_row(tmp_path, rng):
     # Numeric-looking strings ("12") beside a real number: datasets' Json feature decodes both as numbers.
     documents = [rng.choice(["12", "3.75", "true"]) if rng.random() < 0.5 else document

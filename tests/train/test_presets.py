@@ -232,7 +232,7 @@ def test_next_steps_fit_and_need_every_change(name, micro_batch):
     if chosen["gradient_checkpointing"]:
         undo.append({"gradient_checkpointing": False})
     if chosen["micro_batch"] < micro_batch:
-        undo.append({"micro_batch": 2 * chosen["micro_batch"]})
+        undo.append({"micro_batch": chosen["micro_batch"] + 1})
     if chosen["fused_linear"]:
         undo.append({"fused_linear": False})
     assert len(undo) == len(steps["flags"]) >= 1
@@ -263,8 +263,78 @@ def test_fused_linear_loss_memory_and_the_micro_batch_it_buys():
 def test_report_names_the_largest_micro_batch_with_and_without_fused_linear(capsys):
     estimate_cli.main(["--model", "1b", "--nodes", "1", "--gpus_per_node", "8"])
     out = capsys.readouterr().out
-    assert "largest micro batch that fits: 6 sequences (24,576 tokens) with materialized logits, 10 (40,960 " \
-           "tokens) with --fused_linear" in out
+    assert "largest micro batch that fits: 6 sequences (24,576 tokens) with materialized logits, 10 sequences " \
+           "(40,960 tokens) with --fused_linear" in out
+
+
+@pytest.mark.parametrize("name", ["1b", "7b", "13b"])
+@pytest.mark.parametrize("micro_batch", [3, 5, 6, 12])
+def test_advice_to_lower_the_micro_batch_names_the_largest_that_fits(name, micro_batch):
+    """The advised micro batch is the largest that fits with the advised flags (not a power of two
+    below the requested one); advised alone, it is the report's "largest micro batch that fits"."""
+    config = preset_config(name, vocab_size=128256)
+    setup = dict(nodes=1, gpus_per_node=8, micro_batch=micro_batch)
+    steps = estimate_cli.next_steps(config, **setup)
+    largest = estimate_cli.largest_micro_batch(config, **setup)
+    if steps is None:
+        assert largest >= micro_batch
+        return
+    chosen = steps["estimate"]["setup"]
+    assert chosen["micro_batch"] == estimate_cli.largest_micro_batch(config, limit=micro_batch, **chosen)
+    if steps["flags"] == [f"--micro_batch {chosen['micro_batch']}"]:
+        assert chosen["micro_batch"] == largest
+
+
+def test_the_report_agrees_with_its_advice(capsys):
+    estimate_cli.main(["--model", "7b", "--micro_batch", "3"])
+    out = capsys.readouterr().out
+    assert "try --micro_batch 2 (" in out and "largest micro batch that fits: 2 sequences (8,192 tokens)" in out
+    estimate_cli.main(["--model", "70b"])  # nothing fits on one node without changes
+    out = capsys.readouterr().out
+    assert "0 sequences" not in out and "(0 tokens)" not in out
+    assert "no micro batch fits as set up" in out and "try --gradient_checkpointing --offload" in out
+    estimate_cli.main(["--model", "1b", "--micro_batch", "1", "--seq_len", "32768"])
+    out = capsys.readouterr().out
+    assert "largest micro batch that fits: none with materialized logits, 1 sequence (32,768 tokens) with " \
+        "--fused_linear" in out
+
+
+def _llama3_8b_config(vocab_size=128256):
+    """Llama-3-8B's shapes (its config.json, as transformers' Llama pages document it)."""
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def test_a_hugging_face_config_is_planned_as_the_model_it_describes(tmp_path, capsys):
+    _llama3_8b_config().save_pretrained(tmp_path / "llama-3-8b")
+    params = sum(parameter.numel() for parameter in _meta_model(_llama3_8b_config()).parameters())
+    for model in (tmp_path / "llama-3-8b", tmp_path / "llama-3-8b" / "config.json"):
+        estimate_cli.main(["--model", str(model), "--json"])
+        record = json.loads(capsys.readouterr().out)
+        assert record["model"] == str(model) and record["params"] == params
+        assert record["total_gpu_bytes"] == estimate_cli.estimate(_llama3_8b_config())["total_gpu_bytes"]
+    estimate_cli.main(["--model", str(tmp_path / "llama-3-8b")])
+    assert "8.03 B params" in capsys.readouterr().out
+    # --vocab_size overrides the config's (a padded tokenizer); a preset's default stays Llama-3's.
+    padded = estimate_cli.model_config(str(tmp_path / "llama-3-8b"), vocab_size=128512)
+    assert parameter_count(padded) == params + 2 * 256 * 4096
+    assert estimate_cli.model_config("7b").vocab_size == 128256
+
+
+def test_a_model_the_planner_cannot_read_is_refused_by_name(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken.json").write_text("{not json")
+    refusals = {"8b": "8b: not a preset \\(tiny, .*\\), and no such file or folder",
+                str(tmp_path / "empty"): "the folder has no config.json",
+                str(tmp_path / "broken.json"): "broken.json is not JSON",
+                str(tmp_path / "gpt2"): "model_type 'gpt2'; the planner counts the layers of Llama decoders"}
+    for model, message in refusals.items():
+        with pytest.raises(SystemExit, match=message):
+            estimate_cli.main(["--model", model])
 
 
 def test_layout_errors():

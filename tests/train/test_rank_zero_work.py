@@ -86,3 +86,35 @@ def test_a_rank_zero_error_of_any_type_reaches_the_other_rank_within_seconds(kin
 def type_name_on_rank_zero(kind: str) -> str:
     return {"project": "ShardIndexError", "library": "BadZipFile", "constructor": "NeedsTwoArguments",
             "local": "DefinedInAFunction"}[kind]
+
+
+def _prepare_on_broken_data(rank, world_size, tokenizer_dir: str, data: str, output_dir: str):
+    from helpers.launching import REPO, train_flags
+
+    from smmd_train.arguments import parse_args
+    from smmd_train.distributed import Launch
+    from smmd_train.run import RunRefused, prepare_run
+
+    args = parse_args(train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny",
+                                  tokenizer=tokenizer_dir, data=[data], seq_len=48, max_steps=2,
+                                  output_dir=output_dir))
+    try:
+        prepare_run(args, Launch(rank, world_size, rank, world_size, "test"), until="data")
+    except RunRefused as error:
+        return str(error)
+    return None
+
+
+def test_a_broken_jsonl_line_is_the_same_one_line_refusal_on_every_rank(tmp_path, tokenizer_dir):
+    import json
+
+    data = tmp_path / "train.jsonl"
+    lines = [json.dumps({"text": f"{index} + {index} = {2 * index}"}) for index in range(40)]
+    lines[20] = '{"text": "21 + 21 = '
+    data.write_text("\n".join(lines) + "\n")
+    outcomes = run_ranks(_prepare_on_broken_data, 2, str(tokenizer_dir), str(data), str(tmp_path / "run"),
+                         timeout=180, pg_timeout=60)
+    messages = values_or_raise(outcomes)
+    assert messages[0] == f"{data}:21: not valid JSON (Unterminated string starting at, column 10); each line of a " \
+                          "JSON-lines file must be one JSON object"
+    assert messages[1] == f"on rank 0: {messages[0]}"

@@ -120,6 +120,64 @@ def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
     assert re.search(r"--model tiny is a preset .* pass --tokenizer", capsys.readouterr().err)
 
 
+def test_a_typo_d_flag_is_one_line_naming_the_close_options_on_rank_zero_only(tmp_path, capsys, monkeypatch):
+    arguments = ["--deepspeed_config", str(ZERO3), "--modle", "tiny", "--data", "x", "--max_steps", "1",
+                 "--output_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        parse_args(arguments)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "unknown option --modle; did you mean --model" in error
+    # A prefix is a typo too (argparse would otherwise take --max_step for --max_steps).
+    with pytest.raises(SystemExit):
+        parse_args([*arguments[:2], "--model", "tiny", "--tokenizer", str(tmp_path), "--data", "x", "--max_step", "1",
+                    "--output_dir", str(tmp_path)])
+    assert "unknown option --max_step; did you mean --max_steps" in capsys.readouterr().err
+    # The other ranks of a launch parse the same line: they exit alike, without printing it again.
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(arguments)
+    assert exited.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_framework_loss_says_that_it_does_not_evaluate(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "data.jsonl", 20)
+    _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", framework_loss=True, eval_data=[corpus]),
+                       until="plan")
+    assert [warning for warning in plan.warnings if "--eval_data is not evaluated with --framework_loss" in warning]
+    _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", eval_data=[corpus]), until="plan")
+    assert not [warning for warning in plan.warnings if "--framework_loss" in warning]
+
+
+def test_help_shows_each_option_s_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ("--seq_len SEQ_LEN tokens per packed training sequence (default: 1024)",
+                     "--lr LR peak learning rate (AdamW) (default: 0.0003)",
+                     "--numeric_policy {integers,digits,floats}", "(default: integers)", "(default: smmd)"):
+        assert expected in text, expected
+
+
+@pytest.mark.parametrize("model, tokenizer, message", [
+    ("8b", "tokenizer", r"--model 8b: no such folder, and not a preset; presets: tiny, 125m, .*, 70b\. .*download "
+                        r"it first"),
+    ("tinny", "tokenizer", r"--model tinny: no such folder, and not a preset \(did you mean the preset tiny\?\)"),
+    ("meta-llama/Llama-3-8B", None, r"--model meta-llama/Llama-3-8B: no such folder, and not a preset; presets:"),
+    ("empty_dir", None, r"--model .*empty_dir has no config.json: it is not a Hugging Face model folder"),
+    ("tiny", "missing_tokenizer", r"--tokenizer .*missing_tokenizer: no such folder"),
+])
+def test_a_missing_model_or_tokenizer_folder_is_one_line_with_the_presets(tmp_path, tokenizer_dir, model, tokenizer,
+                                                                           message):
+    (tmp_path / "empty_dir").mkdir()
+    model = str(tmp_path / model) if model == "empty_dir" else model
+    tokenizer = {"tokenizer": tokenizer_dir, None: None}.get(tokenizer, tmp_path / str(tokenizer))
+    arguments = argv(tokenizer, tmp_path / "data.jsonl", tmp_path / "run", model=model)
+    with pytest.raises(RunRefused) as refused:
+        prepared(arguments, until="plan")
+    assert re.search(message, str(refused.value)) and "\n" not in str(refused.value), str(refused.value)
+
+
 # ------------------------------------------------------------------------------------------------
 # The DeepSpeed config: --tp, "auto" values, the CPU settings
 # ------------------------------------------------------------------------------------------------

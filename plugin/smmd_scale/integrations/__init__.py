@@ -65,6 +65,15 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     return installed
 
 
-__all__ = ["install", "DetachedLosses", "InstalledLoss", "NumericCausalLMLoss", "SMMDCausalLMLoss",
-           "find_vocab_parallel_head", "unwrap_model", "vocab_parallel_numeric_cross_entropy",
+def __getattr__(name: str):
+    """``NumericLossCallback`` (``hf_callback``), imported on first use: it needs transformers."""
+    if name == "NumericLossCallback":
+        from .hf_callback import NumericLossCallback
+
+        return NumericLossCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["install", "DetachedLosses", "InstalledLoss", "NumericCausalLMLoss", "NumericLossCallback",
+           "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model", "vocab_parallel_numeric_cross_entropy",
            "vocab_parallel_smmd_cross_entropy"]

@@ -39,8 +39,10 @@ class NumericCausalLMLoss:
     ``ce_options``: keyword options both ops take (``logit_scale``, ``logit_softcap``, ``z_loss``,
     ``label_smoothing``, ``accum_dtype``; docs/objective.md), passed to every call.
     After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
-    :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off) and ``last_path`` how it
-    ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the head's input, no logits).
+    :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off), ``last_counts`` the
+    (``num_items_in_batch``, ``num_numeric_in_batch``) they were divided by (None: the call's own counts)
+    and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the
+    head's input, no logits).
     """
 
     def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0,
@@ -51,6 +53,7 @@ class NumericCausalLMLoss:
         self.vocab_start_index = vocab_start_index
         self.last_stats: Optional[dict] = None
         self.last_losses: Optional[DetachedLosses] = None
+        self.last_counts: Optional[tuple] = None
         self.last_path: Optional[str] = None
         self.last_z: Optional[torch.Tensor] = None
         self.ce_options = dict(ce_options or {})
@@ -101,7 +104,7 @@ class NumericCausalLMLoss:
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
                                        num_items_in_batch=num_items_in_batch,
                                        num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
-        self._record(output, "logits")
+        self._record(output, "logits", (num_items_in_batch, num_numeric_in_batch))
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
@@ -127,7 +130,7 @@ class NumericCausalLMLoss:
             return output.total
 
         total = call_through_module(head, head_loss, hidden)
-        self._record(outputs[0], "fused_linear")
+        self._record(outputs[0], "fused_linear", (num_items_in_batch, num_numeric_in_batch))
         return total
 
     def fused_options(self, op_options: dict) -> dict:
@@ -155,10 +158,11 @@ class NumericCausalLMLoss:
         warn_renamed(f"{type(self).__name__}.smmd", f"{type(self).__name__}.numeric_loss")
         return self.numeric_loss
 
-    def _record(self, output: NumericOutput, path: str) -> None:
+    def _record(self, output: NumericOutput, path: str, counts: tuple) -> None:
         self.last_stats = output.stats
         self.last_losses = DetachedLosses(output.total.detach(), output.ce.detach(), output.numeric.detach())
         self.last_z = output.z.detach()
+        self.last_counts = counts
         self.last_path = path
 
 
@@ -192,7 +196,18 @@ class InstalledLoss:
         the step's numeric-target positions are counted the same way (gathered and divided across
         devices as the Trainer does) and the hook divides the numeric term by them, so each
         micro-batch returns its share of the step's objective. Without it the Trainer's steps weigh
-        each micro-batch's numeric mean by its tokens, not by its numbers."""
+        each micro-batch's numeric mean by its tokens, not by its numbers.
+
+        Also adds a :class:`~smmd_scale.integrations.hf_callback.NumericLossCallback` ahead of the
+        Trainer's other callbacks: every training log then holds the loss parts (``loss_ce``,
+        ``loss_numeric``, ``loss_smmd``, ..., ``loss_total``) and numeric metrics of its logging
+        window, in ``log_history`` and in whatever the Trainer reports to (TensorBoard, W&B)."""
+        from .hf_callback import NumericLossCallback
+
+        accelerator = trainer.accelerator
+        reduce = None if accelerator.num_processes == 1 else (
+            lambda sums: accelerator.reduce(sums.to(accelerator.device), reduction="sum"))
+        trainer.callback_handler.callbacks.insert(0, NumericLossCallback(self, reduce))
         fetch = trainer.get_batch_samples
         hook = self.hook
 

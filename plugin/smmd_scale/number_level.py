@@ -1,0 +1,200 @@
+"""Number-level NTL (ntloss 0.3.2's ``NumberLevelLoss``) as a numeric loss of the plugin: the digits
+of one number are joined and the number's value is compared, on a digit vocabulary.
+
+A *number* is a run of consecutive positions (along the sequence dim) whose targets are digit
+tokens; with ``float_level=True`` a dot token between two digits joins the runs on either side
+(``12.34`` is one number, read as the integer ``1234``, as ntloss does; the dot adds no digit).
+For a number with digit targets ``d_1 .. d_n`` at positions ``1 .. n`` and ``q_i = softmax`` over
+the numeric tokens at position i:
+
+    y    = sum_i d_i 10^(n - i)                      (the target number)
+    yhat = sum_i E_{q_i}[value] 10^(n - i)           (the expected number)
+    loss = |yhat - y| / (|yhat| + |y| + eps)         (symmetric MAPE, in [0, 1]; eps = float32's)
+
+and with ``reweigh=True`` (ntloss's default) ``loss * mass + 1.01 * (1 - mass)``, ``mass`` being the
+full softmax's probability on the numeric tokens at the number's first digit. Exponents are capped
+at ``max_number_length - 1`` (ntloss: 20 digits). The value lives at the number's first digit
+position (ntloss's ``reduction="none"`` layout), so a call's numeric statistic and the CE ops'
+numeric term are sums over numbers divided by the *digit* positions, like every numeric loss's;
+the standalone call ``loss(logits, targets)`` takes ntloss's mean over numbers.
+
+It reads only the numeric slice at the digit positions (the exchange's), plus the call's targets
+(which positions are consecutive, where the dots are): full logits, vocabulary-parallel shards
+(still one collective) and the fused linear head alike.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from .numeric_loss import NumericLoss, NumericTerms
+from .vocab import NumericVocab
+
+# ntloss computes the target numbers in float32 and takes float32's epsilon in the denominator.
+EPS = float(torch.finfo(torch.float32).eps)
+REWEIGH_MARGIN = 1.01
+
+
+class DigitSpans(NamedTuple):
+    """The numbers of one call, over its P digit (numeric-target) positions in ``plan.positions`` order.
+
+    number:   ``[P]`` which number (0..S-1) each digit position belongs to
+    exponent: ``[P]`` the power of ten of the digit in its number
+    first:    ``[S]`` the digit position (index into the P) of each number's first digit
+    """
+
+    number: torch.Tensor
+    exponent: torch.Tensor
+    first: torch.Tensor
+
+
+def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: int = -1,
+                dot_ids: Optional[torch.Tensor] = None, max_number_length: int = 20) -> DigitSpans:
+    """The numbers formed by the digit positions ``positions`` (sorted flat indices into
+    ``targets [...]``): runs along ``sequence_dim``; with ``dot_ids``, a dot target between two
+    digits joins their runs (float level)."""
+    device = positions.device
+    shape = tuple(targets.shape) or (1, )
+    flat_targets = targets.reshape(-1)
+    tokens = flat_targets.numel()
+    # the flat indices laid out as [rows, sequence]
+    order = torch.arange(tokens, device=device).view(shape).movedim(sequence_dim, -1)
+    order = order.reshape(-1, order.shape[-1]) if order.dim() else order.view(1, 1)
+    is_digit = torch.zeros(tokens, dtype=torch.bool, device=device)
+    is_digit[positions] = True
+    digit = is_digit[order]
+    previous = torch.zeros_like(digit)
+    previous[:, 1:] = digit[:, :-1]
+    continues = previous
+    if dot_ids is not None:
+        dot = torch.isin(flat_targets[order], dot_ids.to(device))
+        following, two_back, dot_before = torch.zeros_like(digit), torch.zeros_like(digit), torch.zeros_like(digit)
+        following[:, :-1] = digit[:, 1:]
+        two_back[:, 2:] = digit[:, :-2]
+        dot_before[:, 1:] = (dot & previous & following)[:, :-1]
+        continues = previous | (dot_before & two_back)
+    first_digit = (digit & ~continues).reshape(-1)
+    # back to the positions' order (flat index order): the cell of each digit position
+    cell_of = torch.empty(tokens, dtype=torch.int64, device=device)
+    cell_of[order.reshape(-1)] = torch.arange(tokens, device=device)
+    cells = cell_of[positions]
+    number = (torch.cumsum(first_digit.to(torch.int64), 0) - 1)[cells]  # numbers counted in [rows, sequence] order
+    count = torch.cumsum(digit.reshape(-1).to(torch.int64), 0)[cells]  # digits so far, 1-based
+    numbers = int(first_digit.sum())
+    digits_in = torch.zeros(numbers, dtype=torch.int64, device=device).index_add_(0, number, torch.ones_like(number))
+    count_before = torch.zeros(numbers, dtype=torch.int64, device=device).scatter_reduce_(
+        0, number, count - 1, reduce="amin", include_self=False)
+    exponent = digits_in[number] - (count - count_before[number])
+    first = torch.searchsorted(positions, order.reshape(-1)[first_digit])
+    return DigitSpans(number=number, exponent=exponent.clamp(0, max_number_length - 1), first=first)
+
+
+class NumberLevelNTLoss(NumericLoss):
+    """Number-level NTL (ntloss's ``NumberLevelLoss``) over a digit vocabulary.
+
+    ``NumberLevelNTLoss(NumericVocab.from_tokenizer(tokenizer, policy="digits"))``; options as
+    ntloss: ``reweigh=True``, ``float_level=False`` (with ``dot_token_ids``: the id(s) of ``"."``),
+    ``max_number_length=20``. ``sequence_dim``: the targets' sequence dim (-1: ``[batch, seq]``;
+    0 for Megatron's ``[s, b]``).
+    """
+
+    def __init__(self, vocab: NumericVocab, reweigh: bool = True, float_level: bool = False,
+                 dot_token_ids: Optional[Sequence[int]] = None, max_number_length: int = 20,
+                 sequence_dim: int = -1, ignore_index: int = -100):
+        super().__init__(vocab, ignore_index)
+        values = vocab.values.tolist()
+        others = sorted({value for value in values if value not in range(10)})
+        found = sorted({int(value) for value in values if value in range(10)})
+        if others or len(found) != 10:
+            raise ValueError(f"number-level NTL joins digits into numbers, so it needs a vocabulary of the ten digits "
+                             f"0..9; this one has the digits {found}" + (f" and the values {others[:5]}" if others
+                                                                         else "")
+                             + "; build it with NumericVocab.from_tokenizer(tokenizer, policy='digits') from a "
+                             "tokenizer that spells numbers digit by digit")
+        if not isinstance(reweigh, bool) or not isinstance(float_level, bool):
+            raise TypeError(f"reweigh={reweigh!r} and float_level={float_level!r} must be True or False")
+        if float_level and not dot_token_ids:
+            raise ValueError("float_level=True joins numbers across a dot: pass dot_token_ids, the id(s) of the '.' "
+                             "token (tokenizer.convert_tokens_to_ids('.'))")
+        dots = sorted({int(token_id) for token_id in (dot_token_ids or ())})
+        if set(dots) & set(vocab.token_id_list):
+            raise ValueError(f"dot_token_ids {dots} include numeric tokens")
+        if isinstance(max_number_length, bool) or not isinstance(max_number_length, int) or max_number_length < 1:
+            raise ValueError(f"max_number_length={max_number_length!r} must be a positive int (digits per number)")
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            raise TypeError(f"sequence_dim={sequence_dim!r} must be an int")
+        self.reweigh, self.float_level = reweigh, float_level
+        self.dot_token_ids = tuple(dots) if float_level else ()
+        self.max_number_length, self.sequence_dim = max_number_length, sequence_dim
+        self._dots = torch.tensor(self.dot_token_ids, dtype=torch.int64)
+        self._last_spans = None
+
+    name = "ntl_number"
+
+    @property
+    def needs_mass(self) -> bool:
+        return self.reweigh
+
+    def __repr__(self):
+        return (f"NumberLevelNTLoss(reweigh={self.reweigh}, float_level={self.float_level}, "
+                f"dot_token_ids={list(self.dot_token_ids)}, max_number_length={self.max_number_length}, "
+                f"sequence_dim={self.sequence_dim}, ignore_index={self.ignore_index}, vocab={self.vocab!r})")
+
+    def options(self) -> tuple:
+        return self.reweigh, self.float_level, self.dot_token_ids, self.max_number_length, self.sequence_dim
+
+    def spans(self, plan) -> DigitSpans:
+        """The numbers of the call ``plan`` (``smmd_scale.call_plan.CallPlan``); the last call's are
+        kept (weakly) for the next question about the same plan."""
+        last = self._last_spans
+        if last is not None and last[0]() is plan:
+            return last[1]
+        spans = self._spans(plan)
+        self._last_spans = (weakref.ref(plan), spans)
+        return spans
+
+    def _spans(self, plan) -> DigitSpans:
+        targets = plan.targets.view(plan.spec.shape[:-1])
+        if targets.dim() and not -targets.dim() <= self.sequence_dim < targets.dim():
+            raise ValueError(f"sequence_dim={self.sequence_dim} is not a dim of targets of shape "
+                             f"{tuple(targets.shape)}")
+        return digit_spans(targets, plan.positions, self.sequence_dim if targets.dim() else -1,
+                           self._dots if self.float_level else None, self.max_number_length)
+
+    def value_owners(self, plan) -> torch.Tensor:
+        spans = self.spans(plan)
+        return spans.first[spans.number]
+
+    def mass_rows(self, plan) -> Optional[torch.Tensor]:
+        # the mass reweighs a number at its first digit only
+        return self.spans(plan).first if self.reweigh else None
+
+    def numeric_terms(self, q, numeric_targets, mass, compute_dtype) -> NumericTerms:
+        raise NotImplementedError("number-level NTL needs the call's positions: the ops call terms_for_call")
+
+    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
+        # O(P N) and O(P): float64 throughout.
+        spans = self.spans(plan)
+        values = self.vocab.on(q.device, torch.float64)[1]
+        scale = torch.pow(10.0, spans.exponent.to(torch.float64))
+        numbers = spans.first.numel()
+        target = torch.zeros(numbers, dtype=torch.float64, device=q.device).index_add_(
+            0, spans.number, values[plan.numeric_targets] * scale)
+        expected = torch.zeros_like(target).index_add_(0, spans.number, (q @ values) * scale)
+        error = expected - target
+        denominator = expected.abs() + target.abs() + EPS
+        loss = error.abs() / denominator
+        grad_expected = error.sign() / denominator - error.abs() * expected.sign() / denominator.square()
+        row_factor = grad_expected[spans.number] * scale
+        grad_mass = None
+        if self.reweigh:
+            first_mass = mass[spans.first]
+            row_factor = row_factor * first_mass[spans.number]
+            grad_mass = torch.zeros_like(mass).index_put_((spans.first, ), loss - REWEIGH_MARGIN)
+            loss = loss * first_mass + REWEIGH_MARGIN * (1.0 - first_mass)
+        value = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device).index_put_((spans.first, ), loss)
+        return NumericTerms(value=value, grad_q=row_factor[:, None] * values[None, :], grad_mass=grad_mass,
+                            parts={self.name: value})

@@ -1,0 +1,188 @@
+"""The loss parts in a transformers.Trainer's logs (smmd_scale.NumericLossCallback, added by
+attach_to_trainer): real tiny Trainer runs, each logging window's parts against a float64 reference
+on the logits of the window's micro-batches, and the parts in the Trainer's TensorBoard events."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import models
+from helpers.reference import reference_ntl, reference_smmd
+from transformers import Trainer, TrainingArguments
+
+import smmd_scale
+from smmd_scale import NumericVocab
+
+VOCAB_SIZE = 96
+NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
+VALUES = list(range(10))
+
+
+def rows(generator, count=8, length=16):
+    ids = torch.randint(0, VOCAB_SIZE, (count, length), generator=generator)
+    ids[:, 2:8] = torch.randint(20, 30, (count, 6), generator=generator)
+    ids[count // 2:, 2:8] = torch.where(torch.rand(count - count // 2, 6, generator=generator) < 0.5, 5,
+                                        ids[count // 2:, 2:8])  # the numbers per row vary
+    labels = ids.clone()
+    labels[:, :1] = -100
+    return ids, labels
+
+
+def train(tmp_path, generator, numeric_loss=None, weight=0.5, attach=True, **arguments):
+    """A Trainer run with the hook and attach_to_trainer (or only the callback, ``attach=False``);
+    returns (training logs, the float64 logits and shifted targets of every training micro-batch, in
+    order)."""
+    ids, labels = rows(generator)
+    model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
+    vocab = NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)
+    installed = smmd_scale.install(model, vocab, weight=weight, numeric_loss=numeric_loss(vocab) if numeric_loss
+                                   else None)
+    calls, hook = [], installed.hook
+
+    def recording_hook(logits, labels, **kwargs):
+        calls.append((logits.detach().double(), F.pad(labels, (0, 1), value=-100)[..., 1:]))
+        return hook(logits, labels, **kwargs)
+
+    model.loss_function = recording_hook
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), args=TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
+        use_cpu=True, save_strategy="no", seed=0, **{"report_to": [], **arguments}))
+    if attach:
+        installed.attach_to_trainer(trainer)
+    else:
+        trainer.add_callback(smmd_scale.NumericLossCallback(installed))
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry], calls
+
+
+def window_reference(calls, parts) -> dict:
+    """CE per target token, each numeric part per numeric position, over ``calls``; ``parts``: name ->
+    (logits, targets) -> its mean over the numeric positions (float64)."""
+    ce_sum = sum(F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="sum")
+                 for logits, targets in calls)
+    tokens = sum((targets != -100).sum() for _, targets in calls)
+    positions = [torch.isin(targets, torch.tensor(NUMERIC_IDS)).sum() for _, targets in calls]
+    reference = {"loss_ce": (ce_sum / tokens).item(), "positions": sum(positions).item()}
+    for name, part in parts.items():
+        reference[f"loss_{name}"] = (sum(part(*call) * count for call, count in zip(calls, positions) if count)
+                                     / sum(positions)).item()
+    return reference
+
+
+def smmd(logits, targets):
+    return reference_smmd(logits, targets, NUMERIC_IDS, VALUES)
+
+
+def test_each_logging_step_logs_the_parts_of_its_micro_batches(tmp_path, generator):
+    """Logging every step: the window is the step's two micro-batches, and its total is the Trainer's own loss."""
+    logs, calls = train(tmp_path, generator, max_steps=3, logging_steps=1)
+    assert len(logs) == 3 and len(calls) == 6
+    for step, log in enumerate(logs):
+        expected = window_reference(calls[2 * step: 2 * step + 2], {"smmd": smmd})
+        assert log["loss_ce"] == pytest.approx(expected["loss_ce"], rel=1e-5)
+        assert log["loss_smmd"] == pytest.approx(expected["loss_smmd"], rel=1e-5)
+        assert log["loss_numeric"] == pytest.approx(log["loss_smmd"], rel=1e-6)  # SMMD alone is the numeric term
+        assert log["loss_total"] == pytest.approx(expected["loss_ce"] + 0.5 * expected["loss_smmd"], rel=1e-5)
+        assert log["loss_total"] == pytest.approx(log["loss"], rel=1e-4)  # the objective the Trainer trained
+        assert log["numeric_positions"] == expected["positions"]
+        assert {"loss_mmd", "loss_smooth"} <= set(log) and 0 <= log["numeric_accuracy"] <= 1
+        assert log["numeric_mae"] >= 0
+    assert logs[-1]["loss_total"] < logs[0]["loss_total"]
+
+
+def test_without_the_steps_numeric_count_the_parts_are_still_per_position_means(tmp_path, generator):
+    """Only the callback: the Trainer passes num_items_in_batch alone, which weighs each micro-batch's numeric
+    mean by its tokens; the logged parts are still the window's means over its targets and numeric positions."""
+    logs, calls = train(tmp_path, generator, attach=False, max_steps=2, logging_steps=2)
+    (log, ) = logs
+    expected = window_reference(calls, {"smmd": smmd})
+    assert log["loss_ce"] == pytest.approx(expected["loss_ce"], rel=1e-5)
+    assert log["loss_smmd"] == pytest.approx(expected["loss_smmd"], rel=1e-5)
+    assert log["loss_numeric"] == pytest.approx(log["loss_smmd"], rel=1e-6)
+
+
+def test_weighted_numeric_losses_reach_tensorboard_by_name(tmp_path, generator):
+    """SMMD + 0.3 NTL-WAS, logging every 2 steps (4 micro-batches), reported to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def numeric_loss(vocab):
+        return smmd_scale.SMMDLoss(vocab) + 0.3 * smmd_scale.NTLoss(vocab, squash_factor=9.0)
+
+    logs, calls = train(tmp_path, generator, numeric_loss, weight=1.0, max_steps=4, logging_steps=2,
+                        report_to=["tensorboard"])
+    assert len(logs) == 2 and len(calls) == 8
+
+    def ntl(logits, targets):
+        return reference_ntl(logits, targets, NUMERIC_IDS, VALUES, squash_factor=9.0)
+
+    for window, log in enumerate(logs):
+        expected = window_reference(calls[4 * window: 4 * window + 4], {"smmd": smmd, "ntl_was": ntl})
+        for key in ("loss_ce", "loss_smmd", "loss_ntl_was"):
+            assert log[key] == pytest.approx(expected[key], rel=1e-5), key
+        assert log["loss_numeric"] == pytest.approx(expected["loss_smmd"] + 0.3 * expected["loss_ntl_was"], rel=1e-5)
+        assert log["loss_total"] == pytest.approx(log["loss_ce"] + log["loss_numeric"], rel=1e-6)
+        assert log["numeric_positions"] == expected["positions"] / 2  # per optimizer step
+    (events_file, ) = tmp_path.rglob("events.out.tfevents.*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    for key in ("loss_ce", "loss_numeric", "loss_smmd", "loss_ntl_was", "loss_total", "numeric_accuracy"):
+        points = events.Scalars(f"train/{key}")
+        assert [point.step for point in points] == [2, 4]
+        assert [point.value for point in points] == pytest.approx([log[key] for log in logs], rel=1e-6)
+
+
+def test_evaluation_logs_are_left_alone_and_a_callback_alone_adds_to_log_history(tmp_path, generator):
+    """Added by hand (Trainer(callbacks=...)), the callback still fills log_history; eval logs keep their keys."""
+    ids, labels = rows(generator)
+    model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE))
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), eval_dataset=models.token_rows(
+        ids, labels), callbacks=[smmd_scale.NumericLossCallback(installed)], args=TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1, eval_strategy="steps",
+        eval_steps=2, use_cpu=True, save_strategy="no", report_to=[]))
+    trainer.train()
+    training = [entry for entry in trainer.state.log_history if "loss" in entry]
+    evaluation = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(training) == 2 and all("loss_total" in entry for entry in training)
+    assert len(evaluation) == 1 and not any(key.startswith(("loss_", "numeric_")) for key in evaluation[0])
+
+
+def _data_parallel_trainer(rank, world_size, tmp_path, ids, labels):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE), weight=0.5)
+    calls, hook = [], installed.hook
+
+    def recording_hook(logits, labels, **kwargs):
+        targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        logits64 = logits.detach().double()
+        positions = torch.isin(targets, torch.tensor(NUMERIC_IDS)).sum().item()
+        calls.append((F.cross_entropy(logits64.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="sum").item(),
+                      (targets != -100).sum().item(), smmd(logits64, targets).item() * positions, positions))
+        return hook(logits, labels, **kwargs)
+
+    model.loss_function = recording_hook
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), args=TrainingArguments(
+        output_dir=str(tmp_path / f"rank{rank}"), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+        learning_rate=3e-3, use_cpu=True, save_strategy="no", seed=0, report_to=[]))
+    installed.attach_to_trainer(trainer)
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry], calls
+
+
+@pytest.mark.gloo
+def test_on_two_processes_a_window_pools_both_processes_micro_batches(tmp_path, generator):
+    from helpers.distributed import run_ranks, values_or_raise
+
+    ids, labels = rows(generator)
+    (logs0, calls0), (logs1, calls1) = values_or_raise(run_ranks(_data_parallel_trainer, 2, tmp_path, ids, labels))
+    assert len(logs0) == len(logs1) == 2 and len(calls0) == len(calls1) == 2  # one micro-batch per step and rank
+    for step in range(2):
+        ce_sum, tokens, smmd_sum, positions = (sum(values) for values in zip(calls0[step], calls1[step]))
+        for log in (logs0[step], logs1[step]):  # every process logs the pooled window
+            assert log["loss_ce"] == pytest.approx(ce_sum / tokens, rel=1e-5)
+            assert log["loss_smmd"] == pytest.approx(smmd_sum / positions, rel=1e-5)
+            assert log["numeric_positions"] == positions
+            assert log["loss_total"] == pytest.approx(log["loss"], rel=1e-4)  # the Trainer's loss over both
