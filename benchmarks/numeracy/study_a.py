@@ -35,11 +35,14 @@ from smmd_train.arguments import REPO, train_command
 HERE = Path(__file__).resolve().parent
 
 ARMS = tier_a.ARMS
-NTL_MSE_CANDIDATES = (1e-4, 1e-3, 1e-2)
+NTL_MSE_CANDIDATES = (1e-4, 1e-3)
 SELECTION_SEED = 1000
 
 SETTINGS = tier_a.SETTINGS
 FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4), (0, 1), ("ce", "smmd")
+# --quick checks the pipeline within 20 minutes on 2 cores: the same data and model, a quarter of the steps.
+QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTINGS["warmup_steps"] // 4,
+                      eval_every=SETTINGS["eval_every"] // 4)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +80,8 @@ def prepare(work_dir: Path, settings: dict) -> dict:
     if not record.is_file():
         data = tier_a.build_data(work_dir / "data", operand_range=settings["operand_range"],
                                  held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
-                                 eval_per_split=settings["eval_per_split"], seed=settings["data_seed"])
+                                 eval_per_split=settings["eval_per_split"],
+                                 counting_share=settings["counting_share"], seed=settings["data_seed"])
         write_json(record, data)
     data = json.loads(record.read_text())
     tokenizer_dir = work_dir / "tokenizer"
@@ -171,17 +175,17 @@ def is_finished(output_dir: Path) -> bool:
     return path.is_file() and "eval" in json.loads(path.read_text())
 
 
-def open_study(work_dir: Path, arms: list, seeds: list) -> dict:
+def open_study(work_dir: Path, settings: dict, arms: list, seeds: list) -> dict:
     path = work_dir / "study.json"
     if path.is_file():
         study = json.loads(path.read_text())
-        if study["settings"] != SETTINGS:
-            changed = {key: (study["settings"].get(key), value) for key, value in SETTINGS.items()
+        if study["settings"] != settings:
+            changed = {key: (study["settings"].get(key), value) for key, value in settings.items()
                        if study["settings"].get(key) != value}
             raise SystemExit(f"{work_dir} holds runs made with other settings ({changed}); pass another "
                              f"--work_dir, or delete this one to start over")
     else:
-        study = {"tier": "a", "settings": SETTINGS, "arms": [], "seeds": [], "invocations": []}
+        study = {"tier": "a", "settings": settings, "arms": [], "seeds": [], "invocations": []}
     study["arms"] = list(dict.fromkeys(study["arms"] + arms))
     study["seeds"] = list(dict.fromkeys(study["seeds"] + seeds))
     return study
@@ -217,19 +221,20 @@ def check_pipeline(results_dir: Path, arms: list, seeds: list) -> list:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    env = child_environment(SETTINGS["threads"], on_gpu=False)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    env = child_environment(settings["threads"], on_gpu=False)
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
     import torch
 
-    torch.set_num_threads(SETTINGS["threads"])  # the in-process evaluation: one thread, like the runs
+    torch.set_num_threads(settings["threads"])  # the in-process evaluation: one thread, like the runs
     work_dir = args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
-    study = open_study(work_dir, args.arms, args.seeds)
+    study = open_study(work_dir, settings, args.arms, args.seeds)
     began, cpu_began = time.monotonic(), os.times()
     invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "wall_seconds": 0.0,
                   "cpu_seconds": 0.0, "runs_completed": 0}
     study["invocations"].append(invocation)
-    data = prepare(work_dir, SETTINGS)
+    data = prepare(work_dir, settings)
     study["parameters"] = data["parameters"]
     study["data"] = {key: value for key, value in data.items() if key.endswith("pairs") or key == "qa_items"}
 
@@ -242,11 +247,11 @@ def main(argv=None) -> None:
         write_json(work_dir / "study.json", study)
 
     save()
-    print(f"[tier a] {len(args.arms)} arms x {len(args.seeds)} seeds, {SETTINGS['model']} model "
-          f"({data['parameters'] / 1e6:.2f}M parameters), {SETTINGS['steps']} steps, work dir {work_dir}", flush=True)
+    print(f"[tier a] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
+          f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
     weight = None
     if "ntl_mse" in args.arms:
-        weight = select_ntl_mse_weight(SETTINGS, data, work_dir, env, began)["weight"]
+        weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]
         study["ntl_mse_weight"] = weight
         print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
     failures = []
@@ -256,7 +261,7 @@ def main(argv=None) -> None:
             if is_finished(output_dir):
                 continue
             try:
-                record = execute(SETTINGS, data, arm, arm_flags(arm, weight), seed, output_dir, env)
+                record = execute(settings, data, arm, arm_flags(arm, weight), seed, output_dir, env)
             except RunFailed as error:
                 failures.append(f"{arm} seed {seed}: {error}")
                 print(f"[tier a] {arm} seed {seed} FAILED", flush=True)

@@ -6,7 +6,8 @@ Llama-3-style tokenizer (0..999 are single tokens; ``smmd_numeracy.train_numeric
 
 ``add``  a + b                 (a, b in the operand range)
 ``sub``  a - b, a >= b         (result >= 0)
-``mul``  a * b, a * b <= 999   (the bounded third operation; products of small numbers)
+``dist`` |a - b|               (the bounded third operation, written ``a~b=``: the distance, so
+                               half of its pairs need the operands' order, unlike ``sub``)
 
 Splits (``build_data``), all disjoint in (op, a, b):
 
@@ -14,8 +15,8 @@ Splits (``build_data``), all disjoint in (op, a, b):
 ``val``    a held-out share of in-range pairs, used only to choose NTL-MSE's weight;
 ``test``   another held-out share of in-range pairs (interpolation), never used for choices;
 ``oor``    out of range: at least one operand in the band above the operand range. Those tokens
-           never occur as operands in training, only as answers of ``add`` (and ``mul``), so with
-           the tied embeddings a model can know them from the output side alone.
+           never occur as operands in training, only as answers of ``add`` and in the counting
+           lines (below), so with the tied embeddings a model knows them from the output side only.
 
 The text of one problem is ``"37+45=82"`` (6 tokens with the newline); the evaluation prompt is
 ``"37+45="`` and the greedy continuation's first number is the answer (``evaluate_model``).
@@ -30,13 +31,13 @@ import json
 import random
 from pathlib import Path
 
-OPERATIONS = ("add", "sub", "mul")
+OPERATIONS = ("add", "sub", "dist")
 # The study's and the demo's settings: data, tokenizer, model and training (benchmarks/numeracy/README.md).
 SETTINGS = {
     "operand_range": 100, "held_out_share": 0.2, "oor_band": 50, "eval_per_split": 600, "data_seed": 0,
-    "vocab_size": 1400, "model": "tiny", "seq_len": 64, "micro_batch_size": 32, "steps": 500, "lr": 3e-3,
-    "warmup_steps": 50, "eval_every": 100, "eval_batches": 4, "deepspeed_config": "ds_configs/zero3.json",
-    "threads": 1, "nice": 5,
+    "counting_share": 0.25, "vocab_size": 1400, "model": "tiny", "seq_len": 64, "micro_batch_size": 8,
+    "steps": 2000, "lr": 3e-3, "warmup_steps": 200, "eval_every": 500, "eval_batches": 4,
+    "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 5,
 }
 # The study's pre-registered arms: name -> train.py options. ``ntl_mse``'s weight is chosen on the
 # validation split (``None`` here); ``random_kernel`` is SMMD with a value-agnostic kernel.
@@ -48,13 +49,14 @@ ARMS = {
     "smmd_ntl_was": {"numeric_loss": ["smmd:1", "ntl-was:0.3"], "ntl_squash_factor": 9.0},
     "random_kernel": {"numeric_loss": ["smmd:1"], "smmd_kernel": "random"},
 }
-SYMBOL = {"add": "+", "sub": "-", "mul": "*"}
+SYMBOL = {"add": "+", "sub": "-", "dist": "~"}
 PROBLEMS_PER_DOCUMENT = 8
+COUNTING_LENGTH = 24
 SPLITS = ("train", "val", "test", "oor")
 
 
 def answer(op: str, a: int, b: int) -> int:
-    return a + b if op == "add" else a - b if op == "sub" else a * b
+    return a + b if op == "add" else a - b if op == "sub" else abs(a - b)
 
 
 def pairs(op: str, low: int, high: int) -> list:
@@ -78,19 +80,34 @@ def prompt(op: str, a: int, b: int) -> str:
 
 
 def split_pairs(operand_range: int, held_out_share: float, oor_band: int, seed: int) -> dict:
-    """{split: [(op, a, b)]}: per operation, a ``held_out_share`` of the in-range pairs is held out
-    and halved into val and test; the rest is train; ``oor`` is every out-of-range pair."""
+    """{split: [(op, a, b)]}: per operation, a ``held_out_share`` of the in-range pairs whose operands
+    are both >= 2 is held out and halved into val and test; the rest is train (pairs with an operand 0
+    or 1 always train: the counting lines state every n + 1 = n + 1 fact anyway); ``oor`` is every
+    out-of-range pair."""
     rng = random.Random(f"tier_a/{seed}")
     splits = {split: [] for split in SPLITS}
     for op in OPERATIONS:
         in_range = pairs(op, 0, operand_range)
-        rng.shuffle(in_range)
+        eligible = [(a, b) for a, b in in_range if min(a, b) >= 2]
+        rng.shuffle(eligible)
         held = round(len(in_range) * held_out_share)
-        splits["val"] += [(op, a, b) for a, b in in_range[:held // 2]]
-        splits["test"] += [(op, a, b) for a, b in in_range[held // 2:held]]
-        splits["train"] += [(op, a, b) for a, b in in_range[held:]]
+        splits["val"] += [(op, a, b) for a, b in eligible[:held // 2]]
+        splits["test"] += [(op, a, b) for a, b in eligible[held // 2:held]]
+        held_out = set(eligible[:held])
+        splits["train"] += [(op, a, b) for a, b in in_range if (a, b) not in held_out]
         splits["oor"] += [(op, a, b) for a, b in oor_pairs(op, operand_range, oor_band)]
     return splits
+
+
+def counting_lines(count: int, length: int, seed: int) -> list:
+    """``count`` runs of ``length`` consecutive numbers from a random start in 0..999, comma-separated
+    ("37,38,39,..."): every number token in order, the number line the arithmetic is built on."""
+    rng = random.Random(f"tier_a/counting/{seed}")
+    lines = []
+    for _ in range(count):
+        start = rng.randrange(0, 1000 - length + 1)
+        lines.append(",".join(str(number) for number in range(start, start + length)))
+    return lines
 
 
 def _documents(problems: list) -> list:
@@ -105,15 +122,17 @@ def _write_jsonl(rows: list, path: Path) -> None:
 
 
 def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split: int,
-               seed: int = 0) -> dict:
+               counting_share: float = 0.0, seed: int = 0) -> dict:
     """Write the Tier A files under ``out_dir``; returns their paths and the split sizes.
 
-    ``train.jsonl``  {"text"}: every training pair once, shuffled, in documents (one epoch = all pairs);
+    ``train.jsonl``  {"text"}: every training pair once, shuffled, in documents (one epoch = all pairs),
+                     with counting lines (``counting_lines``) making up ``counting_share`` of the documents;
     ``eval.jsonl``   {"text"}: test pairs in documents, for train.py's periodic held-out CE/accuracy;
     ``qa_eval.jsonl`` {"prompt", "answer", "task"}: up to ``eval_per_split`` problems of each of val,
                      test and oor (task = "<split>/<op>", sampled evenly over the operations);
-    ``tokenizer_text.txt``: the texts the tokenizer is trained on (train documents).
     """
+    if not 0 <= counting_share < 1:
+        raise ValueError(f"counting_share must be in [0, 1); got {counting_share!r}")
     if not 0 < held_out_share < 1:
         raise ValueError(f"held_out_share must be in (0, 1); got {held_out_share!r}")
     if operand_range < 2 or oor_band < 1 or eval_per_split < len(OPERATIONS):
@@ -126,7 +145,11 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "qa_eval": out_dir / "qa_eval.jsonl"}
-    _write_jsonl([{"text": document} for document in _documents(train)], paths["train"])
+    documents = _documents(train)
+    counting = round(len(documents) * counting_share / (1 - counting_share))
+    documents += counting_lines(counting, COUNTING_LENGTH, seed)
+    rng.shuffle(documents)
+    _write_jsonl([{"text": document} for document in documents], paths["train"])
     qa, eval_problems = [], []
     for split in ("val", "test", "oor"):
         for op in OPERATIONS:
@@ -143,7 +166,8 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
     sizes = {f"{split}_pairs": len(problems) for split, problems in splits.items()}
     sizes.update({f"{split}_{op}_pairs": sum(problem[0] == op for problem in problems)
                   for split, problems in splits.items() for op in OPERATIONS})
-    return {**{key: str(path) for key, path in paths.items()}, **sizes, "qa_items": len(qa)}
+    return {**{key: str(path) for key, path in paths.items()}, **sizes, "counting_documents": counting,
+            "qa_items": len(qa)}
 
 
 # ----------------------------------------------------------------------------------------------

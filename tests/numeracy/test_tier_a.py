@@ -36,14 +36,23 @@ def test_splits_are_disjoint_one_token_and_out_of_range_where_they_say(tmp_path)
     for op in tier_a.OPERATIONS:
         in_range = {(op, a, b) for a, b in tier_a.pairs(op, 0, 20)}
         assert in_range == {p for split in ("train", "val", "test") for p in sets[split] if p[0] == op}
+    # Identities and +-1 facts (stated by the counting lines) are never held out.
+    assert all(min(a, b) >= 2 for split in ("val", "test") for _, a, b in splits[split])
     # The split depends on the seed, and only on it.
     assert tier_a.split_pairs(20, 0.2, 5, seed=3) == splits
     assert tier_a.split_pairs(20, 0.2, 5, seed=4)["test"] != splits["test"]
 
 
 def test_build_data_writes_training_text_that_matches_the_prompts(tmp_path):
-    data = tier_a.build_data(tmp_path, operand_range=12, held_out_share=0.3, oor_band=4, eval_per_split=30, seed=0)
-    train_lines = [line for row in map(json.loads, open(data["train"])) for line in row["text"].split("\n")]
+    data = tier_a.build_data(tmp_path, operand_range=12, held_out_share=0.3, oor_band=4, eval_per_split=30,
+                             counting_share=0.2, seed=0)
+    documents = [row["text"] for row in map(json.loads, open(data["train"]))]
+    counting = [document for document in documents if "," in document]
+    assert len(counting) == data["counting_documents"] > 0
+    for line in counting:
+        numbers = [int(number) for number in line.split(",")]
+        assert numbers == list(range(numbers[0], numbers[0] + tier_a.COUNTING_LENGTH)) and numbers[-1] <= 999
+    train_lines = [line for document in documents if "," not in document for line in document.split("\n")]
     assert len(train_lines) == data["train_pairs"]
     qa = [json.loads(line) for line in open(data["qa_eval"])]
     assert {item["task"].split("/")[0] for item in qa} == {"val", "test", "oor"}
@@ -144,6 +153,6 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, rng):
     assert study_a.check_pipeline(results, ["ce", "smmd"], list(range(6))) == []
     problems = study_a.check_pipeline(results, ["ce", "smmd"], list(range(7)))
     assert any("missing" in problem for problem in problems)
-    # A seed one arm lacks is left out of every comparison (the arms share their seeds).
+    # A seed one arm lacks drops out of that arm's comparison only.
     (work / "smmd-seed5" / "run.json").unlink()
-    assert analyze_a.write_report(work, results)["seeds"] == list(range(5))
+    assert analyze_a.write_report(work, results)["tests"]["exact_match"]["rows"][0]["n"] == 5
