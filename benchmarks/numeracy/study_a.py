@@ -141,10 +141,11 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     return record
 
 
-def _progress(label: str, record: dict, began: float) -> None:
-    test = record["eval"]["test"]
-    print(f"[tier a] {label}: trained {record['train_seconds']:.0f} s, test exact match {test['exact_match']:.1%}, "
-          f"MAE {test['mae'] if test['mae'] is not None else float('nan'):.1f}, within 1 {test['within_1']:.1%} "
+def _progress(label: str, record: dict, began: float, split: str = "test") -> None:
+    metrics = record["eval"][split]
+    mae = metrics["mae"] if metrics["mae"] is not None else float("nan")
+    print(f"[tier a] {label}: trained {record['train_seconds']:.0f} s, {split} exact match "
+          f"{metrics['exact_match']:.1%}, MAE {mae:.1f}, within 1 {metrics['within_1']:.1%} "
           f"({time.monotonic() - began:.0f} s so far)", flush=True)
 
 
@@ -158,7 +159,7 @@ def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict,
     for weight in NTL_MSE_CANDIDATES:
         record = execute(settings, data, f"ntl_mse@{weight:g}", arm_flags("ntl_mse", weight), SELECTION_SEED,
                          work_dir / "selection" / f"ntl_mse-{weight:g}", env)
-        _progress(f"selection ntl_mse weight {weight:g}", record, began)
+        _progress(f"selection ntl_mse weight {weight:g}", record, began, split="val")
         val = record["eval"]["val"]
         rows.append({"weight": weight, "val_exact_match": val["exact_match"], "val_mae": val["mae"],
                      "train_seconds": record["train_seconds"], "train_cpu_seconds": record["train_cpu_seconds"]})
@@ -168,6 +169,16 @@ def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict,
                  "candidates": rows, "weight": best["weight"]}
     write_json(path, selection)
     return selection
+
+
+def run_order(arms: list, seeds: list) -> list:
+    """(arm, seed) in the order they run: ``ce`` and ``smmd`` over every seed first (the headline
+    comparison, so a grid cut short by the machine still pairs them on several seeds), then the other
+    arms seed by seed, ``ntl_mse`` last (its weight is chosen on validation just before its first run)."""
+    first = [arm for arm in arms if arm in ("ce", "smmd")]
+    middle = [arm for arm in arms if arm not in first and arm != "ntl_mse"]
+    last = [arm for arm in arms if arm == "ntl_mse"]
+    return [(arm, seed) for group in (first, middle, last) for seed in seeds for arm in group]
 
 
 def is_finished(output_dir: Path) -> bool:
@@ -250,25 +261,24 @@ def main(argv=None) -> None:
     print(f"[tier a] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
           f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
     weight = None
-    if "ntl_mse" in args.arms:
-        weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]
-        study["ntl_mse_weight"] = weight
-        print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
     failures = []
-    for seed in args.seeds:
-        for arm in args.arms:
-            output_dir = work_dir / f"{arm}-seed{seed}"
-            if is_finished(output_dir):
-                continue
-            try:
-                record = execute(settings, data, arm, arm_flags(arm, weight), seed, output_dir, env)
-            except RunFailed as error:
-                failures.append(f"{arm} seed {seed}: {error}")
-                print(f"[tier a] {arm} seed {seed} FAILED", flush=True)
-                continue
-            invocation["runs_completed"] += 1
-            save()
-            _progress(f"{arm} seed {seed}", record, began)
+    for arm, seed in run_order(args.arms, args.seeds):
+        output_dir = work_dir / f"{arm}-seed{seed}"
+        if is_finished(output_dir):
+            continue
+        if arm == "ntl_mse" and weight is None:
+            weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]
+            study["ntl_mse_weight"] = weight
+            print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
+        try:
+            record = execute(settings, data, arm, arm_flags(arm, weight), seed, output_dir, env)
+        except RunFailed as error:
+            failures.append(f"{arm} seed {seed}: {error}")
+            print(f"[tier a] {arm} seed {seed} FAILED", flush=True)
+            continue
+        invocation["runs_completed"] += 1
+        save()
+        _progress(f"{arm} seed {seed}", record, began)
     save()
     if failures:
         raise SystemExit("[tier a] some runs failed (finished runs are kept; rerun to retry):\n\n"

@@ -156,3 +156,12 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, rng):
     # A seed one arm lacks drops out of that arm's comparison only.
     (work / "smmd-seed5" / "run.json").unlink()
     assert analyze_a.write_report(work, results)["tests"]["exact_match"]["rows"][0]["n"] == 5
+
+
+def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
+    order = study_a.run_order(["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"], [0, 1])
+    assert order[:4] == [("ce", 0), ("smmd", 0), ("ce", 1), ("smmd", 1)]
+    assert order[4:8] == [("ntl_was", 0), ("random_kernel", 0), ("ntl_was", 1), ("random_kernel", 1)]
+    assert order[8:] == [("ntl_mse", 0), ("ntl_mse", 1)]
+    assert sorted(order) == sorted((arm, seed) for arm in ["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"]
+                                   for seed in [0, 1])
