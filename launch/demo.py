@@ -1,21 +1,31 @@
 """The self-contained CPU demo: CE against CE + a numeric loss on one-token arithmetic, end to end,
 nothing downloaded.
 
-    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~5 min, 2 cores)
+    bash launch/demo.sh                 # sets up .venv, then runs this with the study's 2,000 steps
+    bash launch/demo.sh --steps 500     # a shorter look (the model has not learned the task yet)
     python launch/demo.py --help        # this text; needs nothing installed
+
+Time: at TP=2 a step of this tiny model is slower than on one process (0.16-0.40 s per step,
+measured on 2 shared cores, against 0.08-0.15 s for the study's 1-process runs), so the 2 x 2,000
+steps take 11 minutes or more, plus about a minute of start-up per run.
 
 The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):
 
-1. problems ``a+b=``, ``a-b=``, ``a~b=`` (|a - b|) whose operands and answer are each one token 0..999 of a
-   Llama-3-style tokenizer trained locally; training pairs, held-out test pairs (interpolation) and
-   out-of-range pairs (an operand never seen as an operand);
+1. problems ``a+b=``, ``a-b=``, ``a~b=`` (|a - b|) whose operands and answer are each one token
+   0..999 of a Llama-3-style tokenizer trained locally; training pairs, held-out test pairs
+   (interpolation) and out-of-range pairs (an operand never seen as an operand);
 2. two runs from scratch of a tiny Llama, same seed, data order and steps: CE only, and CE + the
-   numeric loss (default: the study's best arm) -- each under ZeRO-3 + AutoTP (TP=2, vocabulary-
+   numeric loss (default SMMD, paper defaults; ``--arm`` picks another study arm) -- each under ZeRO-3 + AutoTP (TP=2, vocabulary-
    parallel head) on 2 processes through the deepspeed launcher, logging to TensorBoard;
 3. greedy answers of both on the held-out problems and a side-by-side table.
 
 One seed shows that the pipeline works and what the numbers look like; it cannot show that one loss
 is better: the study's seed-to-seed spread is printed under the table for scale.
+
+The accuracy columns repeat bit for bit when the demo runs again on the same machine and code (two
+runs of 60 steps: identical per-step losses and tables); only tokens/s varies. Every process runs
+``--threads`` (1) BLAS threads whatever the caller's OMP_NUM_THREADS, since another thread count
+can sum in another order.
 """
 
 from __future__ import annotations
