@@ -15,8 +15,9 @@ The task and settings are Tier A of the numeracy study (benchmarks/numeracy/READ
    0..999 of a Llama-3-style tokenizer trained locally; training pairs, held-out test pairs
    (interpolation) and out-of-range pairs (an operand never seen as an operand);
 2. two runs from scratch of a tiny Llama, same seed, data order and steps: CE only, and CE + the
-   numeric loss (default SMMD, paper defaults; ``--arm`` picks another study arm) -- each under ZeRO-3 + AutoTP (TP=2, vocabulary-
-   parallel head) on 2 processes through the deepspeed launcher, logging to TensorBoard;
+   numeric loss (default SMMD, paper defaults; ``--arm`` picks another study arm) -- each under
+   ZeRO-3 + AutoTP (TP=2, vocabulary-parallel head) on 2 processes through the deepspeed launcher,
+   logging to TensorBoard;
 3. greedy answers of both on the held-out problems and a side-by-side table.
 
 One seed shows that the pipeline works and what the numbers look like; it cannot show that one loss
