@@ -89,7 +89,7 @@ def compare(values: dict, seeds: list) -> dict:
                          "differences": differences})
     for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
         row["p_holm"] = adjusted
-    pairs = min((row["n"] for row in rows), default=0)
+    pairs = max((row["n"] for row in rows), default=0)  # the complete comparisons; a short one has its own MDE
     tests = sum(math.isfinite(row["p_value"]) for row in rows)
     mde_sd = minimal_detectable_effect(pairs)
     mde_holm_sd = minimal_detectable_effect(pairs, ALPHA / max(tests, 1))
