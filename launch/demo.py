@@ -1,18 +1,32 @@
-"""The self-contained CPU demo: continued pretraining with SMMD vs CE, end to end, nothing downloaded.
+"""The self-contained CPU demo: CE against CE + a numeric loss on one-token arithmetic, end to end,
+nothing downloaded.
 
-    bash launch/demo.sh                 # sets up .venv, then runs this with the defaults (~4.5 min, 2 cores)
-    python launch/demo.py --help        # knobs to scale it up on a GPU box
+    bash launch/demo.sh                 # sets up .venv, then runs this with the study's 2,000 steps
+    bash launch/demo.sh --steps 500     # a shorter look (the model has not learned the task yet)
+    python launch/demo.py --help        # this text; needs nothing installed
 
-1. a numeric corpus generated with `datasets` (arithmetic with results up to 999, clock reading,
-   unit conversions, counting, word problems, mixed with plain text) and held-out problems whose
-   operands never occur in training;
-2. a Llama-3-style BPE tokenizer trained on it (numbers split into groups of up to 3 digits, so
-   0..999 are single tokens);
-3. a tiny Llama pretrained briefly with CE;
-4. two continued-pretraining runs from that same checkpoint, same data order: CE only, and
-   CE + SMMD (the paper's defaults) — each ZeRO-3 + AutoTP (TP=2, vocabulary-parallel head)
-   through the deepspeed launcher, logging to TensorBoard;
-5. numeric evaluation of both on the held-out problems and a side-by-side table.
+Time: at TP=2 a step of this tiny model is slower than on one process (0.16-0.40 s per step,
+measured on 2 shared cores, against 0.08-0.15 s for the study's 1-process runs), so the 2 x 2,000
+steps take 11 minutes or more, plus about a minute of start-up per run.
+
+The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):
+
+1. problems ``a+b=``, ``a-b=``, ``a~b=`` (|a - b|) whose operands and answer are each one token
+   0..999 of a Llama-3-style tokenizer trained locally; training pairs, held-out test pairs
+   (interpolation) and out-of-range pairs (an operand never seen as an operand);
+2. two runs from scratch of a tiny Llama, same seed, data order and steps: CE only, and CE + the
+   numeric loss (default SMMD, paper defaults; ``--arm`` picks another study arm) -- each under
+   ZeRO-3 + AutoTP (TP=2, vocabulary-parallel head) on 2 processes through the deepspeed launcher,
+   logging to TensorBoard;
+3. greedy answers of both on the held-out problems and a side-by-side table.
+
+One seed shows that the pipeline works and what the numbers look like; it cannot show that one loss
+is better: the study's seed-to-seed spread is printed under the table for scale.
+
+The accuracy columns repeat bit for bit when the demo runs again on the same machine and code (two
+runs of 60 steps: identical per-step losses and tables); only tokens/s varies. Every process runs
+``--threads`` (1) BLAS threads whatever the caller's OMP_NUM_THREADS, since another thread count
+can sum in another order.
 """
 
 from __future__ import annotations
@@ -23,40 +37,35 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from smmd_train.arguments import REPO, train_command
-from smmd_train.dashboards import write_experiment
-from smmd_train.metrics_file import METRICS_FILE, read_metrics
-from smmd_train.tables import markdown_table
-
-TABLE_COLUMNS = [("run", "run", ""), ("exact match", "exact match", ".1%"), ("MAE", "MAE", ".1f"),
-                 ("unparseable", "unparseable", ".1%"), ("numeric-token acc.", "numeric-token acc.", ".1%"),
-                 ("numeric-token MAE", "numeric-token MAE", ".1f"), ("eval CE", "eval CE", ".3f"),
-                 ("tokens/s", "tokens/s", ".0f")]
+REPO = Path(__file__).resolve().parents[1]
+STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
+# The study's arm that the demo runs by default beside CE (benchmarks/numeracy/README.md, "Tier A"),
+# and the arms it can run (train.py flags in smmd_numeracy.tier_a.ARMS; ntl_mse's weight is the study's choice).
+DEFAULT_ARM = "smmd"
+ARM_LABELS = {"smmd": "CE + SMMD", "ntl_was": "CE + 0.3 NTL-WAS", "smmd_ntl_was": "CE + SMMD + 0.3 NTL-WAS",
+              "random_kernel": "CE + SMMD, random kernel"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="bash launch/demo.sh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work_dir", default=str(REPO / "demo_runs"), help="everything the demo writes")
-    parser.add_argument("--model", default="tiny", help="preset to pretrain (tiny on CPU; e.g. 125m on a GPU)")
-    parser.add_argument("--train_per_task", type=int, default=4000, help="training problems per task")
-    parser.add_argument("--test_per_task", type=int, default=60, help="held-out problems per task")
-    parser.add_argument("--pretrain_steps", type=int, default=300)
-    parser.add_argument("--continue_steps", type=int, default=200)
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--micro_batch_size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--continue_lr", type=float, default=1e-3)
-    parser.add_argument("--smmd_weight", type=float, default=1.0)
+    parser.add_argument("--model", default="tiny", help="preset trained from scratch (tiny on CPU)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the study's)")
+    parser.add_argument("--arm", default=DEFAULT_ARM, choices=list(ARM_LABELS), help="the study's arm to run beside "
+                        f"CE (default {DEFAULT_ARM})")
     parser.add_argument("--gpus", type=int, default=2, help="processes for the deepspeed launcher")
-    parser.add_argument("--tp", type=int, default=2, help="AutoTP degree of every training run")
+    parser.add_argument("--tp", type=int, default=2, help="AutoTP degree of both runs")
     parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
-    parser.add_argument("--fused_linear", action="store_true", help="train every run with train.py --fused_linear "
-                        "(CE + SMMD from the LM head's input, no logits)")
-    parser.add_argument("--vocab_size", type=int, default=2048, help="tokenizer size")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused_linear", action="store_true", help="train both runs with train.py --fused_linear")
+    parser.add_argument("--seed", type=int, default=0, help="training seed of both runs (the data are fixed)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process and "
+                        "of the evaluation; fixed so the numbers repeat (a different thread count sums in "
+                        "another order and changes them)")
     return parser.parse_args(argv)
 
 
@@ -65,24 +74,28 @@ def stage(title: str) -> float:
     return time.monotonic()
 
 
-def launch_train(args, name: str, model: str, steps: int, lr: float, smmd_weight: float, data: dict,
-                 tokenizer_dir: Path, export_dir: Path) -> Path:
+def launch_train(args, settings: dict, name: str, loss_flags: dict, data: dict) -> Path:
     """One train.py run under the deepspeed launcher; returns its output dir."""
+    from smmd_train.arguments import train_command
+    from smmd_train.metrics_file import METRICS_FILE
+
     output_dir = Path(args.work_dir) / name
     shutil.rmtree(output_dir, ignore_errors=True)
-    command = train_command(processes=args.gpus, deepspeed_config=args.deepspeed_config, tp=args.tp, model=model,
-                            tokenizer=tokenizer_dir if model == args.model else None, data=[data["train"]],
-                            eval_data=[data["eval"]], eval_batches=8, seq_len=args.seq_len,
-                            micro_batch_size=args.micro_batch_size, max_steps=steps, lr=lr,
-                            warmup_steps=max(steps // 10, 1), seed=args.seed, output_dir=output_dir,
-                            tensorboard_dir=Path(args.work_dir) / "tensorboard" / name,
-                            numeric_loss=[f"smmd:{smmd_weight:g}"], export_hf=export_dir,
-                            fused_linear=args.fused_linear)
+    command = train_command(processes=args.gpus, deepspeed_config=args.deepspeed_config, tp=args.tp,
+                            model=args.model, tokenizer=data["tokenizer"], data=[data["train"]],
+                            eval_data=[data["eval"]], eval_steps=settings["eval_every"],
+                            eval_batches=settings["eval_batches"], cache_dir=Path(args.work_dir) / "cache",
+                            seq_len=settings["seq_len"], micro_batch_size=settings["micro_batch_size"],
+                            max_steps=settings["steps"], lr=settings["lr"], warmup_steps=settings["warmup_steps"],
+                            seed=args.seed, output_dir=output_dir,
+                            tensorboard_dir=Path(args.work_dir) / "tensorboard" / name, export_hf=output_dir / "hf",
+                            fused_linear=args.fused_linear, **loss_flags)
     log = output_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
-        returncode = follow_progress(process, output_dir / METRICS_FILE, steps, name)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        returncode = follow_progress(process, output_dir / METRICS_FILE, settings["steps"], name)
     if returncode != 0:
         raise SystemExit(f"{name} failed (exit {returncode}); see {log}:\n" +
                          "".join(log.read_text().splitlines(keepends=True)[-30:]))
@@ -119,91 +132,99 @@ def follow_progress(process: subprocess.Popen, metrics_path: Path, steps: int, n
 
 
 def training_summary(output_dir: Path) -> dict:
+    from smmd_train.metrics_file import read_metrics
+
     records = read_metrics(output_dir)
     steps = [r for r in records if "loss/total" in r]
     evals = [r for r in records if "eval/ce" in r]
     return {"tokens_per_second": statistics.median(r["perf/tokens_per_second"] for r in steps
                                                    if "perf/tokens_per_second" in r),
-            "final_ce": steps[-1]["loss/ce"], "eval_ce": evals[-1]["eval/ce"] if evals else float("nan"),
-            "eval_numeric_accuracy": evals[-1]["eval/numeric_accuracy"] if evals else float("nan")}
+            "final_ce": steps[-1]["loss/ce"], "eval_ce": evals[-1]["eval/ce"] if evals else float("nan")}
 
 
-def score_answers(model_dir: Path, qa_path: str) -> dict:
-    """Greedy answers and teacher-forced numeric-token metrics of an exported model on held-out problems."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from smmd_numeracy import evaluate_qa, load_qa
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    report = evaluate_qa(model, AutoTokenizer.from_pretrained(model_dir), load_qa(qa_path))
-    (model_dir / "numeric_eval.json").write_text(json.dumps(report, indent=1))
-    return report
+def study_spread() -> str:
+    """What one seed can show, in the study's own numbers (if its results are in the checkout)."""
+    if not STUDY_RESULTS.is_file():
+        return ("One seed cannot tell a loss effect from seed-to-seed variation; the multi-seed study "
+                "(python -m benchmarks.numeracy.run_study --tier a) measures both.")
+    results = json.loads(STUDY_RESULTS.read_text())
+    cells = results["cells"]
+    ce_em, ce_mae = cells["exact_match"]["test"]["ce"], cells["mae"]["test"]["ce"]
+    return (f"What one seed can show: that both runs train and what their answers look like. What it cannot: "
+            f"which loss is better. Across the study's {len(results['seeds'])} seeds (1-process runs; these are "
+            f"TP=2, so not the same numbers), CE alone has test exact match {100 * ce_em['mean']:.1f}% ± "
+            f"{100 * ce_em['std']:.1f} and MAE {ce_mae['mean']:.1f} ± {ce_mae['std']:.1f} (mean ± std over "
+            f"seeds): a one-seed difference smaller than a few such stds says nothing. The study's paired "
+            f"comparisons with intervals are in benchmarks/numeracy/results/tier_a_summary.md.")
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before any heavy import: --help needs nothing installed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import smmd_numeracy as numeracy
+    import torch
+    from transformers import AutoTokenizer
 
+    from smmd_numeracy import tier_a, train_numeric_tokenizer
+    from smmd_train.dashboards import write_experiment
+    from smmd_train.tables import markdown_table
+
+    torch.set_num_threads(args.threads)  # the evaluation below, like the training processes
+    settings = dict(tier_a.SETTINGS, **({"steps": args.steps} if args.steps else {}))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / "tensorboard", ignore_errors=True)
     began = time.monotonic()
 
-    started = stage("1/5 numeric corpus (datasets)")
-    corpus = numeracy.build_corpus(work / "data", train_per_task=args.train_per_task,
-                                   test_per_task=args.test_per_task, seed=args.seed)
-    data = {key: str(corpus[key]) for key in ("train", "eval", "qa_test")}
-    print(f"    {corpus['train_problems']} training problems in {corpus['train_documents']} documents "
-          f"({corpus['plain_text_documents']} plain text), {corpus['test_problems']} held-out problems "
-          f"({time.monotonic() - started:.0f} s)")
-
-    started = stage("2/5 Llama-3-style tokenizer (numbers 0..999 are single tokens)")
+    started = stage("1/3 one-token arithmetic and a Llama-3-style tokenizer (0..999 are single tokens)")
+    data = tier_a.build_data(work / "data", operand_range=settings["operand_range"],
+                             held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
+                             eval_per_split=settings["eval_per_split"], counting_share=settings["counting_share"],
+                             seed=settings["data_seed"])
     with open(data["train"]) as handle:
         texts = [json.loads(line)["text"] for line in handle]
-    tokenizer = numeracy.train_numeric_tokenizer(texts, vocab_size=args.vocab_size)
-    tokenizer_dir = work / "tokenizer"
-    tokenizer.save_pretrained(tokenizer_dir)
-    print(f"    {len(tokenizer)} tokens ({time.monotonic() - started:.0f} s)")
-
-    started = stage(f"3/5 pretrain a {args.model} Llama with CE ({args.pretrain_steps} steps)")
-    pretrained = work / "pretrained"
-    launch_train(args, "pretrain", args.model, args.pretrain_steps, args.lr, 0.0, data, tokenizer_dir, pretrained)
-    print(f"    -> {pretrained} ({time.monotonic() - started:.0f} s)")
+    train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(work / "tokenizer")
+    data["tokenizer"] = str(work / "tokenizer")
+    print(f"    {data['train_pairs']} training pairs (operands 0..{settings['operand_range'] - 1}); held out: "
+          f"{data['test_pairs']} test pairs, {data['oor_pairs']} out-of-range pairs; "
+          f"{len(AutoTokenizer.from_pretrained(work / 'tokenizer'))} tokens ({time.monotonic() - started:.0f} s)")
 
     runs = {}
-    for index, (name, weight) in enumerate((("ce", 0.0), ("smmd", args.smmd_weight))):
-        label = "CE only" if weight == 0 else f"CE + {weight:g} x SMMD (paper defaults)"
-        started = stage(f"4/5 ({index + 1}/2) continue pretraining: {label}, {args.continue_steps} steps, "
-                        f"ZeRO-3 + AutoTP on {args.gpus} processes")
-        output = launch_train(args, name, str(pretrained), args.continue_steps, args.continue_lr, weight, data,
-                              tokenizer_dir, work / name / "hf")
-        runs[name] = (label, output)
-        print(f"    -> {output} ({time.monotonic() - started:.0f} s)")
+    plans = (("ce", "CE only", tier_a.ARMS["ce"]), (args.arm, ARM_LABELS[args.arm], tier_a.ARMS[args.arm]))
+    for index, (name, label, loss_flags) in enumerate(plans):
+        started = stage(f"2/3 ({index + 1}/2) {label} ({' '.join(loss_flags['numeric_loss'])}), {settings['steps']} "
+                        f"steps from scratch, seed {args.seed}, ZeRO-3 + AutoTP TP={args.tp} on {args.gpus} processes")
+        runs[name] = (label, launch_train(args, settings, name, loss_flags, data))
+        print(f"    -> {runs[name][1]} ({time.monotonic() - started:.0f} s)")
 
-    started = stage("5/5 numeric evaluation on held-out problems (greedy generation + teacher forcing)")
+    started = stage("3/3 greedy answers on held-out problems")
     rows = []
     for label, output in runs.values():
-        report, summary = score_answers(output / "hf", data["qa_test"]), training_summary(output)
-        rows.append({"run": label, "exact match": report["exact_match"], "MAE": report["mae"],
-                     "unparseable": report["unparseable"],
-                     "numeric-token acc.": report["numeric_token_accuracy"],
-                     "numeric-token MAE": report["numeric_token_mae"], "eval CE": summary["eval_ce"],
+        report = tier_a.evaluate_model(output / "hf", data["qa_eval"])["metrics"]
+        (output / "tier_a_eval.json").write_text(json.dumps(report, indent=1))
+        summary = training_summary(output)
+        test, oor = report["test"], report["oor"]
+        rows.append({"run": label, "test exact": test["exact_match"], "test MAE": test["mae"],
+                     "test within 1": test["within_1"], "out-of-range exact": oor["exact_match"],
+                     "out-of-range MAE": oor["mae"], "eval CE": summary["eval_ce"],
                      "tokens/s": summary["tokens_per_second"], "report": report})
     print(f"    ({time.monotonic() - started:.0f} s)")
-
-    print(f"\n{report['count']} held-out problems, operands never seen in training; "
-          f"tokens/s = training throughput on {args.gpus} processes\n")
-    print(markdown_table(rows, TABLE_COLUMNS))  # a metric over nothing (MAE when no answer parses) prints -
-    (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
+    columns = [("run", "run", ""), ("test exact", "test exact match", ".1%"), ("test MAE", "test MAE", ".2f"),
+               ("test within 1", "test within ±1", ".1%"), ("out-of-range exact", "out-of-range exact", ".1%"),
+               ("out-of-range MAE", "out-of-range MAE", ".1f"), ("eval CE", "eval CE", ".3f"),
+               ("tokens/s", "tokens/s", ".0f")]
+    print(f"\n{report['test']['count']} held-out test problems (operand pairs never trained) and "
+          f"{report['oor']['count']} out-of-range problems; greedy answers; tokens/s = training throughput on "
+          f"{args.gpus} processes (the only column that varies between runs of the demo)\n")
+    print(markdown_table(rows, columns))
+    print("\n" + study_spread())
+    (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "settings": settings, "rows": rows,
                                                         "seconds": time.monotonic() - began}, indent=1))
-    print(f"\nper-task reports: {work}/*/hf/numeric_eval.json; everything: {work}/demo_results.json")
-    # The HParams dashboard's columns for the three runs: what differs between them first.
+    print(f"\nper-split reports: {work}/*/tier_a_eval.json; everything: {work}/demo_results.json")
     write_experiment(str(work / "tensorboard"), differs=("numeric_weight", "model", "max_steps", "lr"))
     print(f"TensorBoard:  tensorboard --logdir {work / 'tensorboard'}")
     print(f"total {time.monotonic() - began:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# The main job: a self-contained CPU demo of continued pretraining with SMMD vs CE (ZeRO-3 + AutoTP on
-# 2 processes), then numeric evaluation. Nothing is downloaded from a model hub.
-#   bash launch/demo.sh                     # ~4.5 minutes on 2 cores after the first set-up
-#   bash launch/demo.sh --help              # flags to scale it up (steps, model size, data size)
+# The main job: a self-contained CPU demo, CE against CE + a numeric loss on one-token arithmetic
+# (Tier A of the numeracy study), each ZeRO-3 + AutoTP on 2 processes, then greedy evaluation.
+# Nothing is downloaded from a model hub.
+#   bash launch/demo.sh                     # the study's 2,000 steps per run: 11+ minutes on 2 cores
+#   bash launch/demo.sh --steps 500         # a shorter look
+#   bash launch/demo.sh --help              # its options; prints at once, sets nothing up
 # Set-up (launch/setup_venv.sh, shared with CI): .venv, the pinned CPU torch first, the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+for argument in "$@"; do
+  # demo.py parses its arguments before importing anything, so any python 3 prints the help.
+  if [ "$argument" = "--help" ] || [ "$argument" = "-h" ]; then
+    exec python3 launch/demo.py --help
+  fi
+done
 
 # shellcheck source=launch/setup_venv.sh
 . launch/setup_venv.sh train

@@ -1,0 +1,263 @@
+"""Statistics and report of Tier A (``study_a``): every arm against ``ce``, paired by seed.
+
+    python -m benchmarks.numeracy.analyze_a [--work_dir runs/tier_a] [--results_dir results]
+
+Pre-registered metrics (``METRICS``), each on the test split (held-out in-range pairs) and the
+out-of-range split, all operations pooled: greedy exact match, MAE (over parseable answers) and the
+share of answers within +-1; sample efficiency is the mean held-out teacher-forced numeric-token
+accuracy over train.py's periodic evaluations (the area under the learning curve; higher = learns
+sooner), on the test pairs' documents.
+
+For each arm, metric and column: the per-seed differences arm - ce on the seeds both finished; their
+mean with a 95% percentile bootstrap interval (``BOOTSTRAP_RESAMPLES`` resamples of the seeds, a fixed
+generator); the paired t-test's p; Holm's correction over the tests of one metric (arms x columns).
+The minimal detectable effect is the true mean difference a paired t-test at the seeds used detects
+with 80% power at alpha = 0.05 (and at Holm's strictest level), in SDs of the differences and, with
+the observed SD, in the metric's units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from scipy import optimize
+
+from benchmarks.numeracy.analyze import ALPHA, describe, holm, paired_power, paired_test, strict_json
+from smmd_train.metrics_file import read_metrics
+from smmd_train.tables import markdown_table
+
+HERE = Path(__file__).resolve().parent
+BASELINE = "ce"
+BOOTSTRAP_RESAMPLES = 10_000
+POWER = 0.8
+# name -> (header, higher is better, display scale, unit, columns tested)
+METRICS = {
+    "exact_match": ("exact match", True, 100.0, "%", ("test", "oor")),
+    "mae": ("MAE", False, 1.0, "", ("test", "oor")),
+    "within_1": ("within +-1", True, 100.0, "%", ("test", "oor")),
+    "curve_auc": ("learning-curve area (held-out numeric-token accuracy)", True, 100.0, "%", ("test",)),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics (pure functions of numbers; tests/numeracy/test_tier_a.py checks them)
+# ----------------------------------------------------------------------------------------------
+
+def bootstrap_interval(differences, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                       level: float = 0.95) -> tuple:
+    """Percentile bootstrap interval of the mean of ``differences`` (resampling them with
+    replacement). Fewer than 2 values: (nan, nan). With few seeds the percentile interval is
+    narrower than it should be (it ignores the t correction); the report says so."""
+    values = np.asarray([value for value in differences if value is not None and math.isfinite(value)], dtype=float)
+    if len(values) < 2:
+        return math.nan, math.nan
+    generator = np.random.default_rng(seed)
+    means = values[generator.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def minimal_detectable_effect(n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The true mean difference, in SDs of the per-seed differences, that a two-sided paired t-test
+    with ``n`` pairs detects with probability ``power`` at level ``alpha``."""
+    if n < 2:
+        return math.nan
+    return float(optimize.brentq(lambda effect: paired_power(n, effect, alpha) - power, 1e-3, 100.0))
+
+
+def compare(values: dict, seeds: list) -> dict:
+    """Tests of every arm against ``ce`` for one metric: ``values`` is {column: {arm: [value per seed]}}
+    (None where missing). Returns {"rows": [...], "mde_sd": ..., "mde_holm_sd": ...}; each row has
+    arm, column, n, mean_difference, ci95_low/high (bootstrap), sd_difference, p_value, p_holm,
+    mde (in the metric's units, from the observed SD)."""
+    rows = []
+    for column, by_arm in values.items():
+        baseline = by_arm[BASELINE]
+        for arm, arm_values in by_arm.items():
+            if arm == BASELINE:
+                continue
+            test = paired_test(arm_values, baseline)
+            differences = [a - b for a, b in zip(arm_values, baseline)
+                           if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+            low, high = bootstrap_interval(differences)
+            rows.append({"arm": arm, "column": column, **test, "ci95_low": low, "ci95_high": high,
+                         "sd_difference": float(np.std(differences, ddof=1)) if len(differences) > 1 else math.nan,
+                         "differences": differences})
+    for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
+        row["p_holm"] = adjusted
+    pairs = max((row["n"] for row in rows), default=0)  # the complete comparisons; a short one has its own MDE
+    tests = sum(math.isfinite(row["p_value"]) for row in rows)
+    mde_sd = minimal_detectable_effect(pairs)
+    mde_holm_sd = minimal_detectable_effect(pairs, ALPHA / max(tests, 1))
+    for row in rows:  # a row with fewer pairs (a grid cut short) has its own, larger MDE
+        row["mde"] = minimal_detectable_effect(row["n"]) * row["sd_difference"]
+    return {"rows": rows, "pairs": pairs, "tests": tests, "mde_sd": mde_sd, "mde_holm_sd": mde_holm_sd}
+
+
+def curve_auc(curve: list) -> float:
+    """Mean of the periodic held-out accuracies (``[(step, accuracy), ...]``) before the end: the
+    area under the learning curve divided by its length, evaluations equally spaced."""
+    if not curve:
+        return math.nan
+    return float(np.mean([accuracy for _, accuracy in curve]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs -> statistics -> report
+# ----------------------------------------------------------------------------------------------
+
+def load_runs(work_dir: Path) -> tuple:
+    study = json.loads((work_dir / "study.json").read_text())
+    runs = []
+    for path in sorted(work_dir.glob("*-seed*/run.json")):
+        record = json.loads(path.read_text())
+        if "eval" not in record:
+            continue
+        metrics = read_metrics(path.parent)
+        curve = [(entry["step"], entry["eval/numeric_accuracy"]) for entry in metrics
+                 if "eval/numeric_accuracy" in entry]
+        runs.append({"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
+                     "curve": curve, "train_seconds": record["train_seconds"],
+                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"]})
+    return study, runs
+
+
+def metric_values(runs: list, arms: list, seeds: list) -> dict:
+    """{metric: {column: {arm: [value per seed]}}}."""
+    by_key = {(run["arm"], run["seed"]): run for run in runs}
+    values = {}
+    for metric, (_, _, _, _, columns) in METRICS.items():
+        values[metric] = {}
+        for column in columns:
+            values[metric][column] = {}
+            for arm in arms:
+                per_seed = []
+                for seed in seeds:
+                    run = by_key.get((arm, seed))
+                    if run is None:
+                        per_seed.append(None)
+                    elif metric == "curve_auc":
+                        per_seed.append(curve_auc(run["curve"]))
+                    else:
+                        per_seed.append(run["eval"][column][metric])
+                values[metric][column][arm] = per_seed
+    return values
+
+
+def analyze(runs: list) -> dict:
+    arms = list(dict.fromkeys(run["arm"] for run in runs))
+    if BASELINE in arms:
+        arms.remove(BASELINE)
+        arms.insert(0, BASELINE)
+    # Every seed some run finished; a comparison pairs the seeds both arms finished (n in its row),
+    # so a grid cut short still compares what it has, and the table says how many seeds each arm has.
+    seeds = sorted({run["seed"] for run in runs})
+    values = metric_values(runs, arms, seeds)
+    cells = {metric: {column: {arm: describe(per_arm[arm]) for arm in arms} for column, per_arm in columns.items()}
+             for metric, columns in values.items()}
+    tests = {metric: compare(columns, seeds) for metric, columns in values.items()} if BASELINE in arms else {}
+    return {"arms": arms, "seeds": seeds, "values": values, "cells": cells, "tests": tests}
+
+
+def _fmt(value, scale: float, digits: int = 1) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value * scale:.{digits}f}"
+
+
+def _p(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.3f}" if value >= 0.001 else f"{value:.0e}"
+
+
+def tables(analysis: dict) -> str:
+    parts = []
+    for metric, (header, higher, scale, unit, columns) in METRICS.items():
+        unit_text = f" ({unit})" if unit else ""
+        rows = [{"arm": arm, **{column: f"{_fmt(cell['mean'], scale)} ± {_fmt(cell['std'], scale)}"
+                                for column, cell in ((c, analysis["cells"][metric][c][arm]) for c in columns)}}
+                for arm in analysis["arms"]]
+        parts.append(f"**{header}**{unit_text}, {'higher' if higher else 'lower'} is better: mean ± std over "
+                     f"{len(analysis['seeds'])} seeds\n\n"
+                     + markdown_table(rows, [("arm", "arm", "s")] + [(c, c, "s") for c in columns]))
+        if metric in analysis["tests"]:
+            result = analysis["tests"][metric]
+            difference_unit = " pp" if unit == "%" else unit
+            test_rows = [{"arm": row["arm"], "split": row["column"], "n": str(row["n"]),
+                          "arm - ce": f"{_fmt(row['mean_difference'], scale, 2)}{difference_unit}",
+                          "95% bootstrap CI":
+                              f"[{_fmt(row['ci95_low'], scale, 2)}, {_fmt(row['ci95_high'], scale, 2)}]",
+                          "p": _p(row["p_value"]), "p (Holm)": _p(row["p_holm"]),
+                          "MDE (80%)": f"{_fmt(row['mde'], scale, 2)}{difference_unit}"}
+                         for row in result["rows"]]
+            columns_spec = [(key, key, "s") for key in test_rows[0]] if test_rows else []
+            parts.append(f"Paired differences against ce ({result['tests']} tests, Holm within this metric; MDE = "
+                         f"{result['mde_sd']:.2f} SD of the differences at alpha 0.05, {result['mde_holm_sd']:.2f} SD "
+                         f"at Holm's strictest level):\n\n" + markdown_table(test_rows, columns_spec))
+    return "\n\n".join(parts)
+
+
+def summary_markdown(study: dict, runs: list, analysis: dict) -> str:
+    settings = study["settings"]
+    train_seconds = sum(run["train_seconds"] for run in runs)
+    cpu_seconds = sum(run["train_cpu_seconds"] or 0 for run in runs)
+    by_op = []
+    for arm in analysis["arms"]:
+        row = {"arm": arm}
+        for split in ("test", "oor"):
+            for op in ("add", "sub", "dist"):
+                values = [run["eval"][f"{split}/{op}"]["exact_match"] for run in runs
+                          if run["arm"] == arm and run["seed"] in analysis["seeds"]]
+                row[f"{split}/{op}"] = _fmt(float(np.mean(values)) if values else math.nan, 100.0)
+        by_op.append(row)
+    lines = [
+        "# Tier A: one-token arithmetic (generated by analyze_a.py; do not edit)", "",
+        f"Arms {', '.join(analysis['arms'])}; seeds {analysis['seeds']}; finished runs per arm: "
+        + ", ".join(f"{arm} {sum(run['arm'] == arm for run in runs)}" for arm in analysis["arms"]) + "; "
+        f"{len(runs)} runs reported. Model `{settings['model']}` ({study.get('parameters', 0) / 1e6:.2f}M "
+        f"parameters), {settings['steps']} steps x {settings['micro_batch_size']} x {settings['seq_len']} tokens, "
+        f"lr {settings['lr']}, operands 0..{settings['operand_range'] - 1} (out of range: up to "
+        f"{settings['operand_range'] + settings['oor_band'] - 1}). "
+        f"NTL-MSE weight {study.get('ntl_mse_weight', 'n/a')} (chosen on validation). "
+        f"Training time {train_seconds / 60:.1f} min wall, {cpu_seconds / 3600:.2f} CPU-hours (train.py processes).",
+        "", tables(analysis), "",
+        "**exact match per operation** (%, mean over the seeds above)", "",
+        markdown_table(by_op, [(key, key, "s") for key in by_op[0]]) if by_op else "", "",
+        "Bootstrap intervals resample the seeds; with 5-10 seeds a percentile bootstrap is somewhat too narrow, "
+        "so read them with the t-test p and the MDE. A cell with n/a p had the same difference on every seed.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(work_dir, results_dir) -> dict:
+    work_dir, results_dir = Path(work_dir), Path(results_dir)
+    study, runs = load_runs(work_dir)
+    if not runs:
+        raise ValueError(f"{work_dir} holds no finished Tier A run")
+    analysis = analyze(runs)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    selection_path = work_dir / "selection.json"
+    selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
+    results = {"study": study, "selection": selection,
+               "runs": runs, "seeds": analysis["seeds"], "cells": analysis["cells"], "tests": {
+                   metric: result["rows"] for metric, result in analysis["tests"].items()},
+               "power": {metric: {key: result[key] for key in ("pairs", "tests", "mde_sd", "mde_holm_sd")}
+                         for metric, result in analysis["tests"].items()}}
+    (results_dir / "tier_a.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
+    summary = summary_markdown(study, runs, analysis)
+    (results_dir / "tier_a_summary.md").write_text(summary)
+    analysis["text"] = summary
+    return analysis
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work_dir", default=str(HERE / "runs" / "tier_a"))
+    parser.add_argument("--results_dir", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+    print(write_report(args.work_dir, args.results_dir)["text"])
+
+
+if __name__ == "__main__":
+    main()

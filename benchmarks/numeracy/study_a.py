@@ -1,0 +1,293 @@
+"""Tier A of the numeracy study: one-token arithmetic (``tier_a``), six pre-registered arms x seeds.
+
+    python -m benchmarks.numeracy.run_study --tier a            # the full grid -> results/tier_a_*
+    python -m benchmarks.numeracy.run_study --tier a --quick    # 2 seeds x 2 arms, checks its pipeline
+    python -m benchmarks.numeracy.run_study --tier a --seeds 0 1 2 3 4 5 6 7 8 9   # extend the grid
+
+1. Data (once per work dir): ``tier_a.build_data`` (train / val / test / out-of-range pairs), a
+   Llama-3-style tokenizer trained on the training text (0..999 single tokens), tokenized once.
+2. NTL-MSE's weight: one run per candidate weight on a selection seed that no arm uses, scored on
+   the **validation** split (exact match, then MAE); the test split plays no part in the choice.
+3. Runs, seed by seed (so an interrupted grid leaves whole seeds): every arm through
+   ``launch/train.py`` (ZeRO-3, the installed loss, one process, one thread, ``nice``), a periodic
+   held-out evaluation for the learning curve, then greedy answers on val / test / oor.
+4. ``analyze_a.write_report``: paired per-seed differences against ``ce`` with bootstrap intervals,
+   Holm within each metric, the minimal detectable effect; ``results/tier_a.json`` and
+   ``results/tier_a_summary.md``.
+
+Resumable like the first study: a run whose ``run.json`` records its evaluation is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.common import machine
+from benchmarks.numeracy import analyze_a
+from benchmarks.numeracy.run_study import RunFailed, _run_logged, child_environment, write_json
+from smmd_numeracy import tier_a
+from smmd_train.arguments import REPO, train_command
+
+HERE = Path(__file__).resolve().parent
+
+ARMS = tier_a.ARMS
+NTL_MSE_CANDIDATES = (1e-4, 1e-3)
+SELECTION_SEED = 1000
+
+SETTINGS = tier_a.SETTINGS
+FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4), (0, 1), ("ce", "smmd")
+# --quick checks the pipeline within 20 minutes on 2 cores: the same data and model, a quarter of the steps.
+QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTINGS["warmup_steps"] // 4,
+                      eval_every=SETTINGS["eval_every"] // 4)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.numeracy.run_study --tier a", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}, "
+                        "results in <work_dir>/results, then checks the pipeline's output")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="override the arms")
+    parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
+    parser.add_argument("--work_dir", help="default benchmarks/numeracy/runs/tier_a[_quick]")
+    parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
+    args = parser.parse_args(argv)
+    name = "tier_a_quick" if args.quick else "tier_a"
+    args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
+    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
+    args.arms = list(args.arms or (QUICK_ARMS if args.quick else ARMS))
+    if "ce" not in args.arms:
+        parser.error("the arms must include ce: every test is against it")
+    args.seeds = list(args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS))
+    if SELECTION_SEED in args.seeds:
+        parser.error(f"seed {SELECTION_SEED} is the NTL-MSE selection seed; choose others")
+    return args
+
+
+def prepare(work_dir: Path, settings: dict) -> dict:
+    """Data, tokenizer and token cache of the work dir (each made once); paths and parameter count."""
+    from transformers import AutoTokenizer
+
+    from smmd_numeracy import train_numeric_tokenizer
+    from smmd_train.data import pack_files
+    from smmd_train.model import model_config
+    from smmd_train.presets import parameter_count
+
+    record = work_dir / "data" / "data.json"
+    if not record.is_file():
+        data = tier_a.build_data(work_dir / "data", operand_range=settings["operand_range"],
+                                 held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
+                                 eval_per_split=settings["eval_per_split"],
+                                 counting_share=settings["counting_share"], seed=settings["data_seed"])
+        write_json(record, data)
+    data = json.loads(record.read_text())
+    tokenizer_dir = work_dir / "tokenizer"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        with open(data["train"]) as lines:
+            texts = [json.loads(line)["text"] for line in lines]
+        train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for split in ("train", "eval"):
+        pack_files([data[split]], tokenizer, settings["seq_len"], cache_dir=work_dir / "cache")
+    parameters = parameter_count(model_config(settings["model"], tokenizer, settings["seq_len"]))
+    return {**data, "tokenizer": str(tokenizer_dir), "cache": str(work_dir / "cache"), "parameters": parameters}
+
+
+def arm_flags(arm: str, ntl_mse_weight) -> dict:
+    if arm == "ntl_mse":
+        return {"numeric_loss": [f"ntl-mse:{ntl_mse_weight:g}"]}
+    return ARMS[arm]
+
+
+def train_run(settings: dict, data: dict, flags: dict, seed: int, output_dir: Path) -> list:
+    command = train_command(launcher="python", deepspeed_config=REPO / settings["deepspeed_config"],
+                            model=settings["model"], tokenizer=data["tokenizer"], data=[data["train"]],
+                            eval_data=[data["eval"]], eval_steps=settings["eval_every"],
+                            eval_batches=settings["eval_batches"], cache_dir=data["cache"], seq_len=settings["seq_len"],
+                            micro_batch_size=settings["micro_batch_size"], max_steps=settings["steps"],
+                            lr=settings["lr"], warmup_steps=settings["warmup_steps"], seed=seed,
+                            output_dir=output_dir, export_hf=output_dir / "hf", **flags)
+    return ["nice", "-n", str(settings["nice"]), *command]
+
+
+def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, output_dir: Path, env: dict) -> dict:
+    """Train (unless recorded as trained) and evaluate one run; returns its run.json."""
+    record_path = output_dir / "run.json"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if "eval" in record:
+        return record
+    if "train_seconds" not in record or not (output_dir / "hf" / "config.json").is_file():
+        import shutil
+
+        shutil.rmtree(output_dir, ignore_errors=True)
+        output_dir.mkdir(parents=True)
+        command = train_run(settings, data, flags, seed, output_dir)
+        record = {"arm": name, "seed": seed, "flags": flags, "train_command": command}
+        cpu_before = os.times()
+        record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
+        cpu_after = os.times()
+        record["train_cpu_seconds"] = (cpu_after.children_user + cpu_after.children_system
+                                       - cpu_before.children_user - cpu_before.children_system)
+        write_json(record_path, record)
+    began = time.monotonic()
+    evaluation = tier_a.evaluate_model(output_dir / "hf", data["qa_eval"])
+    write_json(output_dir / "answers.json", {"answers": evaluation["answers"]})
+    record["eval"] = evaluation["metrics"]
+    record["eval_seconds"] = time.monotonic() - began
+    write_json(record_path, record)
+    return record
+
+
+def _progress(label: str, record: dict, began: float, split: str = "test") -> None:
+    metrics = record["eval"][split]
+    mae = metrics["mae"] if metrics["mae"] is not None else float("nan")
+    print(f"[tier a] {label}: trained {record['train_seconds']:.0f} s, {split} exact match "
+          f"{metrics['exact_match']:.1%}, MAE {mae:.1f}, within 1 {metrics['within_1']:.1%} "
+          f"({time.monotonic() - began:.0f} s so far)", flush=True)
+
+
+def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict, began: float) -> dict:
+    """One run per candidate weight on ``SELECTION_SEED``; the best validation exact match wins
+    (then the lower validation MAE). Recorded in ``selection.json``."""
+    path = work_dir / "selection.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    rows = []
+    for weight in NTL_MSE_CANDIDATES:
+        record = execute(settings, data, f"ntl_mse@{weight:g}", arm_flags("ntl_mse", weight), SELECTION_SEED,
+                         work_dir / "selection" / f"ntl_mse-{weight:g}", env)
+        _progress(f"selection ntl_mse weight {weight:g}", record, began, split="val")
+        val = record["eval"]["val"]
+        rows.append({"weight": weight, "val_exact_match": val["exact_match"], "val_mae": val["mae"],
+                     "train_seconds": record["train_seconds"], "train_cpu_seconds": record["train_cpu_seconds"]})
+    best = max(rows, key=lambda row: (row["val_exact_match"], -(row["val_mae"] if row["val_mae"] is not None
+                                                                 else float("inf"))))
+    selection = {"criterion": "validation exact match, then lower validation MAE", "seed": SELECTION_SEED,
+                 "candidates": rows, "weight": best["weight"]}
+    write_json(path, selection)
+    return selection
+
+
+def run_order(arms: list, seeds: list) -> list:
+    """(arm, seed) in the order they run: ``ce`` and ``smmd`` over every seed first (the headline
+    comparison, so a grid cut short by the machine still pairs them on several seeds), then the other
+    arms seed by seed, ``ntl_mse`` last (its weight is chosen on validation just before its first run)."""
+    first = [arm for arm in arms if arm in ("ce", "smmd")]
+    middle = [arm for arm in arms if arm not in first and arm != "ntl_mse"]
+    last = [arm for arm in arms if arm == "ntl_mse"]
+    return [(arm, seed) for group in (first, middle, last) for seed in seeds for arm in group]
+
+
+def is_finished(output_dir: Path) -> bool:
+    path = output_dir / "run.json"
+    return path.is_file() and "eval" in json.loads(path.read_text())
+
+
+def open_study(work_dir: Path, settings: dict, arms: list, seeds: list) -> dict:
+    path = work_dir / "study.json"
+    if path.is_file():
+        study = json.loads(path.read_text())
+        if study["settings"] != settings:
+            changed = {key: (study["settings"].get(key), value) for key, value in settings.items()
+                       if study["settings"].get(key) != value}
+            raise SystemExit(f"{work_dir} holds runs made with other settings ({changed}); pass another "
+                             f"--work_dir, or delete this one to start over")
+    else:
+        study = {"tier": "a", "settings": settings, "arms": [], "seeds": [], "invocations": []}
+    study["arms"] = list(dict.fromkeys(study["arms"] + arms))
+    study["seeds"] = list(dict.fromkeys(study["seeds"] + seeds))
+    return study
+
+
+def check_pipeline(results_dir: Path, arms: list, seeds: list) -> list:
+    """What --quick checks of its own output: every (arm, seed) run in the report, metrics in range,
+    the statistics present for every arm against ce. Returns the problems found (empty: passed)."""
+    problems = []
+    results = json.loads((results_dir / "tier_a.json").read_text())
+    found = {(run["arm"], run["seed"]) for run in results["runs"]}
+    missing = [(arm, seed) for arm in arms for seed in seeds if (arm, seed) not in found]
+    if missing:
+        problems.append(f"runs missing from the report: {missing}")
+    for run in results["runs"]:
+        for split in ("val", "test", "oor"):
+            metrics = run["eval"][split]
+            for key in ("exact_match", "within_1", "unparseable"):
+                if not 0 <= metrics[key] <= 1:
+                    problems.append(f"{run['arm']} seed {run['seed']} {split} {key} = {metrics[key]} outside [0, 1]")
+            if metrics["exact_match"] > metrics["within_1"]:
+                problems.append(f"{run['arm']} seed {run['seed']} {split}: exact match above within +-1")
+        if len(run["curve"]) < 2:
+            problems.append(f"{run['arm']} seed {run['seed']}: {len(run['curve'])} periodic evaluations, need >= 2")
+    for metric in analyze_a.METRICS:
+        tested = {row["arm"] for row in results["tests"][metric]}
+        if tested != set(arms) - {"ce"}:
+            problems.append(f"{metric}: tests for {sorted(tested)}, expected {sorted(set(arms) - {'ce'})}")
+    if not (results_dir / "tier_a_summary.md").is_file():
+        problems.append("tier_a_summary.md was not written")
+    return problems
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    env = child_environment(settings["threads"], on_gpu=False)
+    os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
+    import torch
+
+    torch.set_num_threads(settings["threads"])  # the in-process evaluation: one thread, like the runs
+    work_dir = args.work_dir
+    work_dir.mkdir(parents=True, exist_ok=True)
+    study = open_study(work_dir, settings, args.arms, args.seeds)
+    began, cpu_began = time.monotonic(), os.times()
+    invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "wall_seconds": 0.0,
+                  "cpu_seconds": 0.0, "runs_completed": 0}
+    study["invocations"].append(invocation)
+    data = prepare(work_dir, settings)
+    study["parameters"] = data["parameters"]
+    study["data"] = {key: value for key, value in data.items() if key.endswith("pairs") or key == "qa_items"}
+
+    def save() -> None:
+        now = os.times()
+        invocation["wall_seconds"] = time.monotonic() - began
+        invocation["cpu_seconds"] = (now.user + now.system + now.children_user + now.children_system
+                                     - cpu_began.user - cpu_began.system - cpu_began.children_user
+                                     - cpu_began.children_system)
+        write_json(work_dir / "study.json", study)
+
+    save()
+    print(f"[tier a] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
+          f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
+    weight = None
+    failures = []
+    for arm, seed in run_order(args.arms, args.seeds):
+        output_dir = work_dir / f"{arm}-seed{seed}"
+        if is_finished(output_dir):
+            continue
+        if arm == "ntl_mse" and weight is None:
+            weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]
+            study["ntl_mse_weight"] = weight
+            print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
+        try:
+            record = execute(settings, data, arm, arm_flags(arm, weight), seed, output_dir, env)
+        except RunFailed as error:
+            failures.append(f"{arm} seed {seed}: {error}")
+            print(f"[tier a] {arm} seed {seed} FAILED", flush=True)
+            continue
+        invocation["runs_completed"] += 1
+        save()
+        _progress(f"{arm} seed {seed}", record, began)
+    save()
+    if failures:
+        raise SystemExit("[tier a] some runs failed (finished runs are kept; rerun to retry):\n\n"
+                         + "\n\n".join(failures))
+    analysis = analyze_a.write_report(work_dir, args.results_dir)
+    print(analysis["text"])
+    print(f"[tier a] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
+    if args.quick:
+        problems = check_pipeline(args.results_dir, args.arms, args.seeds)
+        if problems:
+            raise SystemExit("[tier a] pipeline check FAILED:\n" + "\n".join(problems))
+        print("[tier a] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)

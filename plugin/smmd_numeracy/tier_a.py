@@ -1,0 +1,218 @@
+"""Tier A of the numeracy study (benchmarks/numeracy/study_a.py) and the demo's task: one-token
+arithmetic, where a tiny model can learn the task.
+
+Every problem is ``a<op>b= c`` with ``a``, ``b`` and the answer ``c`` each one token of the
+Llama-3-style tokenizer (0..999 are single tokens; ``smmd_numeracy.train_numeric_tokenizer``):
+
+``add``  a + b                 (a, b in the operand range)
+``sub``  a - b, a >= b         (result >= 0)
+``dist`` |a - b|               (the bounded third operation, written ``a~b=``: the distance, so
+                               half of its pairs need the operands' order, unlike ``sub``)
+
+Splits (``build_data``), all disjoint in (op, a, b):
+
+``train``  the training pairs: every in-range pair except the held-out ones;
+``val``    a held-out share of in-range pairs, used only to choose NTL-MSE's weight;
+``test``   another held-out share of in-range pairs (interpolation), never used for choices;
+``oor``    out of range: at least one operand in the band above the operand range. Those tokens
+           never occur as operands in training, only as answers of ``add`` and in the counting
+           lines (below), so with the tied embeddings a model knows them from the output side only.
+
+The text of one problem is ``"37+45=82"`` (6 tokens with the newline); the evaluation prompt is
+``"37+45="`` and the greedy continuation's first number is the answer (``evaluate_model``).
+Documents are ``PROBLEMS_PER_DOCUMENT`` problems joined by newlines; the trainer packs them
+GPT-style, so the loss (CE and the numeric loss alike) covers every token, including the operands,
+which are unpredictable: only the answer carries signal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+OPERATIONS = ("add", "sub", "dist")
+# The study's and the demo's settings: data, tokenizer, model and training (benchmarks/numeracy/README.md).
+SETTINGS = {
+    "operand_range": 100, "held_out_share": 0.2, "oor_band": 50, "eval_per_split": 600, "data_seed": 0,
+    "counting_share": 0.25, "vocab_size": 1400, "model": "tiny", "seq_len": 64, "micro_batch_size": 8,
+    "steps": 2000, "lr": 3e-3, "warmup_steps": 200, "eval_every": 500, "eval_batches": 4,
+    "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 5,
+}
+# The study's pre-registered arms: name -> train.py options. ``ntl_mse``'s weight is chosen on the
+# validation split (``None`` here); ``random_kernel`` is SMMD with a value-agnostic kernel.
+ARMS = {
+    "ce": {"numeric_loss": ["smmd:0"]},
+    "smmd": {"numeric_loss": ["smmd:1"]},
+    "ntl_was": {"numeric_loss": ["ntl-was:0.3"], "ntl_squash_factor": 9.0},
+    "ntl_mse": None,
+    "smmd_ntl_was": {"numeric_loss": ["smmd:1", "ntl-was:0.3"], "ntl_squash_factor": 9.0},
+    "random_kernel": {"numeric_loss": ["smmd:1"], "smmd_kernel": "random"},
+}
+SYMBOL = {"add": "+", "sub": "-", "dist": "~"}
+PROBLEMS_PER_DOCUMENT = 8
+COUNTING_LENGTH = 24
+SPLITS = ("train", "val", "test", "oor")
+
+
+def answer(op: str, a: int, b: int) -> int:
+    return a + b if op == "add" else a - b if op == "sub" else abs(a - b)
+
+
+def pairs(op: str, low: int, high: int) -> list:
+    """(a, b) with both operands in [low, high) whose answer is a single 0..999 token."""
+    return [(a, b) for a in range(low, high) for b in range(low, high)
+            if (op != "sub" or a >= b) and 0 <= answer(op, a, b) <= 999]
+
+
+def oor_pairs(op: str, operand_range: int, band: int) -> list:
+    """Pairs with at least one operand in [operand_range, operand_range + band) and the other in
+    [0, operand_range + band), answer still one token."""
+    return [(a, b) for a, b in pairs(op, 0, operand_range + band) if max(a, b) >= operand_range]
+
+
+def text(op: str, a: int, b: int) -> str:
+    return f"{prompt(op, a, b)}{answer(op, a, b)}"
+
+
+def prompt(op: str, a: int, b: int) -> str:
+    return f"{a}{SYMBOL[op]}{b}="
+
+
+def split_pairs(operand_range: int, held_out_share: float, oor_band: int, seed: int) -> dict:
+    """{split: [(op, a, b)]}: per operation, a ``held_out_share`` of the in-range pairs whose operands
+    are both >= 2 is held out and halved into val and test; the rest is train (pairs with an operand 0
+    or 1 always train: the counting lines state every n + 1 = n + 1 fact anyway); ``oor`` is every
+    out-of-range pair."""
+    rng = random.Random(f"tier_a/{seed}")
+    splits = {split: [] for split in SPLITS}
+    for op in OPERATIONS:
+        in_range = pairs(op, 0, operand_range)
+        eligible = [(a, b) for a, b in in_range if min(a, b) >= 2]
+        rng.shuffle(eligible)
+        held = round(len(in_range) * held_out_share)
+        splits["val"] += [(op, a, b) for a, b in eligible[:held // 2]]
+        splits["test"] += [(op, a, b) for a, b in eligible[held // 2:held]]
+        held_out = set(eligible[:held])
+        splits["train"] += [(op, a, b) for a, b in in_range if (a, b) not in held_out]
+        splits["oor"] += [(op, a, b) for a, b in oor_pairs(op, operand_range, oor_band)]
+    return splits
+
+
+def counting_lines(count: int, length: int, seed: int) -> list:
+    """``count`` runs of ``length`` consecutive numbers from a random start in 0..999, comma-separated
+    ("37,38,39,..."): every number token in order, the number line the arithmetic is built on."""
+    rng = random.Random(f"tier_a/counting/{seed}")
+    lines = []
+    for _ in range(count):
+        start = rng.randrange(0, 1000 - length + 1)
+        lines.append(",".join(str(number) for number in range(start, start + length)))
+    return lines
+
+
+def _documents(problems: list) -> list:
+    return ["\n".join(text(*problem) for problem in problems[start:start + PROBLEMS_PER_DOCUMENT])
+            for start in range(0, len(problems), PROBLEMS_PER_DOCUMENT)]
+
+
+def _write_jsonl(rows: list, path: Path) -> None:
+    with open(path, "w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
+def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split: int,
+               counting_share: float = 0.0, seed: int = 0) -> dict:
+    """Write the Tier A files under ``out_dir``; returns their paths and the split sizes.
+
+    ``train.jsonl``  {"text"}: every training pair once, shuffled, in documents (one epoch = all pairs),
+                     with counting lines (``counting_lines``) making up ``counting_share`` of the documents;
+    ``eval.jsonl``   {"text"}: test pairs in documents, for train.py's periodic held-out CE/accuracy;
+    ``qa_eval.jsonl`` {"prompt", "answer", "task"}: up to ``eval_per_split`` problems of each of val,
+                     test and oor (task = "<split>/<op>", sampled evenly over the operations);
+    """
+    if not 0 <= counting_share < 1:
+        raise ValueError(f"counting_share must be in [0, 1); got {counting_share!r}")
+    if not 0 < held_out_share < 1:
+        raise ValueError(f"held_out_share must be in (0, 1); got {held_out_share!r}")
+    if operand_range < 2 or oor_band < 1 or eval_per_split < len(OPERATIONS):
+        raise ValueError(f"need operand_range >= 2, oor_band >= 1, eval_per_split >= {len(OPERATIONS)}; got "
+                         f"{operand_range}, {oor_band}, {eval_per_split}")
+    splits = split_pairs(operand_range, held_out_share, oor_band, seed)
+    rng = random.Random(f"tier_a/files/{seed}")
+    train = list(splits["train"])
+    rng.shuffle(train)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "qa_eval": out_dir / "qa_eval.jsonl"}
+    documents = _documents(train)
+    counting = round(len(documents) * counting_share / (1 - counting_share))
+    documents += counting_lines(counting, COUNTING_LENGTH, seed)
+    rng.shuffle(documents)
+    _write_jsonl([{"text": document} for document in documents], paths["train"])
+    qa, eval_problems = [], []
+    for split in ("val", "test", "oor"):
+        for op in OPERATIONS:
+            chosen = [problem for problem in splits[split] if problem[0] == op]
+            rng.shuffle(chosen)
+            chosen = chosen[:eval_per_split // len(OPERATIONS)]
+            qa += [{"prompt": prompt(*problem), "answer": answer(*problem), "task": f"{split}/{op}"}
+                   for problem in chosen]
+            if split == "test":
+                eval_problems += chosen
+    rng.shuffle(eval_problems)
+    _write_jsonl([{"text": document} for document in _documents(eval_problems)], paths["eval"])
+    _write_jsonl(qa, paths["qa_eval"])
+    sizes = {f"{split}_pairs": len(problems) for split, problems in splits.items()}
+    sizes.update({f"{split}_{op}_pairs": sum(problem[0] == op for problem in problems)
+                  for split, problems in splits.items() for op in OPERATIONS})
+    return {**{key: str(path) for key, path in paths.items()}, **sizes, "counting_documents": counting,
+            "qa_items": len(qa)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: greedy answers per item (exact match, MAE, within +-1 need the per-item answers)
+# ----------------------------------------------------------------------------------------------
+
+def score(items: list, parsed: list) -> dict:
+    """Exact match, MAE and the share within +-1 of the answer, per task and over each split.
+
+    ``items`` are qa_eval rows ({"prompt", "answer", "task" = "<split>/<op>"}), ``parsed`` the number
+    each greedy answer starts with (None when there is none). An unparseable answer counts as wrong
+    for exact match and within +-1 and is left out of MAE (its share is reported)."""
+    if len(items) != len(parsed):
+        raise ValueError(f"one parsed answer per item needed; got {len(parsed)} for {len(items)} items")
+    groups: dict = {}
+    for item, value in zip(items, parsed):
+        split = item["task"].split("/")[0]
+        for key in (item["task"], split):
+            groups.setdefault(key, []).append((item["answer"], value))
+    report = {}
+    for key, rows in sorted(groups.items()):
+        errors = [abs(value - truth) for truth, value in rows if value is not None]
+        report[key] = {"count": len(rows),
+                       "exact_match": sum(value == truth for truth, value in rows) / len(rows),
+                       "within_1": sum(value is not None and abs(value - truth) <= 1 for truth, value in rows)
+                       / len(rows),
+                       "mae": sum(errors) / len(errors) if errors else None,
+                       "unparseable": sum(value is None for _, value in rows) / len(rows)}
+    return report
+
+
+def evaluate_model(model_dir, qa_path, batch_size: int = 200) -> dict:
+    """Greedy answers of the exported model in ``model_dir`` on ``qa_path``: ``score``'s report and
+    the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import generate_continuations, load_qa, parse_number
+
+    items = load_qa(qa_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt_ids = tokenizer([item["prompt"] for item in items])["input_ids"]
+    with torch.no_grad():
+        texts = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
+                                       max_new_tokens=3)
+    parsed = [parse_number(text) for text in texts]
+    return {"metrics": score(items, parsed), "answers": parsed}

@@ -1,0 +1,167 @@
+"""Tier A of the numeracy study (benchmarks/numeracy/tier_a.py, study_a.py, analyze_a.py): the data
+splits, the per-item scoring, and the statistics and report on synthetic runs with known answers."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.numeracy import analyze, analyze_a, study_a  # scipy comes with the test extras
+from smmd_numeracy import tier_a
+
+
+@pytest.fixture
+def rng(generator):
+    return np.random.default_rng(int(generator.initial_seed()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and scoring
+# ----------------------------------------------------------------------------------------------
+
+def test_splits_are_disjoint_one_token_and_out_of_range_where_they_say(tmp_path):
+    splits = tier_a.split_pairs(operand_range=20, held_out_share=0.2, oor_band=5, seed=3)
+    sets = {split: set(problems) for split, problems in splits.items()}
+    for first in tier_a.SPLITS:
+        for second in tier_a.SPLITS:
+            if first < second:
+                assert not sets[first] & sets[second], (first, second)
+    for split, problems in splits.items():
+        for op, a, b in problems:
+            assert 0 <= tier_a.answer(op, a, b) <= 999
+            in_range = max(a, b) < 20
+            assert in_range == (split != "oor"), (split, op, a, b)
+    # Every in-range pair with a one-token answer is in exactly one of train / val / test.
+    for op in tier_a.OPERATIONS:
+        in_range = {(op, a, b) for a, b in tier_a.pairs(op, 0, 20)}
+        assert in_range == {p for split in ("train", "val", "test") for p in sets[split] if p[0] == op}
+    # Identities and +-1 facts (stated by the counting lines) are never held out.
+    assert all(min(a, b) >= 2 for split in ("val", "test") for _, a, b in splits[split])
+    # The split depends on the seed, and only on it.
+    assert tier_a.split_pairs(20, 0.2, 5, seed=3) == splits
+    assert tier_a.split_pairs(20, 0.2, 5, seed=4)["test"] != splits["test"]
+
+
+def test_build_data_writes_training_text_that_matches_the_prompts(tmp_path):
+    data = tier_a.build_data(tmp_path, operand_range=12, held_out_share=0.3, oor_band=4, eval_per_split=30,
+                             counting_share=0.2, seed=0)
+    documents = [row["text"] for row in map(json.loads, open(data["train"]))]
+    counting = [document for document in documents if "," in document]
+    assert len(counting) == data["counting_documents"] > 0
+    for line in counting:
+        numbers = [int(number) for number in line.split(",")]
+        assert numbers == list(range(numbers[0], numbers[0] + tier_a.COUNTING_LENGTH)) and numbers[-1] <= 999
+    train_lines = [line for document in documents if "," not in document for line in document.split("\n")]
+    assert len(train_lines) == data["train_pairs"]
+    qa = [json.loads(line) for line in open(data["qa_eval"])]
+    assert {item["task"].split("/")[0] for item in qa} == {"val", "test", "oor"}
+    for item in qa:
+        assert item["prompt"] + str(item["answer"]) not in train_lines  # held out
+    assert "7+3=10" in train_lines or "7+3=10" in {item["prompt"] + str(item["answer"]) for item in qa}
+
+
+def test_score_counts_exact_within_one_and_unparseable():
+    items = [{"prompt": "1+1=", "answer": 2, "task": "test/add"}, {"prompt": "5-1=", "answer": 4, "task": "test/sub"},
+             {"prompt": "3*3=", "answer": 9, "task": "test/mul"}, {"prompt": "9+9=", "answer": 18, "task": "oor/add"}]
+    report = tier_a.score(items, [2, 5, None, 10])
+    assert report["test"]["count"] == 3
+    assert report["test"]["exact_match"] == pytest.approx(1 / 3)
+    assert report["test"]["within_1"] == pytest.approx(2 / 3)
+    assert report["test"]["mae"] == pytest.approx(0.5)            # the unparseable answer is left out
+    assert report["test"]["unparseable"] == pytest.approx(1 / 3)
+    assert report["oor/add"] == {"count": 1, "exact_match": 0.0, "within_1": 0.0, "mae": 8.0, "unparseable": 0.0}
+    with pytest.raises(ValueError, match="one parsed answer per item"):
+        tier_a.score(items, [1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------
+
+def test_bootstrap_interval_matches_the_normal_approximation_for_many_values(rng):
+    values = rng.normal(2.0, 1.0, size=400)
+    low, high = analyze_a.bootstrap_interval(values, resamples=4000, seed=1)
+    half = 1.96 * values.std(ddof=1) / math.sqrt(len(values))
+    assert low == pytest.approx(values.mean() - half, abs=0.25 * half)
+    assert high == pytest.approx(values.mean() + half, abs=0.25 * half)
+    assert analyze_a.bootstrap_interval([3.0, 3.0, 3.0]) == (3.0, 3.0)
+    assert all(math.isnan(bound) for bound in analyze_a.bootstrap_interval([1.0, None]))
+
+
+def test_minimal_detectable_effect_has_the_stated_power():
+    for n in (5, 10):
+        effect = analyze_a.minimal_detectable_effect(n)
+        assert analyze.paired_power(n, effect) == pytest.approx(0.8, abs=1e-4)
+    assert analyze_a.minimal_detectable_effect(10) < analyze_a.minimal_detectable_effect(5)
+    assert analyze_a.minimal_detectable_effect(5, alpha=0.005) > analyze_a.minimal_detectable_effect(5)
+    assert math.isnan(analyze_a.minimal_detectable_effect(1))
+
+
+def test_compare_finds_a_real_effect_and_not_a_null_one(rng):
+    seeds = list(range(8))
+    ce = list(rng.uniform(0.3, 0.6, size=8))
+    better = [value + 0.10 + rng.normal(0, 0.01) for value in ce]
+    null = [value + rng.normal(0, 0.01) for value in ce]
+    result = analyze_a.compare({"test": {"ce": ce, "better": better, "null": null}}, seeds)
+    rows = {row["arm"]: row for row in result["rows"]}
+    assert rows["better"]["ci95_low"] > 0.05 and rows["better"]["p_holm"] < 0.01
+    assert rows["better"]["mean_difference"] == pytest.approx(np.mean(np.subtract(better, ce)))
+    assert rows["null"]["ci95_low"] < 0.02 and rows["null"]["ci95_high"] > -0.02
+    assert all(row["p_holm"] >= row["p_value"] for row in result["rows"])
+    assert result["pairs"] == 8 and result["tests"] == 2
+    assert result["mde_holm_sd"] > result["mde_sd"]
+    assert rows["null"]["mde"] == pytest.approx(result["mde_sd"] * rows["null"]["sd_difference"])
+    # A missing seed drops that pair only.
+    null_missing = [None] + null[1:]
+    row = analyze_a.compare({"test": {"ce": ce, "null": null_missing}}, seeds)["rows"][0]
+    assert row["n"] == 7
+
+
+def _synthetic_run(directory, arm, seed, exact, curve):
+    directory.mkdir(parents=True)
+    split_metrics = {"count": 10, "exact_match": exact, "within_1": min(1.0, exact + 0.2), "mae": 5 - 4 * exact,
+                     "unparseable": 0.0}
+    evaluation = {split: dict(split_metrics) for split in ("val", "test", "oor")}
+    evaluation.update({f"{split}/{op}": dict(split_metrics) for split in ("val", "test", "oor")
+                       for op in tier_a.OPERATIONS})
+    (directory / "run.json").write_text(json.dumps({"arm": arm, "seed": seed, "flags": {}, "eval": evaluation,
+                                                    "train_seconds": 10.0, "train_cpu_seconds": 9.0,
+                                                    "eval_seconds": 1.0}))
+    lines = [json.dumps({"step": step, "eval/numeric_accuracy": accuracy}) + "\n" for step, accuracy in curve]
+    (directory / "metrics.jsonl").write_text("".join(lines))
+
+
+def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, rng):
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    (work / "study.json").write_text(json.dumps({"tier": "a", "settings": study_a.SETTINGS, "parameters": 1e6,
+                                                 "ntl_mse_weight": 1e-3}))
+    for seed in range(6):
+        base = rng.uniform(0.3, 0.5)
+        _synthetic_run(work / f"ce-seed{seed}", "ce", seed, base, [(100, 0.1), (200, 0.2)])
+        _synthetic_run(work / f"smmd-seed{seed}", "smmd", seed, base + 0.1, [(100, 0.15), (200, 0.25)])
+    analysis = analyze_a.write_report(work, results)
+    row = analysis["tests"]["exact_match"]["rows"][0]
+    assert row["arm"] == "smmd" and row["mean_difference"] == pytest.approx(0.1)
+    assert row["p_value"] != row["p_value"] or row["p_value"] < 0.05  # constant differences: no t-test
+    curve = analysis["tests"]["curve_auc"]["rows"][0]
+    assert curve["mean_difference"] == pytest.approx(0.05) and curve["column"] == "test"
+    saved = json.loads((results / "tier_a.json").read_text())
+    assert saved["seeds"] == list(range(6)) and len(saved["runs"]) == 12
+    assert "Tier A" in (results / "tier_a_summary.md").read_text()
+    assert study_a.check_pipeline(results, ["ce", "smmd"], list(range(6))) == []
+    problems = study_a.check_pipeline(results, ["ce", "smmd"], list(range(7)))
+    assert any("missing" in problem for problem in problems)
+    # A seed one arm lacks drops out of that arm's comparison only.
+    (work / "smmd-seed5" / "run.json").unlink()
+    assert analyze_a.write_report(work, results)["tests"]["exact_match"]["rows"][0]["n"] == 5
+
+
+def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
+    order = study_a.run_order(["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"], [0, 1])
+    assert order[:4] == [("ce", 0), ("smmd", 0), ("ce", 1), ("smmd", 1)]
+    assert order[4:8] == [("ntl_was", 0), ("random_kernel", 0), ("ntl_was", 1), ("random_kernel", 1)]
+    assert order[8:] == [("ntl_mse", 0), ("ntl_mse", 1)]
+    assert sorted(order) == sorted((arm, seed) for arm in ["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"]
+                                   for seed in [0, 1])
