@@ -7,6 +7,7 @@ Contenders, all on the same ``hidden [tokens, H]`` and head ``weight [V, H]`` (b
   ours_materialized smmd_scale.numeric_cross_entropy(hidden @ weight.T, ...) with SMMD weight 1
   ours_fused_w0     smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 0 (CE only)
   ours_fused        smmd_scale.linear_numeric_cross_entropy(hidden, weight, ...), SMMD weight 1
+  ours_fused_zcap   the same with z_loss 1e-4 and logit_softcap 30 (Gemma-2's cap)
   deepspeed_fused   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy, CE only
                     (DeepSpeed 0.19.8's fused linear CE; tp_group=None)
   liger_fallback    liger_kernel.ops.LigerFusedLinearScaledCrossEntropyFunction, CE only (its pure-torch
@@ -51,8 +52,9 @@ from benchmarks.common import machine, write_results  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("torch_ce", "torch_linear_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "deepspeed_fused",
-              "liger_fallback", "cce_compile")
+CONTENDERS = ("torch_ce", "torch_linear_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "ours_fused_zcap",
+              "deepspeed_fused", "liger_fallback", "cce_compile")
+Z_LOSS, SOFTCAP = 1e-4, 30.0  # ours_fused_zcap: PaLM's z-loss coefficient, Gemma-2's final soft-cap
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NUMERIC_SIZE, NUMERIC_SHARE, IGNORE_SHARE, SEED = 1000, 0.3, 0.05, 0
 WARMUP_TOKENS = 64
@@ -121,8 +123,9 @@ def build(name: str, shape: Shape, numeric_ids: torch.Tensor):
             return lambda hidden, weight, targets: smmd_scale.numeric_cross_entropy(hidden @ weight.T, targets,
                                                                                  smmd).total
         smmd_weight = 0.0 if name == "ours_fused_w0" else 1.0
+        options = {"z_loss": Z_LOSS, "logit_softcap": SOFTCAP} if name == "ours_fused_zcap" else {}
         return lambda hidden, weight, targets: smmd_scale.linear_numeric_cross_entropy(hidden, weight, targets, smmd,
-                                                                                    smmd_weight).total
+                                                                                    smmd_weight, **options).total
     if name == "deepspeed_fused":
         from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
 
