@@ -23,16 +23,9 @@ import torch
 
 from . import checks
 from .call_plan import CallPlan, LogitsSpec, NumericLossLike, check_numeric_loss, plan_call
-from .steps import ShiftedLogSumExp, exchange_or_keep_local, gather_numeric_logits
+from .steps import ShiftedLogSumExp, exchange_or_keep_local, gather_numeric_logits, row_blocks
 
 REDUCTIONS = ("mean", "sum", "none")
-# Rows of full logits handled at once when a loss needs the mass (elements per block).
-BLOCK_ELEMENTS = 1 << 22
-
-
-def _row_blocks(rows: int, width: int):
-    step = max(1, BLOCK_ELEMENTS // max(width, 1))
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def other_logsumexp(logits: torch.Tensor, plan: CallPlan, positions: torch.Tensor) -> ShiftedLogSumExp:
@@ -41,7 +34,7 @@ def other_logsumexp(logits: torch.Tensor, plan: CallPlan, positions: torch.Tenso
     tokens = plan.targets.numel()
     shift = torch.zeros(tokens, dtype=plan.compute_dtype, device=logits.device)
     log_sum = torch.full((tokens, ), float("-inf"), dtype=plan.compute_dtype, device=logits.device)
-    for start, end in _row_blocks(int(positions.numel()), logits.shape[1]):
+    for start, end in row_blocks(int(positions.numel()), logits.shape[1]):
         rows = positions[start:end]
         block = logits[rows].to(plan.compute_dtype)
         block[:, plan.local_numeric_columns] = float("-inf")
@@ -136,7 +129,7 @@ class _NumericAlone(torch.autograd.Function):
             else numeric.mass_rows
         coefficient = (numeric.row_coefficient[rows_of] * grad_value[rows_of]).to(compute_dtype)
         lse = numeric.lse[rows_of].to(compute_dtype)
-        for start, end in _row_blocks(int(rows_of.numel()), logits.shape[1]):
+        for start, end in row_blocks(int(rows_of.numel()), logits.shape[1]):
             rows = plan.positions[rows_of[start:end]]
             # a non-numeric column: its softmax times the row's coefficient; a numeric one: its whole gradient
             block = logits[rows].to(compute_dtype).sub_(lse[start:end, None]).exp_().mul_(coefficient[start:end, None])
