@@ -118,7 +118,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     record_path = output_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if "eval" in record:
-        return record
+        return add_first_token_scores(record, output_dir, data) if "eval_first_token" not in record else record
     if "train_seconds" not in record or not (output_dir / "hf" / "config.json").is_file():
         import shutil
 
@@ -134,10 +134,28 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
         write_json(record_path, record)
     began = time.monotonic()
     evaluation = tier_a.evaluate_model(output_dir / "hf", data["qa_eval"])
-    write_json(output_dir / "answers.json", {"answers": evaluation["answers"]})
+    write_json(output_dir / "answers.json", {"answers": evaluation["answers"],
+                                             "answers_first_token": evaluation["answers_first_token"]})
     record["eval"] = evaluation["metrics"]
+    record["eval_first_token"] = evaluation["metrics_first_token"]
     record["eval_seconds"] = time.monotonic() - began
     write_json(record_path, record)
+    return record
+
+
+def add_first_token_scores(record: dict, output_dir: Path, data: dict) -> dict:
+    """The post-hoc first-token scoring (``tier_a.evaluate_model``) for a run evaluated before it
+    existed: the greedy answers are generated again; the recorded pre-registered ``eval`` is kept as
+    it is, and ``eval_reproduced`` says whether the new generation gave the same pre-registered
+    metrics (greedy on one thread is deterministic, so it should)."""
+    evaluation = tier_a.evaluate_model(output_dir / "hf", data["qa_eval"])
+    answers_path = output_dir / "answers.json"
+    answers = json.loads(answers_path.read_text()) if answers_path.is_file() else {}
+    record["eval_first_token"] = evaluation["metrics_first_token"]
+    record["eval_reproduced"] = (evaluation["metrics"] == record["eval"]
+                                 and answers.get("answers", evaluation["answers"]) == evaluation["answers"])
+    write_json(answers_path, {**answers, "answers_first_token": evaluation["answers_first_token"]})
+    write_json(output_dir / "run.json", record)
     return record
 
 
@@ -265,6 +283,9 @@ def main(argv=None) -> None:
     for arm, seed in run_order(args.arms, args.seeds):
         output_dir = work_dir / f"{arm}-seed{seed}"
         if is_finished(output_dir):
+            record = json.loads((output_dir / "run.json").read_text())
+            if "eval_first_token" not in record:  # a run scored before the first-token check existed
+                add_first_token_scores(record, output_dir, data)
             continue
         if arm == "ntl_mse" and weight is None:
             weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]

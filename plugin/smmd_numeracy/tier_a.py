@@ -19,7 +19,8 @@ Splits (``build_data``), all disjoint in (op, a, b):
            lines (below), so with the tied embeddings a model knows them from the output side only.
 
 The text of one problem is ``"37+45=82"`` (6 tokens with the newline); the evaluation prompt is
-``"37+45="`` and the greedy continuation's first number is the answer (``evaluate_model``).
+``"37+45="`` and the greedy continuation's first number is the answer (``evaluate_model``; it
+also scores the first generated token alone, a post-hoc check).
 Documents are ``PROBLEMS_PER_DOCUMENT`` problems joined by newlines; the trainer packs them
 GPT-style, so the loss (CE and the numeric loss alike) covers every token, including the operands,
 which are unpredictable: only the answer carries signal.
@@ -201,7 +202,14 @@ def score(items: list, parsed: list) -> dict:
 
 def evaluate_model(model_dir, qa_path, batch_size: int = 200) -> dict:
     """Greedy answers of the exported model in ``model_dir`` on ``qa_path``: ``score``'s report and
-    the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling)."""
+    the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling).
+
+    ``metrics`` and ``answers`` are the pre-registered scoring: the first number in a greedy
+    continuation of 3 tokens. A continuation can run two number tokens together ("179" "196" reads
+    as 179196), which no one-token answer can be, so ``metrics_first_token`` / ``answers_first_token``
+    score the first generated token alone (greedy: the same first token). That second scoring was
+    added after the first results were seen (benchmarks/numeracy/README.md, Tier A) and is reported
+    as post hoc beside the pre-registered one, never instead of it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -214,5 +222,9 @@ def evaluate_model(model_dir, qa_path, batch_size: int = 200) -> dict:
     with torch.no_grad():
         texts = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
                                        max_new_tokens=3)
+        first_tokens = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
+                                              max_new_tokens=1)
     parsed = [parse_number(text) for text in texts]
-    return {"metrics": score(items, parsed), "answers": parsed}
+    first = [parse_number(text) for text in first_tokens]
+    return {"metrics": score(items, parsed), "answers": parsed,
+            "metrics_first_token": score(items, first), "answers_first_token": first}

@@ -75,6 +75,47 @@ def test_score_counts_exact_within_one_and_unparseable():
         tier_a.score(items, [1])
 
 
+def test_evaluate_model_scores_the_first_generated_token_beside_the_first_number(tmp_path):
+    """A random tiny model answers with arbitrary tokens; the post-hoc score is the first generated
+    token alone, the pre-registered one the first number of three tokens (which can join two)."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from smmd_numeracy import train_numeric_tokenizer
+    from smmd_numeracy.evaluation import load_qa, parse_number
+
+    data = tier_a.build_data(tmp_path / "data", operand_range=12, held_out_share=0.3, oor_band=4, eval_per_split=20,
+                             counting_share=0.5, seed=0)
+    texts = [json.loads(line)["text"] for line in open(data["train"])]
+    tokenizer = train_numeric_tokenizer(texts, vocab_size=1400)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # push the output toward number tokens so some answers are two numbers run together
+        numbers = [tokenizer.convert_tokens_to_ids(str(n)) for n in range(100, 200)]
+        model.lm_head.weight[numbers] += 0.5 * model.model.embed_tokens.weight.std()
+        model.lm_head.bias = None
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = tier_a.evaluate_model(tmp_path / "model", data["qa_eval"])
+    items = load_qa(data["qa_eval"])
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert len(result["answers_first_token"]) == len(result["answers"]) == len(items)
+    joined = 0
+    for first, three in zip(result["answers_first_token"], result["answers"]):
+        if first is not None:
+            assert 0 <= first <= 999                     # one token is at most a 3-digit group
+            assert three is not None and str(three).startswith(str(first))  # greedy: the same first token
+            joined += three != first
+    assert result["metrics_first_token"] == tier_a.score(items, result["answers_first_token"])
+    assert result["metrics"] == tier_a.score(items, result["answers"])
+    assert parse_number(loaded.decode(loaded("123")["input_ids"])) == 123
+    assert joined > 0, "the test should see at least one continuation that joins two number tokens"
+
+
 # ----------------------------------------------------------------------------------------------
 # Statistics
 # ----------------------------------------------------------------------------------------------
@@ -118,16 +159,19 @@ def test_compare_finds_a_real_effect_and_not_a_null_one(rng):
     assert row["n"] == 7
 
 
-def _synthetic_run(directory, arm, seed, exact, curve):
+def _synthetic_run(directory, arm, seed, exact, curve, first_token_mae=None):
     directory.mkdir(parents=True)
     split_metrics = {"count": 10, "exact_match": exact, "within_1": min(1.0, exact + 0.2), "mae": 5 - 4 * exact,
                      "unparseable": 0.0}
     evaluation = {split: dict(split_metrics) for split in ("val", "test", "oor")}
     evaluation.update({f"{split}/{op}": dict(split_metrics) for split in ("val", "test", "oor")
                        for op in tier_a.OPERATIONS})
-    (directory / "run.json").write_text(json.dumps({"arm": arm, "seed": seed, "flags": {}, "eval": evaluation,
-                                                    "train_seconds": 10.0, "train_cpu_seconds": 9.0,
-                                                    "eval_seconds": 1.0}))
+    record = {"arm": arm, "seed": seed, "flags": {}, "eval": evaluation, "train_seconds": 10.0,
+              "train_cpu_seconds": 9.0, "eval_seconds": 1.0}
+    if first_token_mae is not None:  # the post-hoc scoring: the same answers but MAE first_token_mae
+        record["eval_first_token"] = {key: dict(value, mae=first_token_mae) for key, value in evaluation.items()}
+        record["eval_reproduced"] = True
+    (directory / "run.json").write_text(json.dumps(record))
     lines = [json.dumps({"step": step, "eval/numeric_accuracy": accuracy}) + "\n" for step, accuracy in curve]
     (directory / "metrics.jsonl").write_text("".join(lines))
 
@@ -153,9 +197,33 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, rng):
     assert study_a.check_pipeline(results, ["ce", "smmd"], list(range(6))) == []
     problems = study_a.check_pipeline(results, ["ce", "smmd"], list(range(7)))
     assert any("missing" in problem for problem in problems)
+    assert "Post hoc" not in (results / "tier_a_summary.md").read_text()  # no run has the post-hoc scores
     # A seed one arm lacks drops out of that arm's comparison only.
     (work / "smmd-seed5" / "run.json").unlink()
     assert analyze_a.write_report(work, results)["tests"]["exact_match"]["rows"][0]["n"] == 5
+
+
+def test_post_hoc_first_token_section_tests_its_own_metrics(tmp_path, rng):
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    (work / "study.json").write_text(json.dumps({"tier": "a", "settings": study_a.SETTINGS, "parameters": 1e6}))
+    for seed in range(5):
+        base = rng.uniform(0.3, 0.5)
+        _synthetic_run(work / f"ce-seed{seed}", "ce", seed, base, [(100, 0.1)], first_token_mae=2.0)
+        _synthetic_run(work / f"smmd-seed{seed}", "smmd", seed, base, [(100, 0.1)], first_token_mae=1.5)
+    analysis = analyze_a.write_report(work, results)
+    row = analysis["tests"]["mae_first_token"]["rows"][0]
+    assert row["mean_difference"] == pytest.approx(-0.5) and row["n"] == 5
+    assert analysis["tests"]["mae"]["rows"][0]["mean_difference"] == pytest.approx(0.0)  # pre-registered kept
+    summary = (results / "tier_a_summary.md").read_text()
+    assert "Post hoc" in summary and "10 of 10 runs scored" in summary and "in 10 of 10" in summary
+    # A run without the post-hoc scores is missing there only.
+    record = json.loads((work / "smmd-seed4" / "run.json").read_text())
+    del record["eval_first_token"]
+    (work / "smmd-seed4" / "run.json").write_text(json.dumps(record))
+    analysis = analyze_a.write_report(work, results)
+    assert analysis["tests"]["mae_first_token"]["rows"][0]["n"] == 4
+    assert analysis["tests"]["mae"]["rows"][0]["n"] == 5
 
 
 def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
