@@ -42,3 +42,16 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
     assert "cannot" in completed.stdout  # what one seed cannot show
     assert len(list((work / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the HParams experiment, once
+    # Side by side (the default) and one at a time train the same steps: identical per-step losses and
+    # the same table but for tokens/s (each process runs one thread; concurrency changes only timing).
+    again = tmp_path / "again"
+    run([sys.executable, REPO / "launch" / "demo.py", "--work_dir", again, "--steps", 3, "--one_at_a_time"],
+        timeout=900, env=environment())
+    repeated = json.loads((again / "demo_results.json").read_text())
+    for name in ("ce", "smmd"):
+        losses = [[record["loss/total"] for record in map(json.loads, open(folder / name / "metrics.jsonl"))
+                   if "loss/total" in record] for folder in (work, again)]
+        assert len(losses[0]) == 3 and losses[0] == losses[1]
+    for first, second in zip(results["rows"], repeated["rows"]):
+        assert {key: value for key, value in first.items() if key != "tokens/s"} == \
+            {key: value for key, value in second.items() if key != "tokens/s"}
