@@ -210,7 +210,7 @@ def tables(analysis: dict, metrics: dict = METRICS) -> str:
     return "\n\n".join(parts)
 
 
-def summary_markdown(study: dict, runs: list, analysis: dict) -> str:
+def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = None) -> str:
     settings = study["settings"]
     train_seconds = sum(run["train_seconds"] for run in runs)
     cpu_seconds = sum(run["train_cpu_seconds"] or 0 for run in runs)
@@ -232,7 +232,10 @@ def summary_markdown(study: dict, runs: list, analysis: dict) -> str:
         f"lr {settings['lr']}, operands 0..{settings['operand_range'] - 1} (out of range: up to "
         f"{settings['operand_range'] + settings['oor_band'] - 1}). "
         f"NTL-MSE weight {study.get('ntl_mse_weight', 'n/a')} (chosen on validation). "
-        f"Training time {train_seconds / 60:.1f} min wall, {cpu_seconds / 3600:.2f} CPU-hours (train.py processes).",
+        f"Training time {train_seconds / 60:.1f} min wall, {cpu_seconds / 3600:.2f} CPU-hours (train.py processes)"
+        + (f"; the NTL-MSE weight selection's {len(selection['candidates'])} runs "
+           f"{sum(row['train_cpu_seconds'] for row in selection['candidates']) / 3600:.2f} CPU-hours more"
+           if selection else "") + ".",
         "", tables(analysis), "",
         "**exact match per operation** (%, mean over the seeds above)", "",
         markdown_table(by_op, [(key, key, "s") for key in by_op[0]]) if by_op else "", "",
@@ -278,7 +281,7 @@ def write_report(work_dir, results_dir) -> dict:
                "power": {metric: {key: result[key] for key in ("pairs", "tests", "mde_sd", "mde_holm_sd")}
                          for metric, result in analysis["tests"].items()}}
     (results_dir / "tier_a.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
-    summary = summary_markdown(study, runs, analysis)
+    summary = summary_markdown(study, runs, analysis, selection)
     (results_dir / "tier_a_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis

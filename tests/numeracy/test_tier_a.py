@@ -198,6 +198,12 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, rng):
     problems = study_a.check_pipeline(results, ["ce", "smmd"], list(range(7)))
     assert any("missing" in problem for problem in problems)
     assert "Post hoc" not in (results / "tier_a_summary.md").read_text()  # no run has the post-hoc scores
+    assert "selection" not in (results / "tier_a_summary.md").read_text()
+    (work / "selection.json").write_text(json.dumps({"weight": 1e-3, "candidates": [
+        {"weight": 1e-4, "train_cpu_seconds": 1800.0}, {"weight": 1e-3, "train_cpu_seconds": 1800.0}]}))
+    analyze_a.write_report(work, results)
+    assert "selection's 2 runs 1.00 CPU-hours more" in (results / "tier_a_summary.md").read_text()
+    assert "12 runs reported" in (results / "tier_a_summary.md").read_text()  # selection runs are not arms
     # A seed one arm lacks drops out of that arm's comparison only.
     (work / "smmd-seed5" / "run.json").unlink()
     assert analyze_a.write_report(work, results)["tests"]["exact_match"]["rows"][0]["n"] == 5
