@@ -45,11 +45,36 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
-# The study's arm that the demo runs by default beside CE (benchmarks/numeracy/README.md, "Tier A"),
-# and the arms it can run (train.py flags in smmd_numeracy.tier_a.ARMS; ntl_mse's weight is the study's choice).
-DEFAULT_ARM = "smmd"
-ARM_LABELS = {"smmd": "CE + SMMD", "ntl_was": "CE + 0.3 NTL-WAS", "smmd_ntl_was": "CE + SMMD + 0.3 NTL-WAS",
-              "random_kernel": "CE + SMMD, random kernel"}
+# The arms the demo can run beside CE (train.py flags in smmd_numeracy.tier_a.ARMS; ntl_mse's weight is
+# the one the study chose on validation). By default it runs the study's best numeric loss (``best_arm``).
+ARM_LABELS = {"smmd": "CE + SMMD", "ntl_was": "CE + 0.3 NTL-WAS", "ntl_mse": "CE + NTL-MSE",
+              "smmd_ntl_was": "CE + SMMD + 0.3 NTL-WAS", "random_kernel": "CE + SMMD, random kernel"}
+FALLBACK_ARM = "smmd"  # without the study's results in the checkout
+
+
+def best_arm(results: dict) -> str:
+    """The study's best numeric loss: the arm (not the random-kernel ablation) with the largest mean
+    paired difference from CE in test exact match, the pre-registered primary metric."""
+    rows = [row for row in results["tests"]["exact_match"]
+            if row["column"] == "test" and row["arm"] in ARM_LABELS and row["arm"] != "random_kernel"]
+    return max(rows, key=lambda row: row["mean_difference"])["arm"]
+
+
+def study_results() -> dict:
+    return json.loads(STUDY_RESULTS.read_text()) if STUDY_RESULTS.is_file() else {}
+
+
+def arm_flags(arm: str, results: dict) -> dict:
+    """train.py's loss flags of ``arm``."""
+    from smmd_numeracy import tier_a
+
+    if arm != "ntl_mse":
+        return tier_a.ARMS[arm]
+    weight = results.get("study", {}).get("ntl_mse_weight")
+    if weight is None:
+        raise SystemExit(f"--arm ntl_mse uses the weight the study chose on validation, and {STUDY_RESULTS} has "
+                         "none; run the study first (python -m benchmarks.numeracy.run_study --tier a)")
+    return {"numeric_loss": [f"ntl-mse:{weight:g}"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default=str(REPO / "demo_runs"), help="everything the demo writes")
     parser.add_argument("--model", default="tiny", help="preset trained from scratch (tiny on CPU)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the study's)")
-    parser.add_argument("--arm", default=DEFAULT_ARM, choices=list(ARM_LABELS), help="the study's arm to run beside "
-                        f"CE (default {DEFAULT_ARM})")
+    parser.add_argument("--arm", choices=list(ARM_LABELS), help="the study's arm to run beside CE (default: the "
+                        "study's best numeric loss, the largest paired difference from CE in test exact match in "
+                        f"benchmarks/numeracy/results/tier_a.json; {FALLBACK_ARM} without it)")
     parser.add_argument("--gpus", type=int, default=2, help="processes for the deepspeed launcher")
     parser.add_argument("--tp", type=int, default=2, help="AutoTP degree of both runs")
     parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
@@ -165,20 +191,24 @@ def training_summary(output_dir: Path) -> dict:
             "final_ce": steps[-1]["loss/ce"], "eval_ce": evals[-1]["eval/ce"] if evals else float("nan")}
 
 
-def study_spread() -> str:
-    """What one seed can show, in the study's own numbers (if its results are in the checkout)."""
-    if not STUDY_RESULTS.is_file():
+def study_spread(results: dict, arm: str) -> str:
+    """What one seed can show, in the study's own numbers (``results``: its tier_a.json, or {})."""
+    if not results:
         return ("One seed cannot tell a loss effect from seed-to-seed variation; the multi-seed study "
                 "(python -m benchmarks.numeracy.run_study --tier a) measures both.")
-    results = json.loads(STUDY_RESULTS.read_text())
     cells = results["cells"]
     ce_em, ce_mae = cells["exact_match"]["test"]["ce"], cells["mae"]["test"]["ce"]
-    return (f"What one seed can show: that both runs train and what their answers look like. What it cannot: "
+    text = (f"What one seed can show: that both runs train and what their answers look like. What it cannot: "
             f"which loss is better. Across the study's {len(results['seeds'])} seeds (1-process runs; these are "
             f"TP=2, so not the same numbers), CE alone has test exact match {100 * ce_em['mean']:.1f}% ± "
-            f"{100 * ce_em['std']:.1f} and MAE {ce_mae['mean']:.1f} ± {ce_mae['std']:.1f} (mean ± std over "
-            f"seeds): a one-seed difference smaller than a few such stds says nothing. The study's paired "
-            f"comparisons with intervals are in benchmarks/numeracy/results/tier_a_summary.md.")
+            f"{100 * ce_em['std']:.1f} and MAE {ce_mae['mean']:.2f} ± {ce_mae['std']:.2f} (mean ± std over "
+            f"seeds): a one-seed difference smaller than a few such stds says nothing.")
+    for row in results["tests"]["exact_match"]:
+        if row["arm"] == arm and row["column"] == "test":
+            text += (f" The study's paired difference {ARM_LABELS[arm]} - CE in test exact match: "
+                     f"{100 * row['mean_difference']:+.1f} pp (95% bootstrap interval {100 * row['ci95_low']:+.1f} to "
+                     f"{100 * row['ci95_high']:+.1f}, {row['n']} seeds).")
+    return text + " All its comparisons: benchmarks/numeracy/results/tier_a_summary.md."
 
 
 def main(argv=None) -> None:
@@ -214,7 +244,13 @@ def main(argv=None) -> None:
 
     from smmd_train.launcher import free_port
 
-    plans = (("ce", "CE only", tier_a.ARMS["ce"]), (args.arm, ARM_LABELS[args.arm], tier_a.ARMS[args.arm]))
+    results = study_results()
+    if args.arm is None:
+        args.arm = best_arm(results) if results else FALLBACK_ARM
+        print(f"    beside CE: {ARM_LABELS[args.arm]}, " + (
+            "the study's best numeric loss (largest paired difference from CE in test exact match)" if results
+            else "the study's results are not in this checkout"))
+    plans = (("ce", "CE only", tier_a.ARMS["ce"]), (args.arm, ARM_LABELS[args.arm], arm_flags(args.arm, results)))
     described = " and ".join(f"{label} ({' '.join(flags['numeric_loss'])})" for _, label, flags in plans)
     layout = f"ZeRO-3 + AutoTP TP={args.tp} on {args.gpus} processes"
     ports = []
@@ -259,7 +295,7 @@ def main(argv=None) -> None:
           f"{report['oor']['count']} out-of-range problems; greedy answers; tokens/s = training throughput on "
           f"{args.gpus} processes (the only column that varies between runs of the demo)\n")
     print(markdown_table(rows, columns))
-    print("\n" + study_spread())
+    print("\n" + study_spread(results, args.arm))
     (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "settings": settings, "rows": rows,
                                                         "seconds": time.monotonic() - began}, indent=1))
     print(f"\nper-split reports: {work}/*/tier_a_eval.json; everything: {work}/demo_results.json")
