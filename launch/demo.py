@@ -2,14 +2,19 @@
 nothing downloaded.
 
     bash launch/demo.sh                 # sets up .venv, then runs this with the study's 2,000 steps
-    bash launch/demo.sh --steps 500     # a shorter look (the model has not learned the task yet)
+    bash launch/demo.sh --steps 1000    # about half the time, before CE has learned much (below)
     python launch/demo.py --help        # this text; needs nothing installed
 
-Time: at TP=2 a step of this tiny model is slower than on one process (0.147 s per step on 2 idle
-cores, measured 2026-11-25, against 0.081 s for a 1-process ZeRO-3 run): its ranks spend much of
-a step in collectives, waiting on each other. So the two runs train side by side (4 processes on
-the cores: 0.186 s per step each, 1.6x the throughput of one after the other; ``--one_at_a_time``
-trains the same steps, identical losses, sequentially).
+Time: 469 s (7.8 minutes) after set-up on 2 idle cores (measured 2026-11-25, CE against CE + SMMD +
+0.3 NTL-WAS, 2 x 2,000 steps), over the 5 minutes it was meant to take. At TP=2 a step of this tiny
+model is slower than on one process (0.147 s per step on 2 idle cores against 0.081 s for a
+1-process ZeRO-3 run): its ranks spend much of a step in collectives, waiting on each other. So the
+two runs train side by side (4 processes on the cores: 0.21-0.22 s per step each, about 1.4x the
+throughput of one after the other; ``--one_at_a_time`` trains the same steps, identical losses,
+sequentially). 5 minutes would allow about 1,100 steps, and there CE has not learned the task yet:
+single-seed 1-process pilots at 800 and 1,000 steps (schedule scaled) reached 10.0% and 7.5% test
+exact match against 35% at 2,000 (benchmarks/numeracy/results/tier_a_pilot.md), so the demo keeps
+the study's 2,000 steps.
 
 The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):
 
@@ -17,13 +22,17 @@ The task and settings are Tier A of the numeracy study (benchmarks/numeracy/READ
    0..999 of a Llama-3-style tokenizer trained locally; training pairs, held-out test pairs
    (interpolation) and out-of-range pairs (an operand never seen as an operand);
 2. two runs from scratch of a tiny Llama, same seed, data order and steps: CE only, and CE + the
-   numeric loss (default SMMD, paper defaults; ``--arm`` picks another study arm) -- each under
+   numeric loss (default: the study's best, ``tier_a.best_arm``; ``--arm`` picks another study arm) -- each under
    ZeRO-3 + AutoTP (TP=2, vocabulary-parallel head) on 2 processes through the deepspeed launcher,
    side by side, logging to TensorBoard;
 3. greedy answers of both on the held-out problems and a side-by-side table.
 
 One seed shows that the pipeline works and what the numbers look like; it cannot show that one loss
-is better: the study's seed-to-seed spread is printed under the table for scale.
+is better: the study's seed-to-seed spread and its paired difference for the arm are printed under
+the table for scale. (The measured run above: CE 21.8% and CE + SMMD + 0.3 NTL-WAS 38.3% test exact
+match at TP=2 on seed 0, the opposite of the study's mean difference, -5.1 pp over 5 seeds; the
+study's 1-process CE run on seed 0 reached 35.3%: a TP=2 run sums in another order and is another
+sample of the same seed-to-seed spread.)
 
 The accuracy columns repeat bit for bit when the demo runs again on the same machine and code (two
 runs of 60 steps: identical per-step losses and tables); only tokens/s varies. Every process runs
@@ -45,36 +54,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
-# The arms the demo can run beside CE (train.py flags in smmd_numeracy.tier_a.ARMS; ntl_mse's weight is
-# the one the study chose on validation). By default it runs the study's best numeric loss (``best_arm``).
+# The arms the demo can run beside CE (train.py flags: smmd_numeracy.tier_a.arm_flags; ntl_mse's weight is
+# the one the study chose on validation). By default it runs the study's best numeric loss (tier_a.best_arm).
+# Here rather than in the package: --help prints before anything is installed.
 ARM_LABELS = {"smmd": "CE + SMMD", "ntl_was": "CE + 0.3 NTL-WAS", "ntl_mse": "CE + NTL-MSE",
               "smmd_ntl_was": "CE + SMMD + 0.3 NTL-WAS", "random_kernel": "CE + SMMD, random kernel"}
 FALLBACK_ARM = "smmd"  # without the study's results in the checkout
 
 
-def best_arm(results: dict) -> str:
-    """The study's best numeric loss: the arm (not the random-kernel ablation) with the largest mean
-    paired difference from CE in test exact match, the pre-registered primary metric."""
-    rows = [row for row in results["tests"]["exact_match"]
-            if row["column"] == "test" and row["arm"] in ARM_LABELS and row["arm"] != "random_kernel"]
-    return max(rows, key=lambda row: row["mean_difference"])["arm"]
-
-
 def study_results() -> dict:
     return json.loads(STUDY_RESULTS.read_text()) if STUDY_RESULTS.is_file() else {}
-
-
-def arm_flags(arm: str, results: dict) -> dict:
-    """train.py's loss flags of ``arm``."""
-    from smmd_numeracy import tier_a
-
-    if arm != "ntl_mse":
-        return tier_a.ARMS[arm]
-    weight = results.get("study", {}).get("ntl_mse_weight")
-    if weight is None:
-        raise SystemExit(f"--arm ntl_mse uses the weight the study chose on validation, and {STUDY_RESULTS} has "
-                         "none; run the study first (python -m benchmarks.numeracy.run_study --tier a)")
-    return {"numeric_loss": [f"ntl-mse:{weight:g}"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
     parser.add_argument("--fused_linear", action="store_true", help="train both runs with train.py --fused_linear")
     parser.add_argument("--one_at_a_time", action="store_true", help="train the two runs one after the other "
-                        "instead of side by side (side by side, 4 processes share the cores: measured 1.6x the "
+                        "instead of side by side (side by side, 4 processes share the cores: measured 1.4-1.6x the "
                         "throughput on 2 cores, since a tiny model's ranks spend much of a step waiting on each other)")
     parser.add_argument("--seed", type=int, default=0, help="training seed of both runs (the data are fixed)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process and "
@@ -246,11 +235,16 @@ def main(argv=None) -> None:
 
     results = study_results()
     if args.arm is None:
-        args.arm = best_arm(results) if results else FALLBACK_ARM
+        args.arm = tier_a.best_arm(results) if results else FALLBACK_ARM
         print(f"    beside CE: {ARM_LABELS[args.arm]}, " + (
             "the study's best numeric loss (largest paired difference from CE in test exact match)" if results
             else "the study's results are not in this checkout"))
-    plans = (("ce", "CE only", tier_a.ARMS["ce"]), (args.arm, ARM_LABELS[args.arm], arm_flags(args.arm, results)))
+    try:
+        flags = tier_a.arm_flags(args.arm, results.get("study", {}).get("ntl_mse_weight"))
+    except ValueError as error:
+        raise SystemExit(f"--arm {args.arm}: {error}; run the study first "
+                         "(python -m benchmarks.numeracy.run_study --tier a)") from None
+    plans = (("ce", "CE only", tier_a.ARMS["ce"]), (args.arm, ARM_LABELS[args.arm], flags))
     described = " and ".join(f"{label} ({' '.join(flags['numeric_loss'])})" for _, label, flags in plans)
     layout = f"ZeRO-3 + AutoTP TP={args.tp} on {args.gpus} processes"
     ports = []

@@ -96,12 +96,6 @@ def prepare(work_dir: Path, settings: dict) -> dict:
     return {**data, "tokenizer": str(tokenizer_dir), "cache": str(work_dir / "cache"), "parameters": parameters}
 
 
-def arm_flags(arm: str, ntl_mse_weight) -> dict:
-    if arm == "ntl_mse":
-        return {"numeric_loss": [f"ntl-mse:{ntl_mse_weight:g}"]}
-    return ARMS[arm]
-
-
 def train_run(settings: dict, data: dict, flags: dict, seed: int, output_dir: Path) -> list:
     command = train_command(launcher="python", deepspeed_config=REPO / settings["deepspeed_config"],
                             model=settings["model"], tokenizer=data["tokenizer"], data=[data["train"]],
@@ -175,7 +169,7 @@ def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict,
         return json.loads(path.read_text())
     rows = []
     for weight in NTL_MSE_CANDIDATES:
-        record = execute(settings, data, f"ntl_mse@{weight:g}", arm_flags("ntl_mse", weight), SELECTION_SEED,
+        record = execute(settings, data, f"ntl_mse@{weight:g}", tier_a.arm_flags("ntl_mse", weight), SELECTION_SEED,
                          work_dir / "selection" / f"ntl_mse-{weight:g}", env)
         _progress(f"selection ntl_mse weight {weight:g}", record, began, split="val")
         val = record["eval"]["val"]
@@ -292,7 +286,7 @@ def main(argv=None) -> None:
             study["ntl_mse_weight"] = weight
             print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
         try:
-            record = execute(settings, data, arm, arm_flags(arm, weight), seed, output_dir, env)
+            record = execute(settings, data, arm, tier_a.arm_flags(arm, weight), seed, output_dir, env)
         except RunFailed as error:
             failures.append(f"{arm} seed {seed}: {error}")
             print(f"[tier a] {arm} seed {seed} FAILED", flush=True)

@@ -2,7 +2,6 @@
 settings: Tier A data and tokenizer, CE and CE + SMMD from scratch under ZeRO-3 + AutoTP on 2
 processes, greedy evaluation and the table."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,10 @@ import sys
 import pytest
 from helpers.launching import REPO, environment, run
 
+from smmd_numeracy import tier_a
+
+STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
+
 
 def test_help_prints_without_setting_anything_up(tmp_path):
     venv = tmp_path / "venv"
@@ -18,33 +21,10 @@ def test_help_prints_without_setting_anything_up(tmp_path):
                                timeout=60, env={"PATH": os.environ["PATH"], "VENV": str(venv)})
     assert completed.returncode == 0, completed.stderr
     assert "usage: bash launch/demo.sh" in completed.stdout and "--arm" in completed.stdout
+    # The arms it offers are the study's numeric-loss arms (ARM_LABELS lives in demo.py for this help).
+    offered = completed.stdout.split("--arm {", 1)[1].split("}", 1)[0].split(",")
+    assert set(offered) == set(tier_a.ARMS) - {"ce"}
     assert not venv.exists()  # no virtual environment was made
-
-
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("demo", REPO / "launch" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_default_arm_is_the_studys_best_numeric_loss_and_ntl_mse_takes_the_chosen_weight():
-    demo = _demo_module()
-    results = {"tests": {"exact_match": [
-        {"arm": "smmd", "column": "test", "mean_difference": -0.06},
-        {"arm": "ntl_was", "column": "test", "mean_difference": -0.02},
-        {"arm": "ntl_was", "column": "oor", "mean_difference": 0.5},          # another split: not the criterion
-        {"arm": "random_kernel", "column": "test", "mean_difference": 0.9}]},  # the ablation never
-        "study": {"ntl_mse_weight": 1e-4}}
-    assert demo.best_arm(results) == "ntl_was"
-    results["tests"]["exact_match"].append({"arm": "ntl_mse", "column": "test", "mean_difference": 0.01})
-    assert demo.best_arm(results) == "ntl_mse"
-    assert demo.arm_flags("ntl_mse", results) == {"numeric_loss": ["ntl-mse:0.0001"]}
-    with pytest.raises(SystemExit, match="weight the study chose"):
-        demo.arm_flags("ntl_mse", {})
-    committed = demo.study_results()
-    if committed:  # the committed study names an arm the demo can run
-        assert demo.best_arm(committed) in demo.ARM_LABELS
 
 
 @pytest.mark.slow
@@ -53,10 +33,10 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
     completed = run([sys.executable, REPO / "launch" / "demo.py", "--work_dir", work, "--steps", 3],
                     timeout=900, env=environment())
     results = json.loads((work / "demo_results.json").read_text())
-    demo = _demo_module()
-    arm = demo.best_arm(demo.study_results())  # the default: the study's best numeric loss
-    assert [row["run"] for row in results["rows"]] == ["CE only", demo.ARM_LABELS[arm]]
-    assert f"beside CE: {demo.ARM_LABELS[arm]}, the study's best numeric loss" in completed.stdout
+    study = json.loads(STUDY_RESULTS.read_text())
+    arm = tier_a.best_arm(study)  # the default: the study's best numeric loss
+    assert results["args"]["arm"] == arm and results["rows"][0]["run"] == "CE only"
+    assert f"beside CE: {results['rows'][1]['run']}, the study's best numeric loss" in completed.stdout
     for row in results["rows"]:
         assert row["report"]["test"]["count"] == 600 and 0 <= row["test exact"] <= row["test within 1"] <= 1
         assert row["tokens/s"] > 0
@@ -69,7 +49,7 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
     numeric_losses = [json.loads((work / name / "run_config.json").read_text())["args"]["numeric_loss"]
                       for name in ("ce", arm)]
     expected = [[name.split(":")[0], float(name.split(":")[1]) if ":" in name else 1.0]
-                for name in demo.arm_flags(arm, demo.study_results())["numeric_loss"]]
+                for name in tier_a.arm_flags(arm, study["study"].get("ntl_mse_weight"))["numeric_loss"]]
     assert numeric_losses == [[["smmd", 0.0]], expected]
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
     assert "cannot" in completed.stdout  # what one seed cannot show

@@ -232,6 +232,25 @@ def test_post_hoc_first_token_section_tests_its_own_metrics(tmp_path, rng):
     assert analysis["tests"]["mae"]["rows"][0]["n"] == 5
 
 
+def test_best_arm_is_the_largest_test_exact_match_gain_and_ntl_mse_takes_the_chosen_weight():
+    results = {"tests": {"exact_match": [
+        {"arm": "smmd", "column": "test", "mean_difference": -0.06},
+        {"arm": "ntl_was", "column": "test", "mean_difference": -0.02},
+        {"arm": "ntl_was", "column": "oor", "mean_difference": 0.5},          # another split: not the criterion
+        {"arm": "random_kernel", "column": "test", "mean_difference": 0.9}]}}  # an ablation: never
+    assert tier_a.best_arm(results) == "ntl_was"
+    results["tests"]["exact_match"].append({"arm": "ntl_mse", "column": "test", "mean_difference": 0.01})
+    assert tier_a.best_arm(results) == "ntl_mse"
+    with pytest.raises(ValueError, match="no test exact-match comparison"):
+        tier_a.best_arm({"tests": {"exact_match": [{"arm": "random_kernel", "column": "test", "mean_difference": 0}]}})
+    assert tier_a.arm_flags("ntl_mse", 1e-4) == {"numeric_loss": ["ntl-mse:0.0001"]}
+    assert tier_a.arm_flags("smmd") == {"numeric_loss": ["smmd:1"]}
+    with pytest.raises(ValueError, match="weight the study chose"):
+        tier_a.arm_flags("ntl_mse")
+    with pytest.raises(ValueError, match="unknown Tier A arm 'smd'"):
+        tier_a.arm_flags("smd")
+
+
 def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
     order = study_a.run_order(["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"], [0, 1])
     assert order[:4] == [("ce", 0), ("smmd", 0), ("ce", 1), ("smmd", 1)]
