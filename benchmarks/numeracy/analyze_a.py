@@ -126,11 +126,11 @@ def load_runs(work_dir: Path) -> tuple:
     return study, runs
 
 
-def metric_values(runs: list, arms: list, seeds: list) -> dict:
-    """{metric: {column: {arm: [value per seed]}}}."""
+def metric_values(runs: list, arms: list, seeds: list, metrics: dict = METRICS) -> dict:
+    """{metric: {column: {arm: [value per seed]}}} for ``metrics`` (a tier's table like ``METRICS``)."""
     by_key = {(run["arm"], run["seed"]): run for run in runs}
     values = {}
-    for metric, (_, _, _, _, columns) in METRICS.items():
+    for metric, (_, _, _, _, columns) in metrics.items():
         values[metric] = {}
         for column in columns:
             values[metric][column] = {}
@@ -148,7 +148,7 @@ def metric_values(runs: list, arms: list, seeds: list) -> dict:
     return values
 
 
-def analyze(runs: list) -> dict:
+def analyze(runs: list, metrics: dict = METRICS) -> dict:
     arms = list(dict.fromkeys(run["arm"] for run in runs))
     if BASELINE in arms:
         arms.remove(BASELINE)
@@ -156,7 +156,7 @@ def analyze(runs: list) -> dict:
     # Every seed some run finished; a comparison pairs the seeds both arms finished (n in its row),
     # so a grid cut short still compares what it has, and the table says how many seeds each arm has.
     seeds = sorted({run["seed"] for run in runs})
-    values = metric_values(runs, arms, seeds)
+    values = metric_values(runs, arms, seeds, metrics)
     cells = {metric: {column: {arm: describe(per_arm[arm]) for arm in arms} for column, per_arm in columns.items()}
              for metric, columns in values.items()}
     tests = {metric: compare(columns, seeds) for metric, columns in values.items()} if BASELINE in arms else {}
@@ -171,9 +171,9 @@ def _p(value: float) -> str:
     return "n/a" if not math.isfinite(value) else f"{value:.3f}" if value >= 0.001 else f"{value:.0e}"
 
 
-def tables(analysis: dict) -> str:
+def tables(analysis: dict, metrics: dict = METRICS) -> str:
     parts = []
-    for metric, (header, higher, scale, unit, columns) in METRICS.items():
+    for metric, (header, higher, scale, unit, columns) in metrics.items():
         unit_text = f" ({unit})" if unit else ""
         rows = [{"arm": arm, **{column: f"{_fmt(cell['mean'], scale)} ± {_fmt(cell['std'], scale)}"
                                 for column, cell in ((c, analysis["cells"][metric][c][arm]) for c in columns)}}

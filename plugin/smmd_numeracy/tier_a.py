@@ -199,20 +199,24 @@ def score(items: list, parsed: list) -> dict:
     return report
 
 
-def evaluate_model(model_dir, qa_path, batch_size: int = 200) -> dict:
+def evaluate_model(model_dir, qa_path, batch_size: int = 200, max_new_tokens: int = 3, parse=None) -> dict:
     """Greedy answers of the exported model in ``model_dir`` on ``qa_path``: ``score``'s report and
-    the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling)."""
+    the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling).
+
+    ``max_new_tokens`` bounds each continuation; ``parse`` reads the answer from it (default
+    ``parse_number``, the first number; Tier B passes its whole-answer parser)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .evaluation import generate_continuations, load_qa, parse_number
 
+    parse = parse or parse_number
     items = load_qa(qa_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt_ids = tokenizer([item["prompt"] for item in items])["input_ids"]
     with torch.no_grad():
         texts = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
-                                       max_new_tokens=3)
-    parsed = [parse_number(text) for text in texts]
+                                       max_new_tokens=max_new_tokens)
+    parsed = [parse(text) for text in texts]
     return {"metrics": score(items, parsed), "answers": parsed}
