@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.analyze import strict_json
+from smmd_numeracy import tier_a
 from smmd_numeracy.tier_b import TEST_SPLITS
 from smmd_train.metrics_file import read_metrics
 from smmd_train.tables import markdown_table
@@ -43,11 +44,21 @@ def step_seconds(work_dir: Path, run: dict) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def constant_answer_reference(qa_path, answer: int = 0) -> dict:
+    """{split: {"exact_match", "mae"}} of a model that always answers ``answer``: the floor a trained
+    model's MAE should be under (for 0, the mean |answer|)."""
+    from smmd_numeracy import load_qa
+
+    items = load_qa(qa_path)
+    return {split: metrics for split, metrics in tier_a.score(items, [answer] * len(items)).items()
+            if "/" not in split}
+
+
 def _mean(values: list) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def summary_markdown(study: dict, runs: list, analysis: dict) -> str:
+def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -> str:
     settings = study["settings"]
     data = study.get("data", {})
     train_seconds = sum(run["train_seconds"] for run in runs)
@@ -78,6 +89,10 @@ def summary_markdown(study: dict, runs: list, analysis: dict) -> str:
         f"Budget: training {train_seconds / 60:.1f} min wall, {cpu_seconds / 3600:.2f} CPU-hours (train.py "
         f"processes, one thread each); median {statistics.median(run['step_seconds'] for run in runs):.2f} s per "
         f"training step; evaluation {eval_seconds / 60:.1f} min.",
+        "",
+        "Reference without a model: always answering 0 scores "
+        + "; ".join(f"{split} exact match {analyze_a._fmt(reference[split]['exact_match'], 100.0)}%, "
+                    f"MAE {analyze_a._fmt(reference[split]['mae'], 1.0, 2)}" for split in SPLITS) + ".",
         "", analyze_a.tables(analysis, METRICS), "",
         "**unparseable answers** (%, mean over the seeds; left out of MAE)", "",
         markdown_table(unparseable, [(key, key, "s") for key in unparseable[0]]) if unparseable else "", "",
@@ -98,13 +113,15 @@ def write_report(work_dir, results_dir) -> dict:
     for run in runs:
         run["step_seconds"] = step_seconds(work_dir, run)
     analysis = analyze_a.analyze(runs, METRICS)
+    reference = constant_answer_reference(json.loads((work_dir / "data" / "data.json").read_text())["qa_eval"])
     results_dir.mkdir(parents=True, exist_ok=True)
-    results = {"study": study, "runs": runs, "seeds": analysis["seeds"], "cells": analysis["cells"],
+    results = {"study": study, "runs": runs, "reference_answer_0": reference, "seeds": analysis["seeds"],
+               "cells": analysis["cells"],
                "tests": {metric: result["rows"] for metric, result in analysis["tests"].items()},
                "power": {metric: {key: result[key] for key in ("pairs", "tests", "mde_sd", "mde_holm_sd")}
                          for metric, result in analysis["tests"].items()}}
     (results_dir / "tier_b.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
-    summary = summary_markdown(study, runs, analysis)
+    summary = summary_markdown(study, runs, analysis, reference)
     (results_dir / "tier_b_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis

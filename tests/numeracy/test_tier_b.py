@@ -152,7 +152,12 @@ def _synthetic_run(directory, arm, seed, exact, mae, curve):
 def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, generator):
     rng = np.random.default_rng(int(generator.initial_seed()))
     work, results = tmp_path / "work", tmp_path / "results"
-    work.mkdir()
+    (work / "data").mkdir(parents=True)
+    qa = [{"prompt": "Q: a\nA:", "answer": -4, "task": "interpolate/add_sub_multiple"},
+          {"prompt": "Q: b\nA:", "answer": 0, "task": "interpolate/add_sub_multiple"},
+          {"prompt": "Q: c\nA:", "answer": 30, "task": "extrapolate/add_sub_multiple_longer"}]
+    (work / "data" / "qa_eval.jsonl").write_text("".join(json.dumps(item) + "\n" for item in qa))
+    (work / "data" / "data.json").write_text(json.dumps({"qa_eval": str(work / "data" / "qa_eval.jsonl")}))
     (work / "study.json").write_text(json.dumps({"tier": "b", "settings": study_b.SETTINGS, "parameters": 1.07e7,
                                                  "data": {"train_problems": 30000}}))
     seeds = [0, 1, 2]
@@ -180,6 +185,9 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, generator):
     assert {row["arm"]: row["mean_difference"] for row in curve} == pytest.approx({"ntl_was": 0.05, "smmd": -0.02})
     saved = json.loads((results / "tier_b.json").read_text())
     assert saved["seeds"] == seeds and len(saved["runs"]) == 9
+    assert saved["reference_answer_0"]["interpolate"]["mae"] == pytest.approx(2.0)       # |-4| and |0|
+    assert saved["reference_answer_0"]["interpolate"]["exact_match"] == pytest.approx(0.5)
+    assert saved["reference_answer_0"]["extrapolate"]["mae"] == pytest.approx(30.0)
     assert saved["runs"][0]["step_seconds"] == pytest.approx(0.7)  # the median of 0.6, 0.7, 0.8
     summary = (results / "tier_b_summary.md").read_text()
     assert "Tier B" in summary and "0.70 s per training step" in summary and "0.23 CPU-hours" in summary  # 9 x 90 s
