@@ -147,6 +147,7 @@ def _synthetic_run(directory, arm, seed, exact, mae, curve):
     lines = [{"step": step, "perf/step_seconds": 0.5 + 0.1 * step} for step in (1, 2, 3)]
     lines += [{"step": step, "eval/numeric_accuracy": accuracy} for step, accuracy in curve]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (directory / "answers.json").write_text(json.dumps({"answers": [seed, -1, 7, None, 7]}))
 
 
 def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, generator):
@@ -189,6 +190,7 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, generator):
     assert saved["reference_answer_0"]["interpolate"]["exact_match"] == pytest.approx(0.5)
     assert saved["reference_answer_0"]["extrapolate"]["mae"] == pytest.approx(30.0)
     assert saved["runs"][0]["step_seconds"] == pytest.approx(0.7)  # the median of 0.6, 0.7, 0.8
+    assert [run["distinct_answers"] for run in saved["runs"]][:3] == [4, 4, 4]  # seed, -1, 7, None
     summary = (results / "tier_b_summary.md").read_text()
     assert "Tier B" in summary and "0.70 s per training step" in summary and "0.23 CPU-hours" in summary  # 9 x 90 s
     check = dict(report="tier_b", splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS)
