@@ -48,6 +48,7 @@ METRICS = {
 POST_HOC_METRICS = {f"{metric}_first_token": (f"{METRICS[metric][0]}, first generated token (post hoc)",
                                               *METRICS[metric][1:])
                     for metric in ("exact_match", "mae", "within_1")}
+TIER_A_METRICS = {**METRICS, **POST_HOC_METRICS}  # what Tier A's analysis tests; tables print each set apart
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,18 +129,17 @@ def load_runs(work_dir: Path) -> tuple:
         curve = [(entry["step"], entry["eval/numeric_accuracy"]) for entry in metrics
                  if "eval/numeric_accuracy" in entry]
         runs.append({"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
-                     "eval_first_token": record.get("eval_first_token"),
-                     "eval_reproduced": record.get("eval_reproduced"),
+                     **{key: record[key] for key in ("eval_first_token", "eval_reproduced") if key in record},
                      "curve": curve, "train_seconds": record["train_seconds"],
                      "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"]})
     return study, runs
 
 
-def metric_values(runs: list, arms: list, seeds: list) -> dict:
-    """{metric: {column: {arm: [value per seed]}}}."""
+def metric_values(runs: list, arms: list, seeds: list, metrics: dict = TIER_A_METRICS) -> dict:
+    """{metric: {column: {arm: [value per seed]}}} for ``metrics`` (a tier's table like ``METRICS``)."""
     by_key = {(run["arm"], run["seed"]): run for run in runs}
     values = {}
-    for metric, (_, _, _, _, columns) in {**METRICS, **POST_HOC_METRICS}.items():
+    for metric, (_, _, _, _, columns) in metrics.items():
         values[metric] = {}
         for column in columns:
             values[metric][column] = {}
@@ -160,7 +160,7 @@ def metric_values(runs: list, arms: list, seeds: list) -> dict:
     return values
 
 
-def analyze(runs: list) -> dict:
+def analyze(runs: list, metrics: dict = TIER_A_METRICS) -> dict:
     arms = list(dict.fromkeys(run["arm"] for run in runs))
     if BASELINE in arms:
         arms.remove(BASELINE)
@@ -168,7 +168,7 @@ def analyze(runs: list) -> dict:
     # Every seed some run finished; a comparison pairs the seeds both arms finished (n in its row),
     # so a grid cut short still compares what it has, and the table says how many seeds each arm has.
     seeds = sorted({run["seed"] for run in runs})
-    values = metric_values(runs, arms, seeds)
+    values = metric_values(runs, arms, seeds, metrics)
     cells = {metric: {column: {arm: describe(per_arm[arm]) for arm in arms} for column, per_arm in columns.items()}
              for metric, columns in values.items()}
     tests = {metric: compare(columns, seeds) for metric, columns in values.items()} if BASELINE in arms else {}
@@ -266,6 +266,14 @@ def post_hoc_section(runs: list, analysis: dict) -> list:
         + ".", "", tables(analysis, POST_HOC_METRICS), ""]
 
 
+def statistics_record(analysis: dict) -> dict:
+    """The part of a tier's results JSON that ``analyze`` computed: seeds, cells, tests, power."""
+    return {"seeds": analysis["seeds"], "cells": analysis["cells"],
+            "tests": {metric: result["rows"] for metric, result in analysis["tests"].items()},
+            "power": {metric: {key: result[key] for key in ("pairs", "tests", "mde_sd", "mde_holm_sd")}
+                      for metric, result in analysis["tests"].items()}}
+
+
 def write_report(work_dir, results_dir) -> dict:
     work_dir, results_dir = Path(work_dir), Path(results_dir)
     study, runs = load_runs(work_dir)
@@ -275,11 +283,7 @@ def write_report(work_dir, results_dir) -> dict:
     results_dir.mkdir(parents=True, exist_ok=True)
     selection_path = work_dir / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
-    results = {"study": study, "selection": selection,
-               "runs": runs, "seeds": analysis["seeds"], "cells": analysis["cells"], "tests": {
-                   metric: result["rows"] for metric, result in analysis["tests"].items()},
-               "power": {metric: {key: result[key] for key in ("pairs", "tests", "mde_sd", "mde_holm_sd")}
-                         for metric, result in analysis["tests"].items()}}
+    results = {"study": study, "selection": selection, "runs": runs, **statistics_record(analysis)}
     (results_dir / "tier_a.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
     summary = summary_markdown(study, runs, analysis, selection)
     (results_dir / "tier_a_summary.md").write_text(summary)

@@ -67,8 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def prepare(work_dir: Path, settings: dict) -> dict:
-    """Data, tokenizer and token cache of the work dir (each made once); paths and parameter count."""
+def build_data(data_dir: Path, settings: dict) -> dict:
+    return tier_a.build_data(data_dir, operand_range=settings["operand_range"],
+                             held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
+                             eval_per_split=settings["eval_per_split"],
+                             counting_share=settings["counting_share"], seed=settings["data_seed"])
+
+
+def prepare(work_dir: Path, settings: dict, build=build_data) -> dict:
+    """Data (``build(data_dir, settings)``), tokenizer and token cache of the work dir (each made
+    once); paths and parameter count. The tokenizer keeps numbers of up to ``settings["max_digits"]``
+    digits as one token (3, Llama-3's, unless the settings say otherwise)."""
     from transformers import AutoTokenizer
 
     from smmd_numeracy import train_numeric_tokenizer
@@ -78,17 +87,14 @@ def prepare(work_dir: Path, settings: dict) -> dict:
 
     record = work_dir / "data" / "data.json"
     if not record.is_file():
-        data = tier_a.build_data(work_dir / "data", operand_range=settings["operand_range"],
-                                 held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
-                                 eval_per_split=settings["eval_per_split"],
-                                 counting_share=settings["counting_share"], seed=settings["data_seed"])
-        write_json(record, data)
+        write_json(record, build(work_dir / "data", settings))
     data = json.loads(record.read_text())
     tokenizer_dir = work_dir / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         with open(data["train"]) as lines:
             texts = [json.loads(line)["text"] for line in lines]
-        train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(tokenizer_dir)
+        train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"],
+                                max_digits=settings.get("max_digits", 3)).save_pretrained(tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     for split in ("train", "eval"):
         pack_files([data[split]], tokenizer, settings["seq_len"], cache_dir=work_dir / "cache")
@@ -107,8 +113,10 @@ def train_run(settings: dict, data: dict, flags: dict, seed: int, output_dir: Pa
     return ["nice", "-n", str(settings["nice"]), *command]
 
 
-def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, output_dir: Path, env: dict) -> dict:
-    """Train (unless recorded as trained) and evaluate one run; returns its run.json."""
+def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, output_dir: Path, env: dict,
+            evaluate=tier_a.evaluate_model) -> dict:
+    """Train (unless recorded as trained) and evaluate one run (``evaluate(hf_dir, qa_path)``, a
+    report of metrics and the per-item answers); returns its run.json."""
     record_path = output_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if "eval" in record:
@@ -127,22 +135,31 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
                                        - cpu_before.children_user - cpu_before.children_system)
         write_json(record_path, record)
     began = time.monotonic()
-    evaluation = tier_a.evaluate_model(output_dir / "hf", data["qa_eval"])
-    write_json(output_dir / "answers.json", {"answers": evaluation["answers"],
-                                             "answers_first_token": evaluation["answers_first_token"]})
+    evaluation = evaluate(output_dir / "hf", data["qa_eval"])
+    write_json(output_dir / "answers.json",
+               {key: value for key, value in evaluation.items() if key.startswith("answers")})
     record["eval"] = evaluation["metrics"]
-    record["eval_first_token"] = evaluation["metrics_first_token"]
+    if "metrics_first_token" in evaluation:  # Tier A's post-hoc check (tier_a.evaluate_model)
+        record["eval_first_token"] = evaluation["metrics_first_token"]
     record["eval_seconds"] = time.monotonic() - began
     write_json(record_path, record)
     return record
 
 
-def add_first_token_scores(record: dict, output_dir: Path, data: dict) -> dict:
+def evaluate_a(hf_dir, qa_path) -> dict:
+    """Tier A's evaluation: the pre-registered scoring and the post-hoc first-token check."""
+    return tier_a.evaluate_model(hf_dir, qa_path, first_token=True)
+
+
+def add_first_token_scores(output_dir: Path, data: dict) -> None:
     """The post-hoc first-token scoring (``tier_a.evaluate_model``) for a run evaluated before it
     existed: the greedy answers are generated again; the recorded pre-registered ``eval`` is kept as
     it is, and ``eval_reproduced`` says whether the new generation gave the same pre-registered
-    metrics (greedy on one thread is deterministic, so it should)."""
-    evaluation = tier_a.evaluate_model(output_dir / "hf", data["qa_eval"])
+    metrics (greedy on one thread is deterministic, so it should). Runs that have it are left alone."""
+    record = json.loads((output_dir / "run.json").read_text())
+    if "eval_first_token" in record:
+        return
+    evaluation = evaluate_a(output_dir / "hf", data["qa_eval"])
     answers_path = output_dir / "answers.json"
     answers = json.loads(answers_path.read_text()) if answers_path.is_file() else {}
     record["eval_first_token"] = evaluation["metrics_first_token"]
@@ -150,13 +167,12 @@ def add_first_token_scores(record: dict, output_dir: Path, data: dict) -> dict:
                                  and answers.get("answers", evaluation["answers"]) == evaluation["answers"])
     write_json(answers_path, {**answers, "answers_first_token": evaluation["answers_first_token"]})
     write_json(output_dir / "run.json", record)
-    return record
 
 
-def _progress(label: str, record: dict, began: float, split: str = "test") -> None:
+def _progress(label: str, record: dict, began: float, split: str = "test", tier: str = "a") -> None:
     metrics = record["eval"][split]
     mae = metrics["mae"] if metrics["mae"] is not None else float("nan")
-    print(f"[tier a] {label}: trained {record['train_seconds']:.0f} s, {split} exact match "
+    print(f"[tier {tier}] {label}: trained {record['train_seconds']:.0f} s, {split} exact match "
           f"{metrics['exact_match']:.1%}, MAE {mae:.1f}, within 1 {metrics['within_1']:.1%} "
           f"({time.monotonic() - began:.0f} s so far)", flush=True)
 
@@ -170,7 +186,7 @@ def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict,
     rows = []
     for weight in NTL_MSE_CANDIDATES:
         record = execute(settings, data, f"ntl_mse@{weight:g}", tier_a.arm_flags("ntl_mse", weight), SELECTION_SEED,
-                         work_dir / "selection" / f"ntl_mse-{weight:g}", env)
+                         work_dir / "selection" / f"ntl_mse-{weight:g}", env, evaluate_a)
         _progress(f"selection ntl_mse weight {weight:g}", record, began, split="val")
         val = record["eval"]["val"]
         rows.append({"weight": weight, "val_exact_match": val["exact_match"], "val_mae": val["mae"],
@@ -198,7 +214,7 @@ def is_finished(output_dir: Path) -> bool:
     return path.is_file() and "eval" in json.loads(path.read_text())
 
 
-def open_study(work_dir: Path, settings: dict, arms: list, seeds: list) -> dict:
+def open_study(work_dir: Path, settings: dict, arms: list, seeds: list, tier: str = "a") -> dict:
     path = work_dir / "study.json"
     if path.is_file():
         study = json.loads(path.read_text())
@@ -208,23 +224,25 @@ def open_study(work_dir: Path, settings: dict, arms: list, seeds: list) -> dict:
             raise SystemExit(f"{work_dir} holds runs made with other settings ({changed}); pass another "
                              f"--work_dir, or delete this one to start over")
     else:
-        study = {"tier": "a", "settings": settings, "arms": [], "seeds": [], "invocations": []}
+        study = {"tier": tier, "settings": settings, "arms": [], "seeds": [], "invocations": []}
     study["arms"] = list(dict.fromkeys(study["arms"] + arms))
     study["seeds"] = list(dict.fromkeys(study["seeds"] + seeds))
     return study
 
 
-def check_pipeline(results_dir: Path, arms: list, seeds: list) -> list:
-    """What --quick checks of its own output: every (arm, seed) run in the report, metrics in range,
-    the statistics present for every arm against ce. Returns the problems found (empty: passed)."""
+def check_pipeline(results_dir: Path, arms: list, seeds: list, report: str = "tier_a",
+                   splits: tuple = ("val", "test", "oor"), tested_metrics: dict = analyze_a.METRICS) -> list:
+    """What --quick checks of its own output (``<report>.json``, ``<report>_summary.md``): every
+    (arm, seed) run in the report, metrics of every split in range, the statistics present for every
+    arm against ce. Returns the problems found (empty: passed)."""
     problems = []
-    results = json.loads((results_dir / "tier_a.json").read_text())
+    results = json.loads((results_dir / f"{report}.json").read_text())
     found = {(run["arm"], run["seed"]) for run in results["runs"]}
     missing = [(arm, seed) for arm in arms for seed in seeds if (arm, seed) not in found]
     if missing:
         problems.append(f"runs missing from the report: {missing}")
     for run in results["runs"]:
-        for split in ("val", "test", "oor"):
+        for split in splits:
             metrics = run["eval"][split]
             for key in ("exact_match", "within_1", "unparseable"):
                 if not 0 <= metrics[key] <= 1:
@@ -233,18 +251,31 @@ def check_pipeline(results_dir: Path, arms: list, seeds: list) -> list:
                 problems.append(f"{run['arm']} seed {run['seed']} {split}: exact match above within +-1")
         if len(run["curve"]) < 2:
             problems.append(f"{run['arm']} seed {run['seed']}: {len(run['curve'])} periodic evaluations, need >= 2")
-    for metric in analyze_a.METRICS:
+    for metric in tested_metrics:
         tested = {row["arm"] for row in results["tests"][metric]}
         if tested != set(arms) - {"ce"}:
             problems.append(f"{metric}: tests for {sorted(tested)}, expected {sorted(set(arms) - {'ce'})}")
-    if not (results_dir / "tier_a_summary.md").is_file():
-        problems.append("tier_a_summary.md was not written")
+    if not (results_dir / f"{report}_summary.md").is_file():
+        problems.append(f"{report}_summary.md was not written")
     return problems
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
+def flags_for(arm: str, grid: dict) -> dict:
+    """train.py options of ``arm``; NTL-MSE's weight is chosen on validation before its first run."""
+    if arm == "ntl_mse" and "ntl_mse_weight" not in grid:
+        selection = select_ntl_mse_weight(grid["settings"], grid["data"], grid["work_dir"], grid["env"], grid["began"])
+        grid["ntl_mse_weight"] = grid["study"]["ntl_mse_weight"] = selection["weight"]
+        print(f"[tier a] NTL-MSE weight chosen on validation: {selection['weight']:g}", flush=True)
+    return tier_a.arm_flags(arm, grid.get("ntl_mse_weight"))
+
+
+def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, flags_for_arm, evaluate,
+             split: str, backfill=None) -> None:
+    """The runs of a tier, shared by Tier A and B: the work dir's data (``prepare_data(work_dir,
+    settings)``), then every (arm, seed) of ``run_order`` not finished yet, one at a time, with
+    ``flags_for_arm(arm, grid)`` and ``evaluate``; ``study.json`` records the settings, the data sizes
+    and every invocation's wall and CPU time. Progress lines show ``split``. ``backfill(output_dir, data)``
+    runs on every finished run (Tier A: ``add_first_token_scores``)."""
     env = child_environment(settings["threads"], on_gpu=False)
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
     import torch
@@ -252,14 +283,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(settings["threads"])  # the in-process evaluation: one thread, like the runs
     work_dir = args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
-    study = open_study(work_dir, settings, args.arms, args.seeds)
+    study = open_study(work_dir, settings, args.arms, args.seeds, tier)
     began, cpu_began = time.monotonic(), os.times()
     invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "wall_seconds": 0.0,
                   "cpu_seconds": 0.0, "runs_completed": 0}
     study["invocations"].append(invocation)
-    data = prepare(work_dir, settings)
+    data = prepare_data(work_dir, settings)
     study["parameters"] = data["parameters"]
-    study["data"] = {key: value for key, value in data.items() if key.endswith("pairs") or key == "qa_items"}
+    study["data"] = {key: value for key, value in data.items() if isinstance(value, int) and key != "parameters"}
 
     def save() -> None:
         now = os.times()
@@ -270,35 +301,38 @@ def main(argv=None) -> None:
         write_json(work_dir / "study.json", study)
 
     save()
-    print(f"[tier a] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
+    print(f"[tier {tier}] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
           f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
-    weight = None
+    grid = {"settings": settings, "data": data, "work_dir": work_dir, "env": env, "began": began, "study": study}
     failures = []
     for arm, seed in run_order(args.arms, args.seeds):
         output_dir = work_dir / f"{arm}-seed{seed}"
         if is_finished(output_dir):
-            record = json.loads((output_dir / "run.json").read_text())
-            if "eval_first_token" not in record:  # a run scored before the first-token check existed
-                add_first_token_scores(record, output_dir, data)
+            if backfill is not None:  # e.g. a check added after the run was scored
+                backfill(output_dir, data)
             continue
-        if arm == "ntl_mse" and weight is None:
-            weight = select_ntl_mse_weight(settings, data, work_dir, env, began)["weight"]
-            study["ntl_mse_weight"] = weight
-            print(f"[tier a] NTL-MSE weight chosen on validation: {weight:g}", flush=True)
+        flags = flags_for_arm(arm, grid)
         try:
-            record = execute(settings, data, arm, tier_a.arm_flags(arm, weight), seed, output_dir, env)
+            record = execute(settings, data, arm, flags, seed, output_dir, env, evaluate)
         except RunFailed as error:
             failures.append(f"{arm} seed {seed}: {error}")
-            print(f"[tier a] {arm} seed {seed} FAILED", flush=True)
+            print(f"[tier {tier}] {arm} seed {seed} FAILED", flush=True)
             continue
         invocation["runs_completed"] += 1
         save()
-        _progress(f"{arm} seed {seed}", record, began)
+        _progress(f"{arm} seed {seed}", record, began, split, tier)
     save()
     if failures:
-        raise SystemExit("[tier a] some runs failed (finished runs are kept; rerun to retry):\n\n"
+        raise SystemExit(f"[tier {tier}] some runs failed (finished runs are kept; rerun to retry):\n\n"
                          + "\n\n".join(failures))
-    analysis = analyze_a.write_report(work_dir, args.results_dir)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    began = time.monotonic()
+    run_grid("a", args, settings, prepare, flags_for, evaluate_a, "test", backfill=add_first_token_scores)
+    analysis = analyze_a.write_report(args.work_dir, args.results_dir)
     print(analysis["text"])
     print(f"[tier a] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
     if args.quick:

@@ -141,7 +141,7 @@ def _documents(problems: list) -> list:
             for start in range(0, len(problems), PROBLEMS_PER_DOCUMENT)]
 
 
-def _write_jsonl(rows: list, path: Path) -> None:
+def write_jsonl(rows: list, path: Path) -> None:
     with open(path, "w") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
@@ -175,7 +175,7 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
     counting = round(len(documents) * counting_share / (1 - counting_share))
     documents += counting_lines(counting, COUNTING_LENGTH, seed)
     rng.shuffle(documents)
-    _write_jsonl([{"text": document} for document in documents], paths["train"])
+    write_jsonl([{"text": document} for document in documents], paths["train"])
     qa, eval_problems = [], []
     for split in ("val", "test", "oor"):
         for op in OPERATIONS:
@@ -187,8 +187,8 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
             if split == "test":
                 eval_problems += chosen
     rng.shuffle(eval_problems)
-    _write_jsonl([{"text": document} for document in _documents(eval_problems)], paths["eval"])
-    _write_jsonl(qa, paths["qa_eval"])
+    write_jsonl([{"text": document} for document in _documents(eval_problems)], paths["eval"])
+    write_jsonl(qa, paths["qa_eval"])
     sizes = {f"{split}_pairs": len(problems) for split, problems in splits.items()}
     sizes.update({f"{split}_{op}_pairs": sum(problem[0] == op for problem in problems)
                   for split, problems in splits.items() for op in OPERATIONS})
@@ -225,31 +225,38 @@ def score(items: list, parsed: list) -> dict:
     return report
 
 
-def evaluate_model(model_dir, qa_path, batch_size: int = 200) -> dict:
+def evaluate_model(model_dir, qa_path, batch_size: int = 200, max_new_tokens: int = 3, parse=None,
+                   first_token: bool = False) -> dict:
     """Greedy answers of the exported model in ``model_dir`` on ``qa_path``: ``score``'s report and
     the per-item answers. Deterministic on one thread (the model runs in eval mode, no sampling).
 
-    ``metrics`` and ``answers`` are the pre-registered scoring: the first number in a greedy
-    continuation of 3 tokens. A continuation can run two number tokens together ("179" "196" reads
-    as 179196), which no one-token answer can be, so ``metrics_first_token`` / ``answers_first_token``
-    score the first generated token alone (greedy: the same first token). That second scoring was
-    added after the first results were seen (benchmarks/numeracy/README.md, Tier A) and is reported
-    as post hoc beside the pre-registered one, never instead of it."""
+    ``max_new_tokens`` bounds each continuation; ``parse`` reads the answer from it (default
+    ``parse_number``, the first number; Tier B passes its whole-answer parser).
+
+    Tier A's pre-registered scoring is the first number in a greedy continuation of 3 tokens. A
+    continuation can run two number tokens together ("179" "196" reads as 179196), which no
+    one-token answer can be, so with ``first_token=True`` ``metrics_first_token`` /
+    ``answers_first_token`` also score the first generated token alone (greedy: the same first
+    token). That second scoring was added after the first results were seen (benchmarks/numeracy/
+    README.md, Tier A) and is reported as post hoc beside the pre-registered one, never instead of it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .evaluation import generate_continuations, load_qa, parse_number
 
+    parse = parse or parse_number
     items = load_qa(qa_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt_ids = tokenizer([item["prompt"] for item in items])["input_ids"]
     with torch.no_grad():
         texts = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
-                                       max_new_tokens=3)
-        first_tokens = generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
-                                              max_new_tokens=1)
-    parsed = [parse_number(text) for text in texts]
-    first = [parse_number(text) for text in first_tokens]
-    return {"metrics": score(items, parsed), "answers": parsed,
-            "metrics_first_token": score(items, first), "answers_first_token": first}
+                                       max_new_tokens=max_new_tokens)
+        first_tokens = (generate_continuations(model, tokenizer, prompt_ids, tokenizer.pad_token_id, batch_size,
+                                               max_new_tokens=1) if first_token else None)
+    parsed = [parse(text) for text in texts]
+    result = {"metrics": score(items, parsed), "answers": parsed}
+    if first_token:
+        first = [parse(text) for text in first_tokens]
+        result.update(metrics_first_token=score(items, first), answers_first_token=first)
+    return result

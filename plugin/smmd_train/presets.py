@@ -18,9 +18,12 @@ Shapes (the ``config.json`` of each HF checkpoint, as documented by transformers
 * ``tiny``: 1.0M parameters with a 2048-token vocabulary (hidden 128, 4 layers, 4 heads of 32,
   2 KV heads so GQA and a 2-way TP split are exercised, MLP 8/3 * 128 rounded up to 352), for CPU
   tests and the demo.
+* ``10m``: 10.6M parameters without the embeddings (hidden 384, 6 layers, 6 heads of 64, MLP 8/3 * 384 =
+  1024, tied embeddings), the size of the numeracy study's Tier B (digit-level arithmetic on one
+  CPU core); with a 448-token vocabulary it has 10.8M parameters.
 
 All use RMSNorm eps 1e-5 (Llama-2 and Llama-3), no biases, SiLU, attention dropout 0. Embeddings
-are tied for ``tiny`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7b`` and up (as Llama-2).
+are tied for ``tiny``, ``10m`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7b`` and up (as Llama-2).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def _preset(hidden, layers, heads, kv_heads, intermediate, rope_theta, tied):
 
 PRESETS: dict[str, dict] = {
     "tiny": _preset(128, 4, 4, 2, 352, 10_000, tied=True),
+    "10m": _preset(384, 6, 6, 6, 1024, 10_000, tied=True),
     "125m": _preset(768, 12, 12, 12, 2048, 10_000, tied=True),
     "350m": _preset(1024, 24, 16, 16, 2816, 10_000, tied=True),
     "1b": _preset(2048, 16, 32, 8, 8192, 500_000, tied=True),

@@ -100,7 +100,8 @@ def test_evaluate_model_scores_the_first_generated_token_beside_the_first_number
         model.lm_head.bias = None
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    result = tier_a.evaluate_model(tmp_path / "model", data["qa_eval"])
+    result = tier_a.evaluate_model(tmp_path / "model", data["qa_eval"], first_token=True)
+    assert "metrics_first_token" not in tier_a.evaluate_model(tmp_path / "model", data["qa_eval"])  # only when asked
     items = load_qa(data["qa_eval"])
     loaded = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert len(result["answers_first_token"]) == len(result["answers"]) == len(items)

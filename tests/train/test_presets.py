@@ -144,13 +144,13 @@ def test_tiny_is_small_and_trains_on_cpu():
 
 
 def test_preset_config_contract():
-    assert [name for name in PRESETS] == ["tiny", "125m", "350m", "1b", "3b", "7b", "13b", "34b", "70b"]
+    assert [name for name in PRESETS] == ["tiny", "10m", "125m", "350m", "1b", "3b", "7b", "13b", "34b", "70b"]
     for name in PRESETS:
         assert "vocab_size" not in PRESETS[name]
-        assert preset_config(name, 1000).tie_word_embeddings == (name in ("tiny", "125m", "350m", "1b", "3b"))
+        assert preset_config(name, 1000).tie_word_embeddings == (name in ("tiny", "10m", "125m", "350m", "1b", "3b"))
     config = preset_config("7b", 5000, max_position_embeddings=1024, num_hidden_layers=2)
     assert (config.vocab_size, config.max_position_embeddings, config.num_hidden_layers) == (5000, 1024, 2)
-    with pytest.raises(ValueError, match="unknown model preset '8b'; choose one of tiny, 125m, 350m, 1b"):
+    with pytest.raises(ValueError, match="unknown model preset '8b'; choose one of tiny, 10m, 125m, 350m, 1b"):
         preset_config("8b", 1000)
     with pytest.raises(ValueError, match="vocab_size=0 must be a positive int"):
         preset_config("tiny", 0)

@@ -185,7 +185,7 @@ def test_help_shows_each_option_s_default(capsys):
 
 
 @pytest.mark.parametrize("model, tokenizer, message", [
-    ("8b", "tokenizer", r"--model 8b: no such folder, and not a preset; presets: tiny, 125m, .*, 70b\. .*download "
+    ("8b", "tokenizer", r"--model 8b: no such folder, and not a preset; presets: tiny, 10m, 125m, .*, 70b\. .*download "
                         r"it first"),
     ("tinny", "tokenizer", r"--model tinny: no such folder, and not a preset \(did you mean the preset tiny\?\)"),
     ("meta-llama/Llama-3-8B", None, r"--model meta-llama/Llama-3-8B: no such folder, and not a preset; presets:"),

@@ -1,0 +1,88 @@
+"""Tier B of the numeracy study: the NTL paper's task, DeepMind ``arithmetic__add_sub_multiple`` with
+digit tokens (``smmd_numeracy.tier_b``), three pre-registered arms x seeds.
+
+    python -m benchmarks.numeracy.run_study --tier b            # the grid -> results/tier_b_*
+    python -m benchmarks.numeracy.run_study --tier b --quick    # tiny settings: checks its own pipeline
+    python -m benchmarks.numeracy.run_study --tier b --seeds 0 1 2   # more seeds in the same work dir
+
+1. Data (once per work dir): ``tier_b.build_data`` (train-easy/medium/hard, interpolate, extrapolate,
+   generated offline with a fixed seed), a digit-level tokenizer trained on the training text,
+   tokenized once.
+2. Runs, arm by arm in ``study_a.run_order`` (``ce`` and ``smmd`` over every seed first): every arm
+   through ``launch/train.py`` (ZeRO-3, the installed loss, one process, one thread, ``nice``), a
+   periodic held-out evaluation for the learning curve, then greedy answers on interpolate and
+   extrapolate.
+3. ``analyze_b.write_report``: paired per-seed differences against ``ce`` with bootstrap intervals,
+   Holm within each metric, the minimal detectable effect (``analyze_a``'s statistics);
+   ``results/tier_b.json`` and ``results/tier_b_summary.md``.
+
+Resumable like Tier A: a run whose ``run.json`` records its evaluation is kept, and ``study.json``
+refuses other settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks.numeracy import analyze_b, study_a
+from smmd_numeracy import tier_b
+
+HERE = Path(__file__).resolve().parent
+
+ARMS = tier_b.ARMS
+SETTINGS = tier_b.SETTINGS
+FULL_SEEDS, QUICK_SEEDS = (0, 1), (0, 1)
+# --quick checks the pipeline in a few minutes on one core: the tiny model, little data, 120 steps.
+QUICK_SETTINGS = dict(SETTINGS, train_per_level=1000, eval_per_split=40, model="tiny", steps=120, warmup_steps=12,
+                      eval_every=40, eval_batches=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.numeracy.run_study --tier b", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"every arm x {len(QUICK_SEEDS)} seeds at tiny "
+                        "settings, results in <work_dir>/results, then checks the pipeline's output")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="override the arms")
+    parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
+    parser.add_argument("--work_dir", help="default benchmarks/numeracy/runs/tier_b[_quick]")
+    parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
+    args = parser.parse_args(argv)
+    name = "tier_b_quick" if args.quick else "tier_b"
+    args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
+    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
+    args.arms = list(args.arms or ARMS)
+    if "ce" not in args.arms:
+        parser.error("the arms must include ce: every test is against it")
+    args.seeds = list(args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS))
+    return args
+
+
+def build_data(data_dir: Path, settings: dict) -> dict:
+    return tier_b.build_data(data_dir, train_per_level=settings["train_per_level"],
+                             eval_per_split=settings["eval_per_split"], seed=settings["data_seed"])
+
+
+def prepare(work_dir: Path, settings: dict) -> dict:
+    return study_a.prepare(work_dir, settings, build_data)
+
+
+def flags_for(arm: str, grid: dict) -> dict:
+    return ARMS[arm]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    began = time.monotonic()
+    study_a.run_grid("b", args, settings, prepare, flags_for, tier_b.evaluate_model, "interpolate")
+    analysis = analyze_b.write_report(args.work_dir, args.results_dir)
+    print(analysis["text"])
+    print(f"[tier b] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
+    if args.quick:
+        problems = study_a.check_pipeline(args.results_dir, args.arms, args.seeds, report="tier_b",
+                                          splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS)
+        if problems:
+            raise SystemExit("[tier b] pipeline check FAILED:\n" + "\n".join(problems))
+        print("[tier b] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)
