@@ -291,12 +291,17 @@ def write_report(work_dir, results_dir) -> dict:
     return analysis
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default=str(HERE / "runs" / "tier_a"))
+def report_cli(write, tier: str, doc: str, argv=None) -> None:
+    """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work_dir", default=str(HERE / "runs" / f"tier_{tier}"))
     parser.add_argument("--results_dir", default=str(HERE / "results"))
     args = parser.parse_args(argv)
-    print(write_report(args.work_dir, args.results_dir)["text"])
+    print(write(args.work_dir, args.results_dir)["text"])
+
+
+def main(argv=None) -> None:
+    report_cli(write_report, "a", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ share is reported beside it); sample efficiency is the mean held-out teacher-for
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -26,7 +25,6 @@ from smmd_numeracy.tier_b import TEST_SPLITS
 from smmd_train.metrics_file import read_metrics
 from smmd_train.tables import markdown_table
 
-HERE = Path(__file__).resolve().parent
 SPLITS = tuple(TEST_SPLITS)
 # name -> (header, higher is better, display scale, unit, columns tested), as analyze_a.METRICS
 METRICS = {
@@ -134,11 +132,7 @@ def write_report(work_dir, results_dir) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default=str(HERE / "runs" / "tier_b"))
-    parser.add_argument("--results_dir", default=str(HERE / "results"))
-    args = parser.parse_args(argv)
-    print(write_report(args.work_dir, args.results_dir)["text"])
+    analyze_a.report_cli(write_report, "b", __doc__, argv)
 
 
 if __name__ == "__main__":

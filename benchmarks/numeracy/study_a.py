@@ -45,26 +45,37 @@ QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTI
                       eval_every=SETTINGS["eval_every"] // 4)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.numeracy.run_study --tier a", description=__doc__,
+def parse_tier_args(tier: str, argv, doc: str, arms, quick_arms, quick_seeds, full_seeds, quick_help: str,
+                    reserved_seeds: dict = None) -> argparse.Namespace:
+    """The command line of ``run_study --tier <tier>`` (shared by the tiers): ``--quick``, ``--arms``,
+    ``--seeds``, ``--work_dir`` (default runs/tier_<tier>[_quick]), ``--results_dir`` (default results/,
+    <work_dir>/results with --quick). ``reserved_seeds``: {seed: why no arm may use it}."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.numeracy.run_study --tier {tier}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}, "
-                        "results in <work_dir>/results, then checks the pipeline's output")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="override the arms")
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help}, results in <work_dir>/results, then "
+                        "checks the pipeline's output")
+    parser.add_argument("--arms", nargs="+", choices=list(arms), help="override the arms")
     parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
-    parser.add_argument("--work_dir", help="default benchmarks/numeracy/runs/tier_a[_quick]")
+    parser.add_argument("--work_dir", help=f"default benchmarks/numeracy/runs/tier_{tier}[_quick]")
     parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
     args = parser.parse_args(argv)
-    name = "tier_a_quick" if args.quick else "tier_a"
+    name = f"tier_{tier}_quick" if args.quick else f"tier_{tier}"
     args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
     args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
-    args.arms = list(args.arms or (QUICK_ARMS if args.quick else ARMS))
+    args.arms = list(args.arms or (quick_arms if args.quick else arms))
     if "ce" not in args.arms:
         parser.error("the arms must include ce: every test is against it")
-    args.seeds = list(args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS))
-    if SELECTION_SEED in args.seeds:
-        parser.error(f"seed {SELECTION_SEED} is the NTL-MSE selection seed; choose others")
+    args.seeds = list(args.seeds or (quick_seeds if args.quick else full_seeds))
+    for seed, why in (reserved_seeds or {}).items():
+        if seed in args.seeds:
+            parser.error(f"seed {seed} is {why}; choose others")
     return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parse_tier_args("a", argv, __doc__, ARMS, QUICK_ARMS, QUICK_SEEDS, FULL_SEEDS,
+                           f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}",
+                           reserved_seeds={SELECTION_SEED: "the NTL-MSE selection seed"})
 
 
 def build_data(data_dir: Path, settings: dict) -> dict:

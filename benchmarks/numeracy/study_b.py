@@ -29,8 +29,6 @@ from pathlib import Path
 from benchmarks.numeracy import analyze_b, study_a
 from smmd_numeracy import tier_b
 
-HERE = Path(__file__).resolve().parent
-
 ARMS = tier_b.ARMS
 SETTINGS = tier_b.SETTINGS
 FULL_SEEDS, QUICK_SEEDS = (0, 1), (0, 1)
@@ -40,23 +38,8 @@ QUICK_SETTINGS = dict(SETTINGS, train_per_level=1000, eval_per_split=40, model="
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.numeracy.run_study --tier b", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"every arm x {len(QUICK_SEEDS)} seeds at tiny "
-                        "settings, results in <work_dir>/results, then checks the pipeline's output")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="override the arms")
-    parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
-    parser.add_argument("--work_dir", help="default benchmarks/numeracy/runs/tier_b[_quick]")
-    parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
-    args = parser.parse_args(argv)
-    name = "tier_b_quick" if args.quick else "tier_b"
-    args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
-    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
-    args.arms = list(args.arms or ARMS)
-    if "ce" not in args.arms:
-        parser.error("the arms must include ce: every test is against it")
-    args.seeds = list(args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS))
-    return args
+    return study_a.parse_tier_args("b", argv, __doc__, ARMS, tuple(ARMS), QUICK_SEEDS, FULL_SEEDS,
+                                   f"every arm x {len(QUICK_SEEDS)} seeds at tiny settings")
 
 
 def build_data(data_dir: Path, settings: dict) -> dict:
