@@ -62,7 +62,7 @@ def _srun_started_this_task(environ) -> bool:
     for rank_key, size_key in _PMI_RANKS:
         if rank_key in environ and environ[rank_key] != environ["SLURM_PROCID"]:
             return False
-        if size_key in environ and environ[size_key] != size:
+        if size_key is not None and size_key in environ and environ[size_key] != size:
             return False
     return size is not None
 

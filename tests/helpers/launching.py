@@ -14,11 +14,21 @@ from smmd_train.metrics_file import read_metrics
 TRAIN = REPO / "launch" / "train.py"
 
 
+# What a launcher exports to say where a process stands (every launcher smmd_train.distributed knows).
+LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+LAUNCHER_PREFIXES = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_", "TORCHELASTIC_")
+
+
+def without_launcher_variables(environ) -> dict:
+    """A copy of ``environ`` with nothing a launcher exports (the tests may themselves run under one)."""
+    return {key: value for key, value in environ.items()
+            if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)}
+
+
 def environment(**extra) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+    env = dict(without_launcher_variables(os.environ), DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
     env.update(extra)
     return env
 

@@ -352,6 +352,31 @@ def test_mpirun_two_ranks(tmp_path, corpus):
     assert step["loss/total"] == pytest.approx(step["loss/ce"] + step["loss/numeric"], rel=1e-5)
 
 
+@pytest.mark.parametrize("mpi", ["none", "pmi2"])
+def test_srun_starts_one_job_of_two_ranks(tmp_path, corpus, mpi):
+    """train.py as srun starts it from launch/slurm.sbatch (`srun python launch/train.py ...`): two
+    processes with Slurm's variables in their real environment (and PMI's with --mpi=pmi2), the master
+    address and port as the batch script exports them: one job of world size 2, not two of size 1."""
+    output, port = tmp_path / "run", free_port()
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+             "SLURM_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEPID": "0",
+             "MASTER_PORT": str(port)}
+    ranks = []
+    for rank in (0, 1):
+        variables = {**slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+        if mpi == "pmi2":
+            variables.update(PMI_RANK=str(rank), PMI_SIZE="2", PMI_FD="5", PMI_JOBID="42.0")
+        ranks.append(subprocess.Popen([sys.executable, *train_args(corpus, output, steps=2)],
+                                      env=environment(**variables), cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert json.loads((output / "run_config.json").read_text())["launcher"] == "slurm"
+    logged = metrics(output)
+    assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2, "run/sp_size": 1}
+    assert logged[2]["loss/ce"] > 0
+
+
 def test_two_nodes_simulated_on_loopback_continue_a_local_hf_checkpoint(tmp_path, corpus):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
