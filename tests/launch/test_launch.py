@@ -412,11 +412,21 @@ def test_framework_loss_baseline_keeps_the_models_own_loss(tmp_path, corpus):
     assert not {"numeric/accuracy", "numeric/positions", "loss/numeric", "loss/smmd"} & set(logged[2])
 
 
+def adam_step_bound(step: int, beta1: float, beta2: float) -> float:
+    """The largest |m_hat / sqrt(v_hat)| Adam can reach at ``step`` over all gradient sequences (eps 0):
+    by Cauchy-Schwarz, sqrt(sum_k a_k^2 / b_k) for the bias-corrected weights a_k of m and b_k of v."""
+    ages = range(step)
+    a = [(1 - beta1) * beta1 ** age / (1 - beta1 ** step) for age in ages]
+    b = [(1 - beta2) * beta2 ** age / (1 - beta2 ** step) for age in ages]
+    return sum(x * x / y for x, y in zip(a, b)) ** 0.5
+
+
 def test_sequence_parallel_sp2_trains_the_sp1_model(tmp_path, corpus):
     """--sp 2 on 2 processes (one sequence-parallel group: each rank holds half of every sequence) trains
-    the same model as one process on the same global batch: per step loss/total, loss/ce, loss/numeric
-    and the gradient norm (1e-5 relative), the evaluation, and the exported weights (each tensor within
-    1e-5 of the reference's norm; measured 2e-6, 4e-6 fused), also with the fused linear head."""
+    the same model as one process on the same global batch, also with the fused linear head: per step
+    loss/total, loss/ce, loss/numeric and the gradient norm, the evaluation, and the exported weights.
+    SP changes only the order of fp32 sums (attention on the all-to-all'd heads, the loss in two
+    shards): the float64 step on 2 ranks equals one device's exactly (tests/train/test_sequence_parallel.py)."""
     from safetensors.torch import load_file
 
     options = dict(steps=4, gradient_accumulation_steps=2, eval_steps=4)
@@ -427,14 +437,29 @@ def test_sequence_parallel_sp2_trains_the_sp1_model(tmp_path, corpus):
             timeout=600)
     reference = metrics(tmp_path / "sp1")
     weights = load_file(tmp_path / "sp1" / "hf" / "model.safetensors")
+    # How far AdamW can move one element in these 4 steps: lr_t * |m_hat / sqrt(v_hat)| each step,
+    # with zero3.json's betas (0.9, 0.95); weight decay moves both runs alike.
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["optimizer"]["params"]
+    reach = sum(reference[step]["train/lr"] * adam_step_bound(step, *config["betas"]) for step in (1, 2, 3, 4))
     for name in ("sp2", "sp2-fused"):
         logged = metrics(tmp_path / name)
         assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 1, "run/sp_size": 2}
         for step in (1, 2, 3, 4):
+            # fp32 sums over 2 x 2 x 48 tokens in another order: ~1e-7 relative; weights that differ by
+            # rounding (below) change the later steps' losses by far less than 1e-5.
             for key in ("loss/total", "loss/ce", "loss/numeric", "numeric/positions", "train/grad_norm"):
                 assert logged[step][key] == pytest.approx(reference[step][key], rel=1e-5), (name, step, key)
         assert logged[4]["eval/ce"] == pytest.approx(reference[4]["eval/ce"], rel=1e-5)
         exported = load_file(tmp_path / name / "hf" / "model.safetensors")
         assert exported.keys() == weights.keys()
-        for key, tensor in weights.items():  # per tensor, relative: Adam's 1/sqrt(v) magnifies rounding per element
-            assert (exported[key] - tensor).norm() <= 1e-5 * tensor.norm(), (name, key)
+        for key, tensor in weights.items():
+            difference = (exported[key] - tensor).double()
+            # Adam divides by sqrt(v): an element whose gradient is at rounding level, or whose steps
+            # nearly cancel, may move anywhere within its reach, on any CPU (no relative bound holds:
+            # 3e-5 of the norm in one run here, 2e-6 in another). What holds everywhere: no element
+            # leaves twice the reach ...
+            assert difference.abs().max() <= 2 * reach * (1 + 1e-6), (name, key)
+            # ... and in root mean square the runs differ by under 1% of it. Training on other data (a
+            # lost shard, a wrong label shift) changes Adam's direction in most elements: an RMS of the
+            # order of the reach itself. (Measured here: at most 1.2e-5 of the reach; 1.7e-3 for the largest element.)
+            assert difference.pow(2).mean().sqrt() <= 1e-2 * reach, (name, key, difference.pow(2).mean().sqrt() / reach)
