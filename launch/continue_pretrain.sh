@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Continued pretraining of a local Hugging Face checkpoint with CE + SMMD under ZeRO-3 (weights are
 # partitioned while they load). Same variables as pretrain.sh (launch/deepspeed_train.sh), plus
-# MODEL_DIR, LR, WARMUP_STEPS and EXPORT_DIR:
-#   MODEL_DIR=/models/llama-3-8b DATA=/data/math.jsonl NUM_NODES=2 bash launch/continue_pretrain.sh
+# MODEL_DIR and EXPORT_DIR:
+#   MODEL_DIR=/models/llama-3-8b DATA=/data/math.jsonl LR=2e-5 NUM_NODES=2 bash launch/continue_pretrain.sh
+# Set LR (or the DeepSpeed config's optimizer lr): the ready-made configs leave it "auto", and then
+# train.py's --lr default, 3e-4, applies, a rate for training from scratch; continued pretraining
+# usually wants one around 2e-5. Without WARMUP_STEPS the warmup is train.py's (100 steps, at most 10%
+# of MAX_STEPS).
 # TP=2 (or 4, 8) adds AutoTP tensor parallelism with a vocabulary-parallel LM head, or SP=2 (or 4,
 # 8) Ulysses sequence parallelism for long sequences; DS_CONFIG=
 # ds_configs/zero3_offload.json offloads parameters and optimizer states to the CPU. Relative paths
@@ -17,5 +21,4 @@ MAX_STEPS="${MAX_STEPS:-2000}"
 SAVE_STEPS="${SAVE_STEPS:-250}"
 
 # shellcheck source=launch/deepspeed_train.sh
-. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --lr "${LR:-2e-5}" --warmup_steps "${WARMUP_STEPS:-50}" \
-  --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "$@"
+. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "$@"

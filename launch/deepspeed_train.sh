@@ -5,9 +5,18 @@
 #   NUM_NODES (1); HOSTFILE (default: hostfile beside this script, read when NUM_NODES > 1); GPUS_PER_NODE (default:
 #   DeepSpeed counts each node's devices); MASTER_ADDR, MASTER_PORT (default: 127.0.0.1 and a free
 #   port on one node, the first host and 29500 with a hostfile); PYTHON; DEEPSPEED (the launcher
-#   program, default: PYTHON's environment's); DS_CONFIG, TP, SP (Ulysses sequence parallelism, default
-#   1; not with TP > 1), SEQ_LEN, MICRO_BATCH, GRAD_ACCUM,
-#   MAX_STEPS, SAVE_STEPS, NUMERIC_LOSS (default smmd:1), DATA, OUTPUT_DIR.
+#   program, default: PYTHON's environment's); DS_CONFIG (default ds_configs/zero3.json), SEQ_LEN
+#   (default 4096: no DeepSpeed config holds a sequence length, and train.py's own 1024 is sized for
+#   small runs), MAX_STEPS, SAVE_STEPS, DATA, OUTPUT_DIR.
+# Passed only when set, so that the DeepSpeed config, else train.py's default, decides otherwise:
+#   MICRO_BATCH (--micro_batch_size: the config's train_micro_batch_size_per_gpu, else 1), GRAD_ACCUM
+#   (--gradient_accumulation_steps: the config's, else 1), LR (--lr: the config's optimizer lr, else
+#   3e-4), WARMUP_STEPS (--warmup_steps: 100, at most 10% of MAX_STEPS), TP (--tp: the config's
+#   tensor_parallel.autotp_size, else 1), SP (--sp, Ulysses sequence parallelism: 1; not with TP > 1),
+#   NUMERIC_LOSS (--numeric_loss: smmd). A variable that contradicts the config is refused by name:
+#   SMMD_FLAG_SOURCES tells train.py which flag each set variable gave (the ranks inherit it on one
+#   node; with NUM_NODES > 1 DeepSpeed's multi-node runner passes only some variables on, so there
+#   the refusal names the flag alone).
 # The caller sets LAUNCH_DIR (this folder); relative paths stay relative to the caller's folder (the
 # deepspeed launcher starts every rank there, on every node), the defaults below are absolute.
 NUM_NODES="${NUM_NODES:-1}"
@@ -27,8 +36,18 @@ fi
 [ -z "${DEEPSPEED:-}" ] || launcher+=(--deepspeed "$DEEPSPEED")
 
 # shellcheck disable=SC2086  # DATA may list several files
-exec "${launcher[@]}" "$LAUNCH_DIR/train.py" \
-  --deepspeed_config "${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}" --tp "${TP:-1}" --sp "${SP:-1}" --data $DATA \
-  --seq_len "${SEQ_LEN:-4096}" --micro_batch_size "${MICRO_BATCH:-1}" \
-  --gradient_accumulation_steps "${GRAD_ACCUM:-8}" --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" \
-  --save_steps "$SAVE_STEPS" --resume --numeric_loss ${NUMERIC_LOSS:-smmd:1} "$@"
+flags=(--deepspeed_config "${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}" --data $DATA
+       --seq_len "${SEQ_LEN:-4096}" --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" --save_steps "$SAVE_STEPS"
+       --resume)
+sources=()
+for pair in micro_batch_size=MICRO_BATCH gradient_accumulation_steps=GRAD_ACCUM lr=LR warmup_steps=WARMUP_STEPS \
+            tp=TP sp=SP numeric_loss=NUMERIC_LOSS; do
+  variable="${pair#*=}"
+  [ -n "${!variable:-}" ] || continue
+  # shellcheck disable=SC2206  # NUMERIC_LOSS may list several terms
+  flags+=("--${pair%=*}" ${!variable})
+  sources+=("$pair")
+done
+export SMMD_FLAG_SOURCES="${sources[*]}"
+
+exec "${launcher[@]}" "$LAUNCH_DIR/train.py" "${flags[@]}" "$@"

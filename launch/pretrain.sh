@@ -2,7 +2,8 @@
 # Pretraining from scratch with CE + SMMD under ZeRO-3 via the deepspeed launcher.
 #   NUM_NODES=4 GPUS_PER_NODE=8 HOSTFILE=launch/hostfile MODEL=7b TOKENIZER=/data/tok TP=2 \
 #   DATA=/data/corpus.jsonl OUTPUT_DIR=/ckpt/7b bash launch/pretrain.sh [extra train.py flags]
-# Every variable can be overridden from the environment (the shared ones: launch/deepspeed_train.sh);
+# Every variable can be overridden from the environment (the shared ones: launch/deepspeed_train.sh,
+# which passes the batch, learning-rate and parallelism flags only when their variable is set);
 # TP, the AutoTP degree (vocabulary-parallel LM head), must divide the ranks per node; SP=2 (or 4,
 # 8) splits each sequence over that many ranks instead (Ulysses, for long SEQ_LEN). Extra arguments
 # go to train.py. Relative paths (TOKENIZER, DATA, OUTPUT_DIR, HOSTFILE, DS_CONFIG, ...) are taken

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -88,11 +89,18 @@ def _section(config: dict, path: tuple) -> Optional[dict]:
     return config
 
 
+def flag_sources() -> dict:
+    """flag -> the launcher variable that gave it, from ``SMMD_FLAG_SOURCES`` ("micro_batch_size=MICRO_BATCH
+    lr=LR"), which launch/deepspeed_train.sh exports with the variables that are set."""
+    return dict(pair.split("=", 1) for pair in os.environ.get("SMMD_FLAG_SOURCES", "").split())
+
+
 def check_flags_agree(config: dict, explicit: dict) -> None:
     """Refuse a flag given on the command line (``explicit``: flag -> value) that contradicts a number
-    the DeepSpeed ``config`` sets (:data:`FLAG_KEYS`), naming both, one line per conflict: one of them
-    would be silently ignored, and the run's records would show a number it did not use."""
-    conflicts = []
+    the DeepSpeed ``config`` sets (:data:`FLAG_KEYS`), naming both, and the launcher variable that gave
+    the flag (:func:`flag_sources`), one line per conflict: one of them would be silently ignored, and
+    the run's records would show a number it did not use."""
+    conflicts, sources = [], flag_sources()
     for flag, (path, key) in FLAG_KEYS.items():
         section = _section(config, path)
         if flag not in explicit or section is None or section.get(key, AUTO) == AUTO:
@@ -100,8 +108,10 @@ def check_flags_agree(config: dict, explicit: dict) -> None:
         value = section[key]
         if value != explicit[flag]:
             where = ".".join((*path, key))
-            conflicts.append(f"--{flag} {explicit[flag]} but the DeepSpeed config says {where}={value}: drop the "
-                             f"flag, or make them agree, or set {where} to \"auto\"")
+            given, drop = ((f" (set by {sources[flag]})", f"unset {sources[flag]}") if flag in sources else
+                           ("", "drop the flag"))
+            conflicts.append(f"--{flag} {explicit[flag]}{given} but the DeepSpeed config says {where}={value}: "
+                             f"{drop}, or make them agree, or set {where} to \"auto\"")
     if conflicts:
         raise ValueError("\n".join(conflicts))  # one line per problem
 

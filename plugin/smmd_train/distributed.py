@@ -23,6 +23,7 @@ import torch
 from smmd_scale import compat
 
 from .launcher import free_port
+from .preflight import comm_build_wait
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
         torch.set_num_threads(max(1, threads))
     else:
         accelerator.set_device(launch.device_index)
+    if launch.local_rank == 0:  # the ranks of a node share the lock: one line per node
+        wait = comm_build_wait(accelerator)
+        if wait:
+            print(f"[train] {wait}", flush=True)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))
     release_cpu_allreduce_segment()

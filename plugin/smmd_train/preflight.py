@@ -8,9 +8,12 @@ every rank of a node waits on one lock in ``TORCH_EXTENSIONS_DIR``; a build kill
 that lock behind and later jobs wait on it forever. Without nvcc the job would fail on every rank
 after the model was built; here it is refused first, with the ways out: prebuilt ops, a CUDA
 toolkit, or torch's own AdamW (``"torch_adam": true`` in the optimizer's params, no build at all).
+On the CPU accelerator the process group's start builds DeepSpeed's shared-memory all-reduce op; a
+lock another process holds on that build is named before the wait (:func:`comm_build_wait`).
 
     ops = ops_to_compile(ds_config, accelerator="cuda")       # [CompiledOp("fused_adam", ...)]
     notes, problems = check_ops(ops, BuildEnvironment.detect())
+    line = comm_build_wait(get_accelerator())   # before the process group: a lock it would wait on
 """
 
 from __future__ import annotations
@@ -110,3 +113,26 @@ def check_ops(ops: list, environment: BuildEnvironment) -> tuple:
         notes += [f"{lock} exists: if no build is running, delete it, or every rank waits on it forever "
                   "('Waiting for lock')" for lock in _build_locks(environment.extensions_dir, op.name)]
     return notes, problems
+
+
+def comm_build_wait(accelerator) -> Optional[str]:
+    """The line to print before DeepSpeed starts its process group, when that start will wait on a build
+    lock, else None. On the CPU accelerator DeepSpeed builds its shared-memory all-reduce op just in
+    time as the group starts (``deepspeed.comm.torch.build_shm_op``), and where another process holds
+    the op's build lock, torch waits for it without a word (``torch.utils.file_baton.FileBaton.wait``):
+    minutes while another environment or job builds into the same ``TORCH_EXTENSIONS_DIR``, forever
+    when a killed build left the lock behind."""
+    import deepspeed.ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if (builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME)
+            or BuildEnvironment.detect().installed_ops.get(builder.NAME)):
+        return None  # no build: no communication op here, or it cannot be built, or it is prebuilt
+    # torch's own choice of the op's build directory (TORCH_EXTENSIONS_DIR/<op>, or its default root's
+    # py<version>_<device>/<op>); torch creates it on the build anyway.
+    lock = Path(_get_build_directory(builder.NAME, verbose=False), "lock")
+    if not lock.exists():
+        return None
+    return (f"waiting for the build lock {lock} (another process is building DeepSpeed's {builder.NAME} op; if "
+            "none is, a killed build left it: delete it)")

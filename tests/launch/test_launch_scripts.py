@@ -1,8 +1,11 @@
 """launch/pretrain.sh and launch/continue_pretrain.sh compose the deepspeed command a user expects
 from their environment variables, through smmd_train.launcher (the builder the Python tools use). A
 stand-in `deepspeed` (DEEPSPEED) records its arguments, so these tests check the command line itself;
-train.py under the real launcher is test_launch.py's."""
+train.py under the real launcher is test_launch.py's. A flag that the DeepSpeed config could decide
+is passed only when its variable is set; a stand-in that resolves train.py's plan from the command
+line and environment the script produced shows a user's JSON is then read, not contradicted."""
 
+import json
 import os
 import subprocess
 import sys
@@ -16,26 +19,53 @@ from smmd_train.launcher import launch_command
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD"
 pwd > "$RECORD.cwd"
+printf '%s' "${SMMD_FLAG_SOURCES-unset}" > "$RECORD.sources"
 """
 TRAIN_SCRIPT = str(REPO / "launch" / "train.py")
+# The stand-in that plans the run train.py would start from the arguments after train.py and the
+# environment the launcher passes on: train.py's parser and its plan (tokenizer, architecture, the
+# DeepSpeed config reconciled with the flags), one rank, no process group, no model.
+PLANNER = f"""#!{sys.executable}
+import json, sys
+from smmd_train.arguments import parse_args
+from smmd_train.distributed import Launch
+from smmd_train.run import RunRefused, prepare_run
+try:
+    run = prepare_run(parse_args(sys.argv[sys.argv.index({TRAIN_SCRIPT!r}) + 1:]), Launch(0, 1, 0, 1, "single"),
+                      until="plan")
+except RunRefused as error:
+    sys.exit("refused: " + str(error))
+print(json.dumps({{"ds_config": run.plan.ds_config, "lr": run.plan.schedule.lr}}))
+"""
+# Every variable the launchers read, so that the caller's environment cannot leak into a test.
+VARIABLES = {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR", "TP", "SP",
+             "MASTER_ADDR", "MASTER_PORT", "DS_CONFIG", "SEQ_LEN", "MICRO_BATCH", "GRAD_ACCUM", "LR", "WARMUP_STEPS",
+             "NUMERIC_LOSS", "MAX_STEPS", "SAVE_STEPS", "OUTPUT_DIR", "EXPORT_DIR", "SMMD_FLAG_SOURCES"}
+# The variables passed only when set: variable -> (flag, a value).
+ONLY_WHEN_SET = {"MICRO_BATCH": ("--micro_batch_size", "2"), "GRAD_ACCUM": ("--gradient_accumulation_steps", "8"),
+                 "LR": ("--lr", "2e-5"), "WARMUP_STEPS": ("--warmup_steps", "50"), "TP": ("--tp", "2"),
+                 "SP": ("--sp", "2"), "NUMERIC_LOSS": ("--numeric_loss", "smmd:1 ntl-was:0.3")}
 
 
-def launch(tmp_path: Path, script: str, cwd=None, **variables) -> tuple:
+def launch(tmp_path: Path, script: str, cwd=None, stub=STUB, **variables) -> tuple:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "deepspeed").write_text(STUB)
+    (bin_dir / "deepspeed").write_text(stub)
     (bin_dir / "deepspeed").chmod(0o755)
     record = tmp_path / "argv.txt"
     record.unlink(missing_ok=True)
-    env = {key: value for key, value in os.environ.items()
-           if key not in {"NUM_NODES", "GPUS_PER_NODE", "HOSTFILE", "MODEL", "DATA", "TOKENIZER", "MODEL_DIR", "TP",
-                          "MASTER_ADDR", "MASTER_PORT"}}
+    env = {key: value for key, value in os.environ.items() if key not in VARIABLES}
     env.update(PYTHON=sys.executable, DEEPSPEED=str(bin_dir / "deepspeed"), RECORD=str(record),
                **{k: str(v) for k, v in variables.items()})
     completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env, cwd=cwd,
-                               capture_output=True, text=True, timeout=60)
+                               capture_output=True, text=True, timeout=120)
     argv = record.read_text().splitlines() if record.exists() else None
     return completed, argv
+
+
+def sources(tmp_path: Path) -> str:
+    """SMMD_FLAG_SOURCES as the stand-in launcher saw it."""
+    return Path(str(tmp_path / "argv.txt") + ".sources").read_text()
 
 
 def flag(argv: list, name: str) -> str:
@@ -48,12 +78,13 @@ def test_pretrain_single_node_command(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--num_nodes") == "1" and flag(argv, "--num_gpus") == "4"
     assert flag(argv, "--master_port") == "29811" and "--hostfile" not in argv
-    assert argv[argv.index(TRAIN_SCRIPT) + 1:argv.index(TRAIN_SCRIPT) + 7] == [
-        "--deepspeed_config", str(REPO / "ds_configs" / "zero3.json"), "--tp", "1", "--sp", "2"]
+    assert argv[argv.index(TRAIN_SCRIPT) + 1:argv.index(TRAIN_SCRIPT) + 3] == [
+        "--deepspeed_config", str(REPO / "ds_configs" / "zero3.json")]
+    assert flag(argv, "--sp") == "2" and "--tp" not in argv  # TP unset: the config's autotp_size, else 1
     assert flag(argv, "--model") == "7b" and flag(argv, "--tokenizer") == "/data/tok"
     data = argv.index("--data")
     assert argv[data + 1:data + 3] == ["/data/a.jsonl", "/data/b.jsonl"]  # several files stay several
-    assert flag(argv, "--numeric_loss") == "smmd:1" and "--resume" in argv
+    assert "--numeric_loss" not in argv and "--resume" in argv  # NUMERIC_LOSS unset: train.py's smmd
     assert argv[-2:] == ["--seed", "7"]  # extra arguments reach train.py last
 
 
@@ -81,7 +112,8 @@ def test_continue_pretrain_command(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert flag(argv, "--model") == "/models/llama-3-8b" and "--tokenizer" not in argv
     assert flag(argv, "--deepspeed_config") == "ds_configs/zero3_offload.json" and flag(argv, "--lr") == "1e-5"
-    assert flag(argv, "--tp") == "2" and flag(argv, "--sp") == "1"
+    assert flag(argv, "--tp") == "2" and "--sp" not in argv  # SP unset: train.py's 1
+    assert "--warmup_steps" not in argv  # WARMUP_STEPS unset: train.py's
     assert flag(argv, "--output_dir") == "outputs/continue-llama-3-8b"
     assert flag(argv, "--export_hf") == "outputs/continue-llama-3-8b/hf"
 
@@ -157,3 +189,81 @@ def test_relative_paths_are_the_caller_s(tmp_path, script, required, model_flag)
     assert flag(argv, "--deepspeed_config") == "my_zero3.json"
     assert flag(argv, model_flag) == next(iter(required.values()))
     assert not (REPO / "runs").exists()
+
+
+@pytest.mark.parametrize("script, required", [("pretrain.sh", {"TOKENIZER": "/t"}),
+                                              ("continue_pretrain.sh", {"MODEL_DIR": "/models/m"})])
+def test_a_flag_the_config_could_decide_is_passed_only_when_its_variable_is_set(tmp_path, script, required):
+    """A user's DeepSpeed JSON with its own micro-batch or lr must not meet a flag nobody typed; the
+    flags the scripts decide themselves (sequence length, steps, checkpoints, --resume) stay."""
+    completed, argv = launch(tmp_path, script, DATA="/d", **required)
+    assert completed.returncode == 0, completed.stderr
+    for variable, (name, _) in ONLY_WHEN_SET.items():
+        assert name not in argv, f"{name} passed without {variable}"
+    assert sources(tmp_path) == ""
+    assert flag(argv, "--seq_len") == "4096" and "--resume" in argv
+    assert flag(argv, "--max_steps") == {"pretrain.sh": "10000", "continue_pretrain.sh": "2000"}[script]
+    assert flag(argv, "--save_steps") == {"pretrain.sh": "500", "continue_pretrain.sh": "250"}[script]
+
+    values = {variable: value for variable, (_, value) in ONLY_WHEN_SET.items()}
+    completed, argv = launch(tmp_path, script, DATA="/d", SEQ_LEN=8192, **values, **required)
+    assert completed.returncode == 0, completed.stderr
+    for variable, (name, value) in ONLY_WHEN_SET.items():
+        given = argv.index(name)
+        assert argv[given + 1:given + 1 + len(value.split())] == value.split(), variable  # several terms stay several
+    assert flag(argv, "--seq_len") == "8192"
+    assert sources(tmp_path).split() == [
+        "micro_batch_size=MICRO_BATCH", "gradient_accumulation_steps=GRAD_ACCUM", "lr=LR", "warmup_steps=WARMUP_STEPS",
+        "tp=TP", "sp=SP", "numeric_loss=NUMERIC_LOSS"]
+
+
+@pytest.fixture(scope="module")
+def user_config(tmp_path_factory) -> Path:
+    """A user's DeepSpeed JSON that decides the micro-batch, the accumulation and the lr itself."""
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    config["optimizer"]["params"]["lr"] = 5e-5
+    path = tmp_path_factory.mktemp("config") / "my.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A local Hugging Face model folder as continue_pretrain.sh takes it (config and tokenizer: the
+    plan reads no weights)."""
+    from transformers import AutoTokenizer
+
+    from smmd_train.presets import preset_config
+
+    directory = tmp_path_factory.mktemp("model")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(directory)
+    preset_config("tiny", vocab_size=-(-len(tokenizer) // 64) * 64).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow  # imports transformers and DeepSpeed and plans the run: seconds
+def test_continue_pretrain_without_variables_trains_with_the_user_s_json(tmp_path, model_dir, user_config):
+    completed, argv = launch(tmp_path, "continue_pretrain.sh", stub=PLANNER, MODEL_DIR=model_dir, DATA="/d",
+                             DS_CONFIG=user_config, OUTPUT_DIR=tmp_path / "run", DS_ACCELERATOR="cpu")
+    assert completed.returncode == 0, completed.stderr
+    plan = json.loads(completed.stdout.splitlines()[-1])
+    assert plan["ds_config"]["train_micro_batch_size_per_gpu"] == 4
+    assert plan["ds_config"]["gradient_accumulation_steps"] == 2
+    assert plan["ds_config"]["train_batch_size"] == 8  # 4 x 2 x one data-parallel rank
+    assert plan["ds_config"]["optimizer"]["params"]["lr"] == 5e-5 and plan["lr"] == 5e-5  # the schedule's peak
+
+
+@pytest.mark.slow  # imports transformers and DeepSpeed and plans the run: seconds
+def test_a_variable_that_contradicts_the_user_s_json_is_refused_by_name(tmp_path, model_dir, user_config):
+    completed, _ = launch(tmp_path, "continue_pretrain.sh", stub=PLANNER, MODEL_DIR=model_dir, DATA="/d",
+                          DS_CONFIG=user_config, OUTPUT_DIR=tmp_path / "run", DS_ACCELERATOR="cpu",
+                          MICRO_BATCH=2, LR="1e-4")
+    assert completed.returncode == 1 and completed.stdout == ""
+    assert completed.stderr.strip().splitlines()[-2:] == [  # one line per conflict, each naming its variable
+        "refused: --micro_batch_size 2 (set by MICRO_BATCH) but the DeepSpeed config says "
+        "train_micro_batch_size_per_gpu=4: unset MICRO_BATCH, or make them agree, or set "
+        "train_micro_batch_size_per_gpu to \"auto\"",
+        "--lr 0.0001 (set by LR) but the DeepSpeed config says optimizer.params.lr=5e-05: unset LR, or make them "
+        "agree, or set optimizer.params.lr to \"auto\""]
