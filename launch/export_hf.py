@@ -4,10 +4,12 @@
     deepspeed --num_gpus W launch/export_hf.py OUTPUT_DIR[/TAG] HF_DIR      # AutoTP checkpoints
 
 OUTPUT_DIR is a run's --output_dir (its run_config.json says how the run was built); without a
-tag the latest committed checkpoint is exported. A ZeRO-3 checkpoint without tensor parallelism
-is consolidated offline in one process (DeepSpeed's zero_to_fp32). An AutoTP checkpoint holds
-tensor-parallel shards that DeepSpeed's offline tools cannot merge; it is loaded back into an
-engine of the same world size and consolidated like ``train.py --export_hf`` does.
+tag the latest committed checkpoint is exported. The layout is the checkpoint's own, from its
+commit marker (a later resume may have changed the run's --tp or world size). A ZeRO-3 checkpoint
+without tensor parallelism is consolidated offline in one process (DeepSpeed's zero_to_fp32). An
+AutoTP checkpoint holds tensor-parallel shards that DeepSpeed's offline tools cannot merge; it is
+loaded back into an engine of the world size and --tp it was written with and consolidated like
+``train.py --export_hf`` does.
 """
 
 from __future__ import annotations
@@ -59,19 +61,21 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     from transformers import AutoTokenizer
 
     from smmd_train.distributed import init_distributed
-    from smmd_train.export import export_hf
+    from smmd_train.export import checkpoint_layout, export_hf, layout_config
     from smmd_train.model import config_from_dict
     from smmd_train.run import build_engine
 
+    world_size, tp_size = checkpoint_layout(run_dir, tag, run)
     launch = init_distributed()
-    if launch.world_size != run["world_size"]:
-        raise SystemExit(f"{run_dir} was trained on {run['world_size']} ranks with autotp_size {run['tp_size']}; "
-                         f"run: deepspeed --num_gpus {run['world_size']} launch/export_hf.py {run_dir}/{tag} {target}")
-    # The engine train.py built (smmd_train.run.build_engine), from the run's recorded config. The
-    # optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the optimizer's partitions
-    # (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
+    if launch.world_size != world_size:
+        raise SystemExit(f"{run_dir}/{tag} was written by {world_size} ranks with autotp_size {tp_size}; "
+                         f"run: deepspeed --num_gpus {world_size} launch/export_hf.py {run_dir}/{tag} {target}")
+    # The engine train.py built (smmd_train.run.build_engine), from the run's recorded config at the
+    # checkpoint's layout. The optimizer stays: DeepSpeed reads ZeRO-3 module weights back through the
+    # optimizer's partitions (loading the module alone goes through zero_to_fp32, which cannot merge TP shards).
     arguments = run["args"]
-    engine, _ = build_engine(config_from_dict(run["model_config"]), run["deepspeed_config"], run["tp_size"],
+    engine, _ = build_engine(config_from_dict(run["model_config"]),
+                             layout_config(run["deepspeed_config"], world_size, tp_size), tp_size,
                              arguments["seq_len"])
     load_path, _ = engine.load_checkpoint(str(run_dir), tag=tag)
     if load_path is None:
@@ -86,9 +90,11 @@ def main(argv=None) -> None:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    from smmd_train.export import checkpoint_layout
+
     run_dir, tag = _locate(args.checkpoint)
     run = json.loads((run_dir / "run_config.json").read_text())
-    if run["tp_size"] == 1 and "RANK" not in os.environ:
+    if checkpoint_layout(run_dir, tag, run)[1] == 1 and "RANK" not in os.environ:
         export_offline(run_dir, tag, run, args.target)
     else:
         export_distributed(run_dir, tag, run, args.target)

@@ -127,6 +127,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     train.add_argument("--overwrite_output_dir", action="store_true", help="start a new run in an --output_dir that "
                        "holds an earlier run's checkpoints: they, its metrics.jsonl and its TensorBoard events are "
                        "removed first")
+    train.add_argument("--allow_objective_change", action="store_true", help="with --resume: continue a checkpoint "
+                       "although this run's objective (--numeric_loss and its options, the numeric vocabulary, "
+                       "--z_loss, --label_smoothing, --framework_loss) or training data differ from its own, saying "
+                       "each change in a warning; without it such a resume is refused, one line per change")
     train.add_argument("--export_hf", help="write a Hugging Face model dir here at the end")
     train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
     train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,

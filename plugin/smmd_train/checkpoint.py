@@ -77,23 +77,36 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, output_dir: str, step: int, client_state: dict, run_record: Optional[dict] = None) -> str:
-    """Save and commit a checkpoint for ``step`` on every rank; returns its tag. ``run_record`` (the
-    layout and the learning-rate schedule, :func:`run_record`) goes into the commit marker, where a
-    resume reads it before any model is built; so do the ZeRO stage and the data's global batch."""
+    """Save and commit a checkpoint for ``step`` on every rank; returns its tag. The commit marker
+    (:func:`commit_record`) holds what a resume reads before any model is built."""
     tag = tag_for_step(step)
     engine.save_checkpoint(output_dir, tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     rank = dist.get_rank()
     torch.save(rng_state(), Path(output_dir, tag, f"rng_rank{rank}.pt"))
     dist.barrier()  # every rank's files are on disk before the commit
     if rank == 0:
-        record = {"step": step, "world_size": dist.get_world_size(), **(run_record or {}),
-                  "zero_stage": engine.zero_optimization_stage()}
-        if "global_batch_size" in client_state.get("data", {}):
-            record["global_batch_size"] = client_state["data"]["global_batch_size"]
-        _atomic_write(Path(output_dir, tag, COMMIT_FILE), json.dumps(record))
-        _atomic_write(Path(output_dir, LATEST_FILE), tag)
+        commit(output_dir, tag, commit_record(step, dist.get_world_size(), engine.zero_optimization_stage(),
+                                              client_state, run_record))
     dist.barrier()
     return tag
+
+
+def commit_record(step: int, world_size: int, zero_stage: int, client_state: dict,
+                  run_record: Optional[dict] = None) -> dict:
+    """The commit marker of a checkpoint at ``step`` written by ``world_size`` ranks under ZeRO
+    ``zero_stage``: besides those, ``run_record`` (the layout, the learning-rate schedule and what
+    the run trains on, :func:`run_record`) and, from ``client_state``'s data position
+    (``PackedBatches.state_dict``), the global batch, the number of packed blocks and the seed that
+    its order continues with."""
+    data = client_state.get("data", {})
+    return {"step": step, "world_size": world_size, **(run_record or {}), "zero_stage": zero_stage,
+            **{key: data[key] for key in ("global_batch_size", "num_blocks", "seed") if key in data}}
+
+
+def commit(output_dir: str, tag: str, record: dict) -> None:
+    """Commit ``tag``, whose files every rank has written: its marker ``record``, then ``latest``."""
+    _atomic_write(Path(output_dir, tag, COMMIT_FILE), json.dumps(record))
+    _atomic_write(Path(output_dir, LATEST_FILE), tag)
 
 
 def is_committed(output_dir: str, tag: str) -> bool:
@@ -140,15 +153,17 @@ def agreed_resume_tag(output_dir: str) -> Optional[str]:
 
 
 def read_commit(output_dir: str, tag: str) -> dict:
-    """The commit marker of ``tag``: its step, world size and (written since the marker has them)
-    ``tp_size``, ``sp_size`` and ``schedule``."""
+    """The commit marker of ``tag`` (:func:`commit_record`): its step, world size and (written since
+    the marker has them) ``tp_size``, ``sp_size``, ``schedule``, ``objective`` and ``data``."""
     return json.loads(Path(output_dir, tag, COMMIT_FILE).read_text())
 
 
-def run_record(topology, schedule: dict) -> dict:
+def run_record(topology, schedule: dict, experiment: Optional[dict] = None) -> dict:
     """What a commit marker records about the run besides step and world size: the parallel layout
-    its shards depend on and the learning-rate schedule a resume continues."""
-    return {"tp_size": topology.tp_size, "sp_size": topology.sp_size, "schedule": schedule}
+    its shards depend on, the learning-rate schedule a resume continues and ``experiment``, the
+    objective and the data that a resume must not change unasked
+    (``smmd_train.experiment.experiment_record``)."""
+    return {"tp_size": topology.tp_size, "sp_size": topology.sp_size, "schedule": schedule, **(experiment or {})}
 
 
 def saved_layout(output_dir: str, tag: str, committed: dict) -> tuple:

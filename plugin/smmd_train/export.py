@@ -14,6 +14,8 @@ from pathlib import Path
 
 from smmd_scale import compat
 
+from .checkpoint import read_commit, saved_layout
+from .config import set_tensor_parallel
 from .distributed import run_on_rank_zero
 
 
@@ -45,3 +47,21 @@ def export_hf(engine, output_dir: str, tokenizer=None) -> None:
     # Building and writing a large model on rank 0 can outlast the process-group timeout: the others
     # wait outside any collective, and see rank 0's error if it fails.
     run_on_rank_zero(write)
+
+
+def checkpoint_layout(run_dir, tag: str, run: dict) -> tuple:
+    """(world size, AutoTP degree) that checkpoint ``tag`` in ``run_dir`` was written with, from its
+    commit marker (:func:`~smmd_train.checkpoint.saved_layout`): what launch/export_hf.py loads it
+    with. ``run`` (run_config.json, written by the run's latest launch, which may have resumed under
+    another layout) gives the degree only where neither the marker nor ZeRO-3 shard files say it."""
+    world_size, tp_size, _ = saved_layout(str(run_dir), tag, read_commit(str(run_dir), tag))
+    return world_size, tp_size or run["tp_size"]
+
+
+def layout_config(ds_config: dict, world_size: int, tp_size: int) -> dict:
+    """The run's resolved DeepSpeed config for an engine of ``world_size`` ranks at AutoTP degree
+    ``tp_size`` (the checkpoint's layout; run_config.json's is the latest launch's)."""
+    config = set_tensor_parallel(ds_config, tp_size)
+    config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+                                  * (world_size // tp_size))
+    return config

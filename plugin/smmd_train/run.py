@@ -2,7 +2,8 @@
 
     plan     tokenizer, architecture, resolved DeepSpeed config, parallel layout, numeric vocabulary
              and numeric loss (``smmd_train.plan``): no process group, no weights
-    data     rank 0 tokenizes and packs into the cache first, the others then read the cache
+    data     rank 0 tokenizes and packs into the cache first, the others then read the cache; a resume
+             that would change the objective or the data is refused here (``smmd_train.experiment``)
     engine   the model (partitioned as it is built), ``deepspeed.initialize`` (AutoTP shards it and
              makes the LM head vocabulary-parallel), the planned numeric loss installed on the head
 
@@ -25,8 +26,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .checkpoint import read_commit
 from .data import pack_files
 from .distributed import Launch, rank_zero_first
+from .experiment import check_resumed_experiment, experiment_record
 from .plan import RunPlan, plan_run
 from .sequence_parallel import forward_inputs, step_targets, target_counts
 
@@ -62,6 +65,7 @@ class PreparedRun:
     sp_group: object = None  # this rank's sequence-parallel group (None without --sp)
     sp_loss_scale: float = 1.0  # multiplies this rank's loss share before the backward (sequence_parallel)
     resume_tag: Optional[str] = None  # the committed checkpoint --resume continues (every rank's choice)
+    experiment: Optional[dict] = None  # what the run trains on, for the commit markers (experiment_record)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
     fused_linear_ran: Optional[bool] = None  # did the last micro-batch run the fused head (no logits)?
 
@@ -94,6 +98,11 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
             return run
         run.train_blocks = _packed(args, plan, args.data)
         run.eval_blocks = _packed(args, plan, args.eval_data) if args.eval_data else None
+        run.experiment = experiment_record(args, plan.numeric_vocab, run.train_blocks)
+        if run.resume_tag is not None:
+            plan.warnings += check_resumed_experiment(
+                run.resume_tag, read_commit(args.output_dir, run.resume_tag), run.experiment, args.seed,
+                len(run.train_blocks), args.allow_objective_change)
     except (ValueError, FileNotFoundError) as error:
         raise RunRefused(str(error)) from error
     if until == "engine":
@@ -133,7 +142,7 @@ def plan_resume(args, plan: RunPlan) -> Optional[str]:
     world size or --tp converts the checkpoint to a universal one when it is loaded, which goes to
     ``plan.warnings``), and it continues the checkpoint's learning-rate schedule
     (``schedule.resumed_schedule``; the differences go to ``plan.warnings``)."""
-    from .checkpoint import agreed_resume_tag, check_resume_layout, read_commit
+    from .checkpoint import agreed_resume_tag, check_resume_layout
     from .schedule import resumed_schedule
 
     tag = agreed_resume_tag(args.output_dir)

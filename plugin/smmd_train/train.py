@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     guard = NonFiniteGuard(args.max_skipped_steps)
     state = TrainState(run.batches, guard)
     checkpointer = Checkpointer(run.engine, args.output_dir, args.save_steps, args.max_steps,
-                                run_record(run.plan.topology, run.plan.schedule.as_dict()))
+                                run_record(run.plan.topology, run.plan.schedule.as_dict(), run.experiment))
     if run.resume_tag is not None:
         checkpointer.resume(state, run.resume_tag)
         log(f"resumed from {run.resume_tag} at step {state.step}")

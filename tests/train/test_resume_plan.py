@@ -7,7 +7,6 @@ schedule, saying what it does not apply. The checkpoints here are commit markers
 ``checkpoint.save`` writes them (the shards are not read before the engine exists); test_launch.py
 resumes real ones."""
 
-import json
 import math
 
 import pytest
@@ -15,7 +14,7 @@ from helpers.corpora import write_corpus
 from helpers.launching import REPO, train_flags
 
 from smmd_train.arguments import parse_args
-from smmd_train.checkpoint import COMMIT_FILE, LATEST_FILE, clear_run, run_record, tag_for_step
+from smmd_train.checkpoint import clear_run, commit, commit_record, run_record, tag_for_step
 from smmd_train.config import Topology
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
@@ -27,17 +26,14 @@ SCHEDULE = {"lr": 3e-3, "warmup_steps": 1, "max_steps": 6, "min_lr_ratio": 0.1}
 
 def committed_checkpoint(output_dir, step=6, world_size=2, tp_size=1, sp_size=1, schedule=SCHEDULE, zero_stage=3,
                          global_batch_size=None):
-    """The commit marker and ``latest`` of a checkpoint at ``step`` (what ``checkpoint.save`` writes;
+    """The commit marker and ``latest`` of a checkpoint at ``step``, by ``checkpoint.save``'s writer (its
     ``global_batch_size`` None: a marker written before it was recorded)."""
     tag = tag_for_step(step)
     (output_dir / tag).mkdir(parents=True)
     topology = Topology(world_size=world_size, tp_size=tp_size, dp_size=world_size // (tp_size * sp_size),
                         sp_size=sp_size)
-    record = {"step": step, "world_size": world_size, **run_record(topology, schedule), "zero_stage": zero_stage}
-    if global_batch_size is not None:
-        record["global_batch_size"] = global_batch_size
-    (output_dir / tag / COMMIT_FILE).write_text(json.dumps(record))
-    (output_dir / LATEST_FILE).write_text(tag)
+    data = {} if global_batch_size is None else {"data": {"global_batch_size": global_batch_size}}
+    commit(str(output_dir), tag, commit_record(step, world_size, zero_stage, data, run_record(topology, schedule)))
     return tag
 
 

@@ -1,0 +1,162 @@
+"""What a checkpoint was trained on, so that a resume cannot silently change the experiment.
+
+Every commit marker records the run's *objective* (what the loss computes) and its *data* (what
+the packed training blocks are); a resumed run compares the checkpoint's record with its own
+before any model is built (``smmd_train.run.prepare_run``) and refuses each difference in one line
+(``old -> new``) unless ``--allow_objective_change`` says to continue with this run's, which the
+log then names.
+
+    record = experiment_record(args, plan.numeric_vocab, train_blocks)   # {"objective": ..., "data": ...}
+    experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
+
+The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights), the
+deprecated ``--smmd_weight`` that multiplies them, ``--numeric_policy`` and ``--numeric_max_value``
+(the latter where the policy reads it), the numeric vocabulary itself (its size and a hash of its
+ids and values: another tokenizer changes it too), the options of the losses in use
+(:data:`LOSS_FLAGS`), and CE's ``--z_loss`` and ``--label_smoothing``. ``--fused_linear`` is not
+part of it: the fused head computes the same loss without the logits.
+
+The data: the packed blocks (their number and length, and a hash of evenly spaced blocks), and, to
+name the cause, ``--data``, ``--text_field``, ``--seq_len`` and the tokenizer. Only a change of the
+blocks is a change: a corpus read from another path (or a tokenizer from another directory) that
+packs into the same blocks resumes. The data order is another matter: it is a shuffle of the
+blocks by ``--seed``, so another number of blocks or another seed cannot continue it at all
+(:func:`data_order_problems`, refused even with ``--allow_objective_change``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+ALLOW_FLAG = "--allow_objective_change"
+
+# The flags that shape each numeric loss (smmd_scale.registry.NUMERIC_LOSSES), recorded when it is in
+# --numeric_loss. NTL-MSE and number-level NTL take no distances, so --ntl_squash_factor is NTL-WAS's alone.
+LOSS_FLAGS = {
+    "smmd": ("smmd_mode", "smmd_kernel", "smmd_sigmas"),
+    "ntl-was": ("ntl_reweigh", "ntl_squash_factor"),
+    "ntl-mse": ("ntl_reweigh",),
+    "ntl-number": ("ntl_reweigh",),
+}
+FINGERPRINT_BLOCKS = 64  # blocks hashed for the data's fingerprint, evenly spaced over the corpus
+
+
+def vocab_fingerprint(vocab) -> str:
+    """``"<N> tokens, sha256 <12 hex>"`` of a ``smmd_scale.NumericVocab``'s ids and values."""
+    digest = hashlib.sha256(vocab.token_ids.numpy().astype("<i8").tobytes())
+    digest.update(vocab.values.numpy().astype("<f8").tobytes())
+    return f"{len(vocab)} tokens, sha256 {digest.hexdigest()[:12]}"
+
+
+def blocks_fingerprint(blocks) -> str:
+    """``"<count> blocks x <seq_len> tokens, sha256 <12 hex>"`` of packed blocks (a dataset with an
+    ``input_ids`` column, ``smmd_train.data.tokenize_and_pack``): the hash covers
+    :data:`FINGERPRINT_BLOCKS` evenly spaced blocks (the first and the last among them), which any
+    other corpus, tokenizer, text field or length changes; reading them costs milliseconds for any
+    corpus size."""
+    count = len(blocks)
+    rows = sorted({int(row) for row in np.linspace(0, count - 1, min(count, FINGERPRINT_BLOCKS))})
+    sample = np.asarray(blocks.with_format("numpy", columns=["input_ids"])[rows]["input_ids"], dtype="<i4")
+    return f"{count} blocks x {sample.shape[1]} tokens, sha256 {hashlib.sha256(sample.tobytes()).hexdigest()[:12]}"
+
+
+def objective_record(args, vocab) -> dict:
+    """What the run's loss computes, flag by flag (``args``: ``smmd_train.arguments.parse_args``;
+    ``vocab``: the plan's numeric vocabulary)."""
+    if args.framework_loss:
+        return {"--framework_loss": True}
+    record = {"--framework_loss": False,
+              "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in args.numeric_loss),
+              "--smmd_weight": args.smmd_weight, "--numeric_policy": args.numeric_policy}
+    if args.numeric_policy != "digits":  # the digits policy has no bound
+        record["--numeric_max_value"] = args.numeric_max_value
+    record["numeric vocabulary"] = vocab_fingerprint(vocab)
+    for name, _ in args.numeric_loss:
+        for flag in LOSS_FLAGS[name]:
+            record[f"--{flag}"] = getattr(args, flag)
+    record.update({"--z_loss": args.z_loss, "--label_smoothing": args.label_smoothing})
+    return _as_json(record)
+
+
+def data_record(args, blocks) -> dict:
+    """What the run trains on: its packed ``blocks`` and the flags they come from."""
+    return _as_json({"packed blocks": blocks_fingerprint(blocks),
+                     "--data": [os.path.abspath(path) for path in args.data], "--text_field": args.text_field,
+                     "--seq_len": args.seq_len, "--tokenizer": os.path.abspath(args.tokenizer or args.model)})
+
+
+def experiment_record(args, vocab, blocks) -> dict:
+    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``."""
+    return {"objective": objective_record(args, vocab), "data": data_record(args, blocks)}
+
+
+def experiment_changes(saved: dict, current: dict) -> list:
+    """One ``"<what> <old> -> <new>"`` per difference between a commit marker's record ``saved`` and
+    this run's ``current`` (:func:`experiment_record`). Only what both record is compared (a marker
+    written before the record has none; the options of a loss one side does not use are implied by
+    ``--numeric_loss``); the data differ only if the packed blocks do, and then every data flag that
+    differs is named with them."""
+    changes = []
+    for section in ("objective", "data"):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        if section == "data" and old.get("packed blocks") == new.get("packed blocks"):
+            continue
+        changes += [f"{key} {_shown(old[key])} -> {_shown(new[key])}" for key in new
+                    if key in old and old[key] != new[key]]
+    return changes
+
+
+def data_order_problems(committed: dict, seed: int, num_blocks: int) -> list:
+    """Why the checkpoint's data order (``committed``: its commit marker, which records the
+    ``num_blocks`` and ``seed`` of ``smmd_train.data.PackedBatches`` since it has them) cannot
+    continue on this run's ``num_blocks`` packed blocks shuffled by ``seed``; empty when it can."""
+    problems = []
+    if committed.get("num_blocks", num_blocks) != num_blocks:
+        problems.append(f"its data order shuffles {committed['num_blocks']} packed blocks, this run's data packs into "
+                        f"{num_blocks}")
+    if committed.get("seed", seed) != seed:
+        problems.append(f"its data order was shuffled by --seed {committed['seed']}, this run has --seed {seed}")
+    return problems
+
+
+def check_resumed_experiment(tag: str, committed: dict, current: dict, seed: int, num_blocks: int,
+                             allow_change: bool) -> list:
+    """Refuse (ValueError, one line per problem) a resume of ``tag`` that would change the experiment
+    (:func:`experiment_changes`) without ``allow_change``, or whose data order cannot continue
+    (:func:`data_order_problems`) at all. Returns the warning lines for the log: with ``allow_change``,
+    one naming the changes."""
+    changes = experiment_changes(committed, current)
+    order = data_order_problems(committed, seed, num_blocks)
+    if order:
+        raise ValueError("\n".join([*(f"resuming {tag} changes {change}" for change in changes),
+                                    *(f"checkpoint {tag} cannot continue here: {problem}" for problem in order),
+                                    f"resume {tag} on its data, --seq_len, tokenizer and --seed ({ALLOW_FLAG} cannot "
+                                    "continue another data order), or export it (launch/export_hf.py) and continue "
+                                    "pretraining from the HF directory"]))
+    if not changes:
+        return []
+    if not allow_change:
+        raise ValueError("\n".join([*(f"resuming {tag} changes {change}" for change in changes),
+                                    f"resume {tag} with the settings it was trained with, pass {ALLOW_FLAG} to "
+                                    "continue it with this run's, or start a new run (another --output_dir, or "
+                                    "--overwrite_output_dir)"]))
+    return [f"{ALLOW_FLAG}: {tag} continues with {'; '.join(changes)}"]
+
+
+def _as_json(record: dict) -> dict:
+    """``record`` as it reads back from a commit marker (tuples as lists), so that equal settings compare equal."""
+    return json.loads(json.dumps(record))
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return " ".join(map(_shown, value))
+    return "none" if value is None else str(value)
