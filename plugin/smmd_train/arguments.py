@@ -161,7 +161,11 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"],
                       help="SMMD's value kernel (random and shuffled: ablations without value structure)")
     smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0],
-                      help="SMMD kernel bandwidths, on value distances squashed to [1, 9]")
+                      help="SMMD kernel bandwidths (averaged), in the units of the value distances the kernel sees: "
+                      "after --smmd_squash_factor, or raw value differences with it at 0 or 1")
+    smmd.add_argument("--smmd_squash_factor", type=float, default=9.0,
+                      help="SMMD: map the non-zero value distances affinely onto [1, this] before the kernel (the "
+                      "paper's 9; the identity on the values 0..9); 0 or 1: raw value differences")
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
                       "(Llama, Mistral, Qwen2/3, Gemma-2/3, Cohere, Mixtral, Qwen2/3-MoE); evaluation uses logits")
@@ -206,6 +210,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    if not (math.isfinite(args.smmd_squash_factor) and args.smmd_squash_factor >= 0):
+        parser.error(f"--smmd_squash_factor {args.smmd_squash_factor} must be a finite number >= 0 (0 or 1: raw "
+                     "value distances; above 1: non-zero distances mapped onto [1, it])")
     if not (math.isfinite(args.z_loss) and args.z_loss >= 0):
         parser.error(f"--z_loss {args.z_loss} must be a finite number >= 0")
     if not 0.0 <= args.label_smoothing < 1.0:

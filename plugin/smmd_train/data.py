@@ -9,12 +9,24 @@ data-parallel rank deterministic, resumable micro-batches of those blocks.
 Packing is GPT-style: every document's tokens, then EOS, concatenated over the whole corpus and cut
 into blocks of exactly ``seq_len`` tokens, so a block may span documents and attention crosses the
 EOS boundaries (no per-document masking).
+
+Fine-tuning data is JSON lines of ``{"prompt": ..., "completion": ...}`` records, recognised by the
+first record's keys (:func:`data_format`). Each record becomes one row of ``seq_len`` tokens, padded
+on the right, never packed with others: prompt tokens, then completion tokens, then EOS, with
+``labels`` -100 on the prompt and the padding, so the loss (and the step's count of valid targets)
+covers the completion and its EOS alone. Under causal attention a token never attends to the
+padding after it, so a padded row computes what the example alone would (no attention mask needed).
+
+    blocks = pack_files(["sft.jsonl"], tokenizer, seq_len=512)          # input_ids and labels columns
+    next(PackedBatches(blocks, 4, dp_rank, dp_size, seed=0))["labels"]  # LongTensor [4, 512]
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +39,8 @@ import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
 
+from .sequence_parallel import IGNORE_INDEX
+
 _TEXT_FILE_READERS = {
     ".jsonl": datasets.Dataset.from_json,
     ".json": datasets.Dataset.from_json,
@@ -34,6 +48,7 @@ _TEXT_FILE_READERS = {
     ".parquet": datasets.Dataset.from_parquet,
 }
 _UTF8_CHECKED_SUFFIXES = (".jsonl", ".json", ".txt")
+PROMPT_COMPLETION_KEYS = ("prompt", "completion")
 _UTF8_CHUNK_BYTES = 16 << 20
 _SCAN_ROWS_PER_BATCH = 10_000
 _PACK_ROWS_PER_BATCH = 1_000
@@ -95,7 +110,8 @@ def _load_one_source(path: Path, text_field: str) -> datasets.Dataset:
         if path.suffix.lower() in _UTF8_CHECKED_SUFFIXES:
             _check_utf8(path)
         try:
-            dataset = reader(str(path))
+            with _quiet_json_reader():
+                dataset = reader(str(path))
         except ValueError as error:
             # datasets' wording for a file that parses to zero rows ("[]", blank lines, an empty parquet).
             if "corresponds to no data" in str(error):
@@ -117,6 +133,25 @@ def _load_one_source(path: Path, text_field: str) -> datasets.Dataset:
     return dataset
 
 
+@contextlib.contextmanager
+def _quiet_json_reader():
+    """Silence ``datasets``' JSON builder while it reads: on a broken line it logs an error of its own
+    (pyarrow's wording, rows counted from 0) before raising, and the caller's one line says it better."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _json_error(path: Path, line: int, broken: json.JSONDecodeError) -> str:
+    """``file:line:column: not valid JSON: <json's message>`` for ``broken``, raised at ``line`` of
+    ``path`` (line and column counted from 1)."""
+    return f"{path}:{line}:{broken.colno}: not valid JSON: {broken.msg}"
+
+
 def _raise_on_broken_json(path: Path, error: Exception) -> None:
     """After ``datasets`` failed to read a .jsonl/.json file: raise ValueError naming the file and
     the 1-based line (and column) of its first line that is not one JSON object, instead of
@@ -130,17 +165,17 @@ def _raise_on_broken_json(path: Path, error: Exception) -> None:
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as broken:
-            raise ValueError(f"{path}:{broken.lineno}: not valid JSON ({broken.msg}, column {broken.colno})") from error
+            raise ValueError(_json_error(path, broken.lineno, broken)) from error
         return
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                value = json.loads(line.strip())
+                value = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as broken:
-                raise ValueError(f"{path}:{number}: not valid JSON ({broken.msg}, column {broken.colno}); each line "
-                                 "of a JSON-lines file must be one JSON object") from error
+                raise ValueError(f"{_json_error(path, number, broken)}; each line of a JSON-lines file must be "
+                                 "one JSON object") from error
             if not isinstance(value, dict):
                 raise ValueError(f"{path}:{number}: a JSON {type(value).__name__}, not an object; each line of a "
                                  "JSON-lines file must be one JSON object") from error
@@ -251,6 +286,157 @@ def _arrow_batches(dataset: datasets.Dataset, rows_per_batch: int) -> Iterator[t
 
 
 # ----------------------------------------------------------------------------------------------
+# Prompt/completion records
+# ----------------------------------------------------------------------------------------------
+
+def data_format(paths: Sequence[str | os.PathLike], text_field: str = "text") -> str:
+    """``"prompt_completion"`` when the first record of every path is a ``.jsonl`` object with the keys
+    ``prompt`` and ``completion`` (and not ``text_field``), ``"text"`` when none is; reads one line per file.
+
+    Raises:
+        ValueError: some paths are of one format and some of the other (named), or a first line is
+            not valid JSON (``file:line:column`` and json's message).
+    """
+    formats = {str(path): _file_format(Path(path), text_field) for path in paths}
+    kinds = set(formats.values())
+    if len(kinds) > 1:
+        by_kind = {kind: [path for path, found in formats.items() if found == kind] for kind in sorted(kinds)}
+        raise ValueError(f"the data paths mix prompt/completion files {by_kind['prompt_completion']} and text "
+                         f"sources {by_kind['text']}; train on one format per run")
+    return kinds.pop() if kinds else "text"
+
+
+def _file_format(path: Path, text_field: str) -> str:
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return "text"
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        number, line = next(((number, line) for number, line in enumerate(handle, start=1) if line.strip()),
+                            (0, ""))
+    if not line:
+        return "text"
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as broken:
+        raise ValueError(f"{_json_error(path, number, broken)}; each line of a JSON-lines file must be one JSON "
+                         "object") from None
+    if isinstance(record, dict) and text_field not in record and all(key in record for key in PROMPT_COMPLETION_KEYS):
+        return "prompt_completion"
+    return "text"
+
+
+def load_prompt_completion(paths: Sequence[str | os.PathLike], text_field: str = "text") -> datasets.Dataset:
+    """Prompt/completion JSON-lines files as one dataset with the columns ``prompt``, ``completion``
+    and ``source`` (``"file:line"`` of each record, for the errors that tokenizing may raise), rows
+    in ``paths`` order. Other keys of a record are ignored.
+
+    Raises:
+        ValueError: naming ``file:line``: a line that is not valid JSON (with json's message) or not an
+            object, a record without ``prompt`` or ``completion`` (a ``text_field`` record: the formats
+            are mixed), a value that is not a string, or an empty one; also a file that is empty or
+            not valid UTF-8.
+    """
+    prompts, completions, sources = [], [], []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"data path {path} does not exist; pass existing files")
+        _check_utf8(path)
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    prompt, completion = _prompt_completion_record(path, number, line, text_field)
+                    prompts.append(prompt)
+                    completions.append(completion)
+                    sources.append(f"{path}:{number}")
+    if not prompts:
+        raise ValueError(f"{[str(path) for path in paths]} hold no records; there is nothing to train on")
+    records = {"prompt": prompts, "completion": completions, "source": sources}
+    table = pa.table({name: pa.array(values, pa.string()) for name, values in records.items()})
+    return datasets.Dataset(datasets.table.InMemoryTable(table),
+                            fingerprint=Hasher.hash((_CACHE_FORMAT_VERSION, "prompt_completion", records)))
+
+
+def _prompt_completion_record(path: Path, number: int, line: str, text_field: str) -> tuple[str, str]:
+    where = f"{path}:{number}"
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as broken:
+        raise ValueError(f"{_json_error(path, number, broken)}; each line of a JSON-lines file must be one JSON "
+                         "object") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
+                         '{"prompt": ..., "completion": ...} object')
+    missing = [key for key in PROMPT_COMPLETION_KEYS if key not in record]
+    if missing:
+        mixed = f"a text record ({text_field!r}) in a prompt/completion file: one format per run; " \
+            if text_field in record else ""
+        raise ValueError(f"{where}: {mixed}the record has no {' or '.join(map(repr, missing))} (its keys: "
+                         f"{sorted(record)}); every record needs a 'prompt' and a 'completion' string")
+    for key in PROMPT_COMPLETION_KEYS:
+        if not isinstance(record[key], str) or not record[key]:
+            raise ValueError(f"{where}: {key!r} must be a non-empty string, got {record[key]!r}")
+    return record["prompt"], record["completion"]
+
+
+def tokenize_prompt_completion(dataset: datasets.Dataset, tokenizer, seq_len: int,
+                               cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
+    """One row of ``seq_len`` tokens per record of :func:`load_prompt_completion`, padded, not packed.
+
+    A row is ``tokenizer(prompt) + tokenizer(completion) + [EOS]``, each text tokenized on its own
+    with ``add_special_tokens=False`` (no BOS, no chat template: the completion is a plain
+    continuation of the prompt, so put a separating space or newline where the model should see
+    one), then the pad token (the tokenizer's ``pad_token_id``, else EOS) up to ``seq_len``.
+    ``labels`` is the row with -100 on the prompt and the padding: the model's shifted loss then has
+    one target per completion token and for the EOS, none for the prompt. The padding is on the
+    right, so under causal attention no real token attends to it.
+
+    Args:
+        dataset: the columns ``prompt``, ``completion`` and ``source`` (``load_prompt_completion``).
+        tokenizer: a Hugging Face tokenizer with an EOS token.
+        seq_len: the length of every row; a record longer than that is refused.
+        cache_dir: where the rows are cached, keyed by the records, the tokenizer and ``seq_len``.
+
+    Returns:
+        A dataset with ``input_ids`` and ``labels``, each ``[num_records, seq_len]`` int32.
+
+    Raises:
+        ValueError: bad ``seq_len``, a tokenizer without EOS, or a record (named by ``file:line``)
+            longer than ``seq_len`` tokens.
+    """
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token, which ends every completion; use a tokenizer with one")
+    fingerprint = Hasher.hash((_CACHE_FORMAT_VERSION, dataset._fingerprint, Hasher.hash(tokenizer), seq_len))
+    path = None if cache_dir is None else Path(cache_dir) / f"prompt-completion-{fingerprint}.arrow"
+    if path is not None and path.is_file():
+        return datasets.Dataset.from_file(str(path))
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = tokenizer(list(dataset["prompt"]), add_special_tokens=False, verbose=False)["input_ids"]
+    completions = tokenizer(list(dataset["completion"]), add_special_tokens=False, verbose=False)["input_ids"]
+    input_ids = np.full((len(dataset), seq_len), pad_token_id, dtype=np.int32)
+    labels = np.full((len(dataset), seq_len), IGNORE_INDEX, dtype=np.int32)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        completion = completion + [tokenizer.eos_token_id]
+        length = len(prompt) + len(completion)
+        if length > seq_len:
+            raise ValueError(f"{dataset[row]['source']}: the record is {length} tokens ({len(prompt)} prompt + "
+                             f"{len(completion)} completion with EOS), more than --seq_len {seq_len}; raise "
+                             "--seq_len or shorten the record")
+        input_ids[row, :length] = prompt + completion
+        labels[row, len(prompt):length] = completion
+    schema = datasets.Features({name: datasets.List(datasets.Value("int32"), length=seq_len)
+                                for name in ("input_ids", "labels")}).arrow_schema
+    rows = pa.RecordBatch.from_arrays([pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
+                                       for values in (input_ids, labels)], schema=schema)
+    if path is None:
+        return datasets.Dataset(datasets.table.InMemoryTable(pa.Table.from_batches([rows], schema)),
+                                fingerprint=fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, iter([rows]), schema)
+    return datasets.Dataset.from_file(str(path))
+
+
+# ----------------------------------------------------------------------------------------------
 # Tokenizing and packing
 # ----------------------------------------------------------------------------------------------
 
@@ -325,7 +511,12 @@ def tokenize_and_pack(dataset: datasets.Dataset, tokenizer, seq_len: int, text_f
 
 def pack_files(paths: Sequence[str | os.PathLike], tokenizer, seq_len: int, text_field: str = "text",
                num_proc: int = 1, cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
-    """``load_text_dataset`` then ``tokenize_and_pack``: what train.py does with ``--data`` and ``--eval_data``."""
+    """What train.py does with ``--data`` and ``--eval_data``: by :func:`data_format`,
+    ``load_text_dataset`` then ``tokenize_and_pack`` (rows of ``input_ids``), or
+    ``load_prompt_completion`` then ``tokenize_prompt_completion`` (rows of ``input_ids`` and ``labels``)."""
+    if data_format(paths, text_field) == "prompt_completion":
+        return tokenize_prompt_completion(load_prompt_completion(paths, text_field), tokenizer, seq_len,
+                                          cache_dir=cache_dir)
     return tokenize_and_pack(load_text_dataset(paths, text_field), tokenizer, seq_len, text_field=text_field,
                              num_proc=num_proc, cache_dir=cache_dir)
 
@@ -386,7 +577,8 @@ class PackedBatches:
     stream is frozen across numpy versions and platforms, so every rank and a resumed run on other
     machines draw the same order.
 
-    Yields ``{"input_ids": LongTensor [micro_batch_size, seq_len]}`` forever, ``accumulation`` per step.
+    Yields ``{"input_ids": LongTensor [micro_batch_size, seq_len]}`` forever, ``accumulation`` per step,
+    with ``"labels"`` of the same shape where the dataset has that column (prompt/completion rows).
     """
 
     def __init__(self, dataset: datasets.Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
@@ -414,7 +606,7 @@ class PackedBatches:
                              f"micro_batch_size={micro_batch_size} x dp_size={dp_size} x accumulation={accumulation} "
                              f"= {self.global_batch_size}; use more data, a smaller seq_len or a smaller batch")
         self.steps_per_epoch = self.num_blocks // self.global_batch_size
-        self._blocks = dataset.with_format("numpy", columns=["input_ids"])
+        self._blocks = dataset.with_format("numpy", columns=_row_columns(dataset))
         self._set_position(epoch=0, position=0)
 
     def _set_position(self, epoch: int, position: int) -> None:
@@ -439,7 +631,7 @@ class PackedBatches:
 
     def __next__(self) -> dict:
         start = self._position + self._micro_step * self.micro_step_size + self.dp_rank * self.micro_batch_size
-        batch = {"input_ids": _stack_blocks(self._blocks, self._order[start:start + self.micro_batch_size])}
+        batch = _stack_blocks(self._blocks, self._order[start:start + self.micro_batch_size])
         self._micro_step += 1
         if self._micro_step == self.accumulation:
             if self._position + 2 * self.global_batch_size > self.num_blocks:
@@ -489,7 +681,8 @@ class PackedBatches:
 
 
 def eval_batches(dataset: datasets.Dataset, micro_batch_size: int, max_batches: int | None = None) -> Iterator[dict]:
-    """Blocks in dataset order as ``{"input_ids": LongTensor [micro_batch_size, seq_len]}``.
+    """Blocks in dataset order as ``{"input_ids": LongTensor [micro_batch_size, seq_len]}`` (and
+    ``"labels"`` where the dataset has them, as :class:`PackedBatches`).
 
     Full micro-batches only (a tail shorter than ``micro_batch_size`` is dropped), at most
     ``max_batches``. Not sharded: every rank that calls it gets the same batches.
@@ -502,15 +695,19 @@ def eval_batches(dataset: datasets.Dataset, micro_batch_size: int, max_batches: 
         raise ValueError(f"the eval dataset has {len(dataset)} blocks, fewer than micro_batch_size={micro_batch_size}")
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
-    blocks = dataset.with_format("numpy", columns=["input_ids"])
-    return ({"input_ids": _stack_blocks(blocks, range(index * micro_batch_size, (index + 1) * micro_batch_size))}
+    blocks = dataset.with_format("numpy", columns=_row_columns(dataset))
+    return (_stack_blocks(blocks, range(index * micro_batch_size, (index + 1) * micro_batch_size))
             for index in range(num_batches))
 
 
-def _stack_blocks(blocks: datasets.Dataset, indices) -> torch.Tensor:
-    """Rows ``indices`` of a numpy-formatted block dataset as LongTensor ``[len(indices), seq_len]``."""
-    rows = blocks[[int(index) for index in indices]]["input_ids"]
-    return torch.from_numpy(np.stack(rows).astype(np.int64))
+def _row_columns(dataset: datasets.Dataset) -> list:
+    return [name for name in ("input_ids", "labels") if name in dataset.column_names]
+
+
+def _stack_blocks(blocks: datasets.Dataset, indices) -> dict:
+    """Rows ``indices`` of a numpy-formatted block dataset: each column as LongTensor ``[len(indices), seq_len]``."""
+    rows = blocks[[int(index) for index in indices]]
+    return {name: torch.from_numpy(np.stack(values).astype(np.int64)) for name, values in rows.items()}
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .data import eval_batches
-from .sequence_parallel import forward_inputs
+from .run import micro_batch_inputs
 
 
 @torch.no_grad()
@@ -23,7 +23,7 @@ def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batc
     engine.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # ce*tokens, tokens, correct, abs err, numeric
     for batch in itertools.islice(eval_batches(dataset, micro_batch_size, max_batches), dp_rank, None, dp_size):
-        engine(**forward_inputs(batch["input_ids"].to(engine.device), sp_rank, sp_size))
+        engine(**micro_batch_inputs(batch, engine.device, sp_rank, sp_size))
         stats, (_, ce, _) = installed.last_stats, installed.hook.last_losses
         numeric = stats["numeric_tokens"]
         sums += torch.tensor([float(ce) * stats["tokens"], stats["tokens"], stats["numeric_accuracy"] * numeric,

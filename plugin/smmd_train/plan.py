@@ -60,7 +60,8 @@ def numeric_loss(args, vocab):
     from smmd_scale.registry import build_numeric_loss
 
     return build_numeric_loss(vocab, args.numeric_loss, {
-        "smmd": {"mode": args.smmd_mode, "kernel": args.smmd_kernel, "sigmas": tuple(args.smmd_sigmas)},
+        "smmd": {"mode": args.smmd_mode, "kernel": args.smmd_kernel, "sigmas": tuple(args.smmd_sigmas),
+                 "squash_factor": args.smmd_squash_factor},
         "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
 
 

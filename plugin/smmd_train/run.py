@@ -255,6 +255,14 @@ def fused_linear_ran(installed) -> bool:
     return installed.last_path == "fused_linear"
 
 
+def micro_batch_inputs(batch: dict, device, sp_rank: int = 0, sp_size: int = 1) -> dict:
+    """The forward inputs (``forward_inputs``) of a batch of ``smmd_train.data``: its ``input_ids``
+    and, for prompt/completion rows, its ``labels`` (-100 on the prompt and the padding), on ``device``."""
+    labels = batch.get("labels")
+    return forward_inputs(batch["input_ids"].to(device), sp_rank, sp_size,
+                          labels=None if labels is None else labels.to(device))
+
+
 def step_counts(run: PreparedRun, micro_batches: list) -> dict:
     """The optimizer step's counts as the loss's keyword arguments (int64 device tensors):
     ``num_items_in_batch`` (valid targets) and, with the numeric loss installed,
@@ -282,7 +290,7 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
     reduce-scatter path); the share is multiplied back so that the gradient is the objective's."""
     engine, installed = run.engine, run.installed
     began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
-    micro_batches = [forward_inputs(next(run.batches)["input_ids"].to(engine.device), run.sp_rank, run.sp_size)
+    micro_batches = [micro_batch_inputs(next(run.batches), engine.device, run.sp_rank, run.sp_size)
                      for _ in range(run.accumulation)]
     counts = {}
     # The model's own loss under AutoTP (DeepSpeed's vocabulary-parallel CE) takes no counts: its

@@ -125,19 +125,22 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Te
     return tensor[..., sp_rank * chunk:(sp_rank + 1) * chunk]
 
 
-def forward_inputs(input_ids: torch.Tensor, sp_rank: int = 0, sp_size: int = 1) -> dict:
+def forward_inputs(input_ids: torch.Tensor, sp_rank: int = 0, sp_size: int = 1,
+                   labels: Optional[torch.Tensor] = None) -> dict:
     """The model's training-forward inputs for ``input_ids [B, S]`` (the whole micro-batch, the same
-    on every rank of the SP group).
+    on every rank of the SP group) and its ``labels [B, S]`` (default: ``input_ids``; -100 where a
+    token is no target, e.g. a prompt: ``smmd_train.data``).
 
     ``sp_size`` 1: ``{"input_ids", "labels"}`` (the model shifts the labels). Otherwise this rank's
     shard: ``input_ids``, ``position_ids`` (global positions: Ulysses gathers them for the causal
     attention) and ``shift_labels`` ``[B, S/sp]`` — the targets shifted over the whole sequence (the
     next token, -100 after the last), then sliced — also given as ``labels`` (HF computes a loss
     only when ``labels`` is set; the loss uses ``shift_labels`` as given)."""
+    labels = input_ids if labels is None else labels
     if sp_size == 1:
-        return {"input_ids": input_ids, "labels": input_ids}
+        return {"input_ids": input_ids, "labels": labels}
     positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    shifted = torch.nn.functional.pad(input_ids, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     shift_labels = shard_sequence(shifted, sp_rank, sp_size).contiguous()
     return {"input_ids": shard_sequence(input_ids, sp_rank, sp_size).contiguous(),
             "position_ids": shard_sequence(positions, sp_rank, sp_size).contiguous(),

@@ -153,13 +153,14 @@ def test_missing_text_field_lists_the_columns(tmp_path, rng):
 
 
 @pytest.mark.parametrize("suffix, broken, message", [
-    (".jsonl", '{"text": "cut off', r":(\d+): not valid JSON \(Unterminated string starting at, column 10\)"),
+    (".jsonl", '{"text": "cut off', r":(\d+):10: not valid JSON: Unterminated string starting at; "),
     (".jsonl", "42", r":(\d+): a JSON int, not an object"),
-    (".jsonl", '{"text": "a",, "id": 1}', r":(\d+): not valid JSON \(Expecting property name"),
+    (".jsonl", '{"text": "a",, "id": 1}', r":(\d+):14: not valid JSON: Expecting property name enclosed in double "
+                                         r"quotes; "),
 ])
-def test_a_broken_json_line_is_named_by_file_and_1_based_line(tmp_path, rng, suffix, broken, message):
+def test_a_broken_json_line_is_named_by_file_and_1_based_line(tmp_path, rng, suffix, broken, message, capfd):
     lines = [json.dumps({"text": document}) for document in random_documents(rng, rng.randint(5, 40))]
-    line = rng.randrange(len(lines))
+    line = rng.randrange(1, len(lines))  # the first line decides the format: a broken one is tested apart
     lines[line] = broken
     path = tmp_path / f"corpus{suffix}"
     path.write_text("\n".join(lines) + "\n")
@@ -168,12 +169,22 @@ def test_a_broken_json_line_is_named_by_file_and_1_based_line(tmp_path, rng, suf
     text = str(refused.value)
     found = re.search(re.escape(str(path)) + message, text)
     assert found and int(found.group(1)) == line + 1 and "\n" not in text, text
+    assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own error log stays quiet
+
+
+def test_a_broken_first_line_is_named_by_file_line_and_column(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": 1 2}\n{"text": "fine"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1:12: not valid JSON: Expecting ',' delimiter; ")):
+        load_text_dataset([str(path)])
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1:12: not valid JSON: Expecting ',' delimiter; ")):
+        data.pack_files([str(path)], None, 8)
 
 
 def test_a_broken_json_array_names_its_line(tmp_path):
     path = tmp_path / "corpus.json"
     path.write_text('[{"text": "a"},\n {"text": "b"},\n {"text": "c",,}\n]')
-    with pytest.raises(ValueError, match=re.escape(f"{path}:3: not valid JSON (Expecting property name")):
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3:15: not valid JSON: Expecting property name")):
         load_text_dataset([str(path)])
 
 
@@ -571,3 +582,182 @@ def test_check_tokenizer_fits_model(tokenizer):
     with pytest.raises(ValueError, match=rf"the tokenizer has {size} tokens but the model's embedding has {size - 1} "
                                          rf"rows: ids >= {size - 1} would index out of range"):
         check_tokenizer_fits_model(tokenizer, size - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt/completion records (fine-tuning): one padded row per record, the loss on the completion
+# ----------------------------------------------------------------------------------------------
+
+def random_records(rng: random.Random, count: int) -> list[dict]:
+    return [{"prompt": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 12))) + " =",
+             "completion": " " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 6)))}
+            for _ in range(count)]
+
+
+def write_records(path, records, extra_lines=()) -> str:
+    lines = [json.dumps({"id": index, **record}, ensure_ascii=False) for index, record in enumerate(records)]
+    for index, line in extra_lines:
+        lines.insert(index, line)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def record_ids(record: dict, backend_tokenizer, eos_token_id) -> tuple[list, list]:
+    """(prompt ids, completion ids + EOS), each text tokenized on its own with no special tokens."""
+    return (backend_tokenizer.encode(record["prompt"], add_special_tokens=False).ids,
+            backend_tokenizer.encode(record["completion"], add_special_tokens=False).ids + [eos_token_id])
+
+
+def test_prompt_completion_rows_are_prompt_completion_eos_then_padding(tmp_path, rng, tokenizer):
+    files = [[*random_records(rng, rng.randint(1, 10))] for _ in range(rng.randint(1, 3))]
+    paths = [write_records(tmp_path / f"sft{index}.jsonl", records) for index, records in enumerate(files)]
+    records = [record for file in files for record in file]
+    seq_len = max(sum(map(len, record_ids(record, tokenizer.backend_tokenizer, tokenizer.eos_token_id)))
+                  for record in records) + rng.randint(0, 5)
+    assert data.data_format(paths) == "prompt_completion"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    for cache_dir in (None, tmp_path / "cache", tmp_path / "cache"):  # the third reads the second's cache file
+        rows = data.pack_files(paths, tokenizer, seq_len, cache_dir=cache_dir)
+        assert rows.column_names == ["input_ids", "labels"] and len(rows) == len(records)
+        for row, record in zip(rows, records):
+            prompt, completion = record_ids(record, tokenizer.backend_tokenizer, tokenizer.eos_token_id)
+            padding = seq_len - len(prompt) - len(completion)
+            assert row["input_ids"] == prompt + completion + [pad] * padding
+            assert row["labels"] == [-100] * len(prompt) + completion + [-100] * padding
+    assert len(list((tmp_path / "cache").glob("prompt-completion-*.arrow"))) == 1
+
+
+def _one_rank_group():
+    """A real one-rank gloo process group in this process (target_counts all-reduces its counts)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist
+
+
+def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tokens(tmp_path, rng, tokenizer):
+    """What train.py feeds the model for a micro-batch of prompt/completion rows: its loss is the
+    CE of each example run alone (unpadded) on its completion and EOS, summed and divided by the
+    step's count of valid targets, which counts the completion tokens and EOS alone."""
+    from helpers.models import tiny_llama
+
+    from smmd_train.run import micro_batch_inputs
+    from smmd_train.sequence_parallel import forward_inputs, step_targets, target_counts
+
+    records = random_records(rng, rng.randint(3, 6))
+    seq_len = 96
+    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer, seq_len)
+    batches = PackedBatches(rows, micro_batch_size=len(records), dp_rank=0, dp_size=1, seed=rng.randrange(2**32))
+    batch = next(batches)
+    model = tiny_llama(len(tokenizer), max_positions=seq_len, seed=rng.randrange(2**31)).double().eval()
+
+    order = [int(np.flatnonzero((np.array(rows["input_ids"]) == row.numpy()).all(axis=1))[0])
+             for row in batch["input_ids"]]
+    completion_tokens, reference_sum = 0, 0.0
+    for index in order:
+        prompt, completion = record_ids(records[index], tokenizer.backend_tokenizer, tokenizer.eos_token_id)
+        alone = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(alone).logits[0]
+        # position t predicts token t + 1: the completion's tokens are predicted from len(prompt) - 1 on
+        reference_sum += torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], alone[0, len(prompt):],
+                                                           reduction="sum").item()
+        completion_tokens += len(completion)
+
+    inputs = micro_batch_inputs(batch, "cpu")
+    dist = _one_rank_group()
+    try:
+        counts = target_counts(step_targets(inputs).reshape(-1), None, None)
+    finally:
+        dist.destroy_process_group()
+    assert int(counts["num_items_in_batch"]) == completion_tokens
+    with torch.no_grad():  # the batch's CE in float64 (HF's own loss would upcast to float32 only)
+        logits = model(inputs["input_ids"]).logits
+    batch_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                  step_targets(inputs).reshape(-1), reduction="sum").item()
+    # float64 throughout; the padding after a token changes nothing it attends to (causal), so only the
+    # order of the sums differs from the reference: ~1e-15 relative, checked with room.
+    assert abs(batch_sum / int(counts["num_items_in_batch"]) - reference_sum / completion_tokens) \
+        <= 1e-12 * reference_sum / completion_tokens
+
+    # Ulysses shards (--sp): the shards' shifted labels put together are the whole row's targets.
+    shards = [forward_inputs(batch["input_ids"], sp_rank, 4, labels=batch["labels"]) for sp_rank in range(4)]
+    assert torch.equal(torch.cat([shard["shift_labels"] for shard in shards], dim=1)[:, :-1], inputs["labels"][:, 1:])
+    assert sum(int((step_targets(shard) != -100).sum()) for shard in shards) == completion_tokens
+
+
+def test_prompt_completion_data_resumes_through_the_same_data_state(tmp_path, rng, tokenizer):
+    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", random_records(rng, rng.randint(10, 30)))],
+                           tokenizer, 96)
+    micro_batch_size, dp_size, seed = rng.randint(1, 3), rng.randint(1, 2), rng.randrange(2**32)
+    original = PackedBatches(rows, micro_batch_size, 0, dp_size, seed)
+    for _ in range(rng.randint(0, 12)):
+        next(original)
+    state = json.loads(json.dumps(original.state_dict()))  # as train.py's checkpoint stores it
+    resumed = PackedBatches(rows, micro_batch_size, 0, dp_size, seed)
+    resumed.load_state_dict(state)
+    for _ in range(10):
+        expected, got = next(original), next(resumed)
+        assert sorted(got) == ["input_ids", "labels"]
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert all(sorted(batch) == ["input_ids", "labels"] for batch in eval_batches(rows, 2))
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "a", "completion": "b",, }', r":{line}:35: not valid JSON: Expecting property name enclosed in "
+                                              r"double quotes; "),
+    ('{"prompt": "1 + 1 =", "completion": " 2', r":{line}:37: not valid JSON: Unterminated string starting at; "),
+    ('["prompt", "completion"]', r":{line}: a JSON list, not an object"),
+    ('{"prompt": "a"}', r":{line}: the record has no 'completion' \(its keys: \['prompt'\]\)"),
+    ('{"text": "a b c"}', r":{line}: a text record \('text'\) in a prompt/completion file: one format per run; the "
+                          r"record has no 'prompt' or 'completion'"),
+    ('{"prompt": "a", "completion": 7}', r":{line}: 'completion' must be a non-empty string, got 7"),
+    ('{"prompt": "", "completion": "b"}', r":{line}: 'prompt' must be a non-empty string, got ''"),
+])
+def test_a_bad_prompt_completion_record_is_one_line_naming_file_and_line(tmp_path, rng, tokenizer, line, message):
+    records = random_records(rng, rng.randint(2, 20))
+    index = rng.randint(1, len(records))
+    path = write_records(tmp_path / "sft.jsonl", records, extra_lines=[(index, line)])
+    with pytest.raises(ValueError) as refused:
+        data.pack_files([path], tokenizer, 64)
+    text = str(refused.value)
+    assert re.search(re.escape(path) + message.format(line=index + 1), text) and "\n" not in text, text
+
+
+def test_formats_do_not_mix_and_a_record_longer_than_seq_len_is_named(tmp_path, rng, tokenizer):
+    records = random_records(rng, 4)
+    sft = write_records(tmp_path / "sft.jsonl", records)
+    text = str(write_jsonl(tmp_path / "text.jsonl", random_documents(rng, 3)))
+    with pytest.raises(ValueError, match=re.escape(f"mix prompt/completion files ['{sft}'] and text sources "
+                                                   f"['{text}']; train on one format per run")):
+        data.pack_files([text, sft], tokenizer, 64)
+    longest = max(range(len(records)), key=lambda index: sum(map(len, record_ids(
+        records[index], tokenizer.backend_tokenizer, tokenizer.eos_token_id))))
+    length = sum(map(len, record_ids(records[longest], tokenizer.backend_tokenizer, tokenizer.eos_token_id)))
+    with pytest.raises(ValueError, match=re.escape(f"{sft}:{longest + 1}: the record is {length} tokens (")
+                       + rf".*more than --seq_len {length - 1}; raise --seq_len"):
+        data.pack_files([sft], tokenizer, length - 1)
+
+
+def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_line(tmp_path, rng, tokenizer_dir):
+    from helpers.launching import REPO, train_flags
+
+    from smmd_train.arguments import parse_args
+    from smmd_train.distributed import Launch
+    from smmd_train.run import RunRefused, prepare_run
+
+    records = random_records(rng, 12)
+    sft = write_records(tmp_path / "sft.jsonl", records)
+    flags = dict(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
+                 data=[sft], eval_data=[sft], seq_len=96, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run")
+    run = prepare_run(parse_args(train_flags(**flags)), Launch(0, 1, 0, 1, "single"), until="data")
+    assert run.train_blocks.column_names == ["input_ids", "labels"] and len(run.train_blocks) == len(records)
+    assert run.eval_blocks.column_names == ["input_ids", "labels"]
+
+    broken = write_records(tmp_path / "broken.jsonl", records, extra_lines=[(3, '{"prompt": "a", "completion": ')])
+    with pytest.raises(RunRefused) as refused:
+        prepare_run(parse_args(train_flags(**{**flags, "data": [broken], "eval_data": None})),
+                    Launch(0, 1, 0, 1, "single"), until="data")
+    assert str(refused.value) == f"{broken}:4:31: not valid JSON: Expecting value; each line of a JSON-lines file " \
+                                 "must be one JSON object"

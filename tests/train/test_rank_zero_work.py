@@ -115,6 +115,6 @@ def test_a_broken_jsonl_line_is_the_same_one_line_refusal_on_every_rank(tmp_path
     outcomes = run_ranks(_prepare_on_broken_data, 2, str(tokenizer_dir), str(data), str(tmp_path / "run"),
                          timeout=180, pg_timeout=60)
     messages = values_or_raise(outcomes)
-    assert messages[0] == f"{data}:21: not valid JSON (Unterminated string starting at, column 10); each line of a " \
+    assert messages[0] == f"{data}:21:10: not valid JSON: Unterminated string starting at; each line of a " \
                           "JSON-lines file must be one JSON object"
     assert messages[1] == f"on rank 0: {messages[0]}"
