@@ -28,9 +28,12 @@ are tied for ``tiny``, ``10m`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7
 
 from __future__ import annotations
 
-import transformers
+from typing import TYPE_CHECKING
 
 from .autotp import check_tensor_parallel_split, kv_head_shares, near_even_shares
+
+if TYPE_CHECKING:
+    import transformers
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
 
@@ -60,6 +63,8 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 409
                   **overrides) -> transformers.LlamaConfig:
     """The ``LlamaConfig`` of preset ``name`` for a ``vocab_size``-token vocabulary; ``overrides``
     are further LlamaConfig keyword arguments and win over the preset's."""
+    import transformers  # here, not at the top: train.py's parser reads PRESETS before the heavy imports
+
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
                          "(or pass a local Hugging Face model dir where a dir is accepted)")

@@ -3,6 +3,8 @@ the launch/ scripts that launchers start by path run the same programs."""
 
 import configparser
 import importlib
+import subprocess
+import sys
 
 import pytest
 from helpers.launching import REPO
@@ -32,3 +34,37 @@ def test_each_command_s_target_imports_and_answers_help(command, capsys):
     assert "usage:" in capsys.readouterr().out
     # The launch/ script of the same program calls into the same module.
     assert module_name in (REPO / "launch" / LAUNCH_SCRIPTS[command]).read_text()
+
+
+# What launch/train.py does before it imports anything heavy, run as launchers start it (a subprocess).
+_REFUSAL_PROBE = """
+import runpy, sys
+sys.argv = ["launch/train.py", *sys.argv[1:]]
+try:
+    runpy.run_path("launch/train.py", run_name="__main__")
+except SystemExit as exit_status:
+    heavy = [name for name in ("deepspeed", "transformers") if name in sys.modules]
+    print("exit", exit_status.code, "loaded:", *heavy)
+"""
+
+
+@pytest.mark.slow
+def test_a_mistyped_flag_is_refused_before_deepspeed_and_transformers_load():
+    # A wall-clock bound would flake on a shared machine; what makes the refusal fast is that the two
+    # heavy imports (seconds each, on every rank of a launch) have not happened when the parser refuses.
+    completed = subprocess.run([sys.executable, "-c", _REFUSAL_PROBE, "--max_stpes", "3"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.stdout.split() == ["exit", "2", "loaded:"], completed.stdout + completed.stderr
+    assert "unknown option --max_stpes; did you mean --max_steps" in completed.stderr
+
+
+@pytest.mark.slow
+def test_the_help_shows_the_usage_example_as_written():
+    completed = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--help"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    first = lines.index("    deepspeed --hostfile hostfile launch/train.py --deepspeed_config ds_configs/zero3.json "
+                        "--tp 2 \\")
+    assert lines[first + 1] == ("        --model 7b --tokenizer /data/tokenizer --data /data/corpus.jsonl "
+                                "--output_dir /ckpt/run1")
