@@ -205,6 +205,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    if not (math.isfinite(args.numeric_max_value) and args.numeric_max_value >= 0):
+        parser.error(f"--numeric_max_value {args.numeric_max_value:g} must be a finite number >= 0")
     if not (math.isfinite(args.z_loss) and args.z_loss >= 0):
         parser.error(f"--z_loss {args.z_loss} must be a finite number >= 0")
     if not 0.0 <= args.label_smoothing < 1.0:
