@@ -13,6 +13,7 @@ process without a launcher.
 from __future__ import annotations
 
 import ast
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,6 +66,29 @@ def numeric_loss(args, vocab):
     return build_numeric_loss(vocab, args.numeric_loss, {
         "smmd": {"mode": args.smmd_mode, "kernel": args.smmd_kernel, "sigmas": tuple(args.smmd_sigmas)},
         "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
+
+
+def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
+    """One warning per term of ``loss`` (times ``weight``) whose size follows the numeric values
+    (``NumericLoss.value_scale``: NTL-MSE, raw NTL-WAS) and can, at its weight, exceed CE's value for
+    a uniform prediction, ln(vocab_size): where CE starts on a fresh model. The warning gives the
+    term's possible size and the setting the numeracy study used. SMMD, NTL-WAS on squashed distances
+    and number-level NTL are bounded whatever the values: they never warn."""
+    from smmd_scale.registry import entry_of
+
+    ce_scale, values = math.log(vocab_size), loss.vocab.values
+    warnings = []
+    for term, term_weight in loss.weighted_terms():
+        scale, effective = term.value_scale, term_weight * weight
+        if scale is None or effective * scale <= ce_scale:
+            continue
+        entry = entry_of(term)
+        warnings.append(f"--numeric_loss {entry.name}:{term_weight:g}: {entry.name} grows with the numeric values "
+                        f"({float(values.min()):g}..{float(values.max()):g} here): up to {scale:.3g} per position, "
+                        f"{effective * scale:.3g} at weight {effective:g}, against CE's ln(vocab_size) = "
+                        f"{ce_scale:.1f} for a uniform prediction, so it can drown CE; the numeracy study "
+                        f"(benchmarks/numeracy) used {entry.study_setting}")
+    return warnings
 
 
 # The keyword arguments of smmd_scale that train.py's flags set: the library refuses in its own words
@@ -160,6 +184,8 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
         loss = None if args.framework_loss else numeric_loss(args, vocab)
     except ValueError as error:
         raise ValueError(in_flag_words(str(error))) from None
+    if loss is not None:
+        warnings += numeric_scale_warnings(loss, args.smmd_weight, config.vocab_size)
     return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if args.model in PRESETS else args.model,
                    tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),

@@ -453,6 +453,30 @@ def test_the_plan_holds_the_numeric_vocabulary_and_loss(tmp_path, tokenizer_dir)
     assert framework.numeric_loss is None
 
 
+def test_a_numeric_term_that_can_drown_ce_warns_with_its_size_and_the_study_s_setting(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+
+    def warnings(**options):
+        return prepared(argv(tokenizer_dir, corpus, tmp_path / "run", **options), until="plan")[1].warnings
+
+    # The tokenizer's 0..999 values, a vocabulary of 1536 rows (1512 tokens padded): CE starts at ln 1536 = 7.3.
+    assert warnings(numeric_loss=["ntl-mse:0.5"]) == [
+        "--numeric_loss ntl-mse:0.5: ntl-mse grows with the numeric values (0..999 here): up to 1.01e+06 per "
+        "position, 5.04e+05 at weight 0.5, against CE's ln(vocab_size) = 7.3 for a uniform prediction, so it can "
+        "drown CE; the numeracy study (benchmarks/numeracy) used ntl-mse:0.0001 on the values 0..999, chosen on "
+        "validation"]
+    raw_was = warnings(numeric_loss=["smmd", "ntl-was:0.3"])
+    assert len(raw_was) == 1 and raw_was[0].startswith(
+        "--numeric_loss ntl-was:0.3: ntl-was grows with the numeric values (0..999 here): up to 1.01e+03 per position, "
+        "303 at weight 0.3")
+    assert raw_was[0].endswith("used ntl-was:0.3 with --ntl_squash_factor 9 (distances mapped onto [1, 9], so at most "
+                               "9.09 per position)")
+    # Bounded losses, a term too light to matter (1e-6 x 1.01e6 = 1 < 7.3), and CE alone: no warning.
+    for options in ({}, {"numeric_loss": ["ntl-was:0.3"], "ntl_squash_factor": 9.0},
+                    {"numeric_loss": ["ntl-mse:0.000001"]}, {"numeric_loss": ["ntl-mse:0"]}):
+        assert warnings(**options) == [], options
+
+
 def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, tokenizer_dir):
     corpus = write_corpus(tmp_path / "train.jsonl", 200)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", smmd_policy="digits", smmd_max_value=9,
