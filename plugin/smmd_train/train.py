@@ -70,7 +70,7 @@ def main(args) -> None:
         if removed:
             log(f"--overwrite_output_dir: removed {len(removed)} file(s) and checkpoint(s) of an earlier run")
 
-    monitor = open_monitor(run)
+    monitor = open_monitor(run, start_step=state.step)
     write_run_config(run)
     if state.step == 0:
         monitor.log_run_shape()
