@@ -97,6 +97,15 @@ class NTLoss(NumericLoss):
     def options(self) -> tuple:
         return self.kind, self.reweigh, self.squash_factor
 
+    @property
+    def value_scale(self) -> Optional[float]:
+        """NTL-MSE is a squared value error, up to ``(max v - min v)^2``; raw NTL-WAS a value distance, up
+        to ``max v - min v``; ``reweigh`` adds ``REWEIGH_MARGIN`` for mass outside the numbers. NTL-WAS on
+        squashed distances is at most ``squash_factor`` (x the margin), whatever the values: None."""
+        if self.kind == "was" and self.squash_factor is not None:
+            return None
+        return self.max_distance * (REWEIGH_MARGIN if self.reweigh else 1.0)
+
     def _distances_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         if key not in self._device_distances:

@@ -93,6 +93,14 @@ class NumericLoss:
         """The options that change the loss (they enter the fingerprint ranks compare)."""
         raise NotImplementedError
 
+    @property
+    def value_scale(self) -> Optional[float]:
+        """The largest value the loss can take at one position when that grows with the vocabulary's
+        numeric values (a loss measured in value units: next to CE it needs a weight that fits the
+        values' range), or None when the loss is bounded whatever the values are (SMMD: by its kernel
+        on squashed distances). None unless a loss overrides it."""
+        return None
+
     def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
                       compute_dtype: torch.dtype) -> NumericTerms:
         """The loss at P positions from ``q [P, N]`` and (if :attr:`needs_mass`) ``mass [P]``, both

@@ -30,6 +30,8 @@ class NumericLossEntry:
     option_group:  which keyword-option group builds it (``build_numeric_loss``'s ``options[group]``)
     build:         ``(vocab, **options) -> NumericLoss``
     summary:       one line for ``--help``
+    study_setting: the setting the numeracy study (benchmarks/numeracy) trained it with, for a loss
+                   whose size follows the values (``NumericLoss.value_scale``): what a warning suggests
     """
 
     name: str
@@ -38,6 +40,7 @@ class NumericLossEntry:
     option_group: str
     build: Callable[..., NumericLoss]
     summary: str
+    study_setting: str = ""
 
 
 def _ntl(kind: str) -> Callable[..., NumericLoss]:
@@ -56,9 +59,12 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
     NumericLossEntry("smmd", "smmd", ("mmd", "smooth"), "smmd", SMMDLoss,
                      "Smooth MMD: value-distance kernel MMD + graph-Laplacian smoothness"),
     NumericLossEntry("ntl-was", "ntl_was", (), "ntl", _ntl("was"),
-                     "Number Token Loss, Wasserstein-1 to the target value"),
+                     "Number Token Loss, Wasserstein-1 to the target value",
+                     "ntl-was:0.3 with --ntl_squash_factor 9 (distances mapped onto [1, 9], so at most 9.09 per "
+                     "position)"),
     NumericLossEntry("ntl-mse", "ntl_mse", (), "ntl", _ntl("mse"),
-                     "Number Token Loss, squared error of the expected value"),
+                     "Number Token Loss, squared error of the expected value",
+                     "ntl-mse:0.0001 on the values 0..999, chosen on validation"),
     NumericLossEntry("ntl-number", "ntl_number", (), "ntl", _number_level,
                      "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
                      "(needs a digit vocabulary: --numeric_policy digits)"),
@@ -73,6 +79,11 @@ def statistic_names() -> tuple:
             if name not in names:
                 names.append(name)
     return tuple(names)
+
+
+def entry_of(loss: NumericLoss) -> NumericLossEntry:
+    """The registry entry of a built loss (one term of a weighted sum), by its statistic's name."""
+    return next(entry for entry in NUMERIC_LOSSES.values() if entry.stat_name == loss.name)
 
 
 def parse_terms(entries: Sequence[str], flag: str = "--numeric_loss") -> list:

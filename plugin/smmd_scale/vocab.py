@@ -192,7 +192,7 @@ class NumericVocab:
         if not triples:
             raise ValueError(f"no numeric token found under policy={policy!r} with max_value={max_value} among "
                              f"{tokenizer_size} tokens of {type(tokenizer).__name__}; try policy='digits' or "
-                             f"'floats', or a larger max_value")
+                             f"policy='floats', or a larger max_value")
 
         triples.sort()
         token_ids, values, tokens = zip(*triples)

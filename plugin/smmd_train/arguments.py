@@ -10,6 +10,9 @@ The builder takes train.py options as keyword arguments named like the flags, ch
 against the parser (a typo fails here, not after a launch), and writes them the way argparse reads
 them back: ``True`` is a bare switch, ``False``/``None`` leave the flag out (``False`` gives
 ``--no-<flag>`` for a ``--flag/--no-flag`` pair), a list or tuple gives several values after one flag.
+
+This module imports neither DeepSpeed nor transformers (nor anything that does): train.py reads its
+command line before those load, so a mistyped flag is refused in about a second.
 """
 
 from __future__ import annotations
@@ -83,8 +86,6 @@ class TrainArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
-    import deepspeed
-
     parser = TrainArgumentParser(description=description)
     model = parser.add_argument_group("model and data")
     model.add_argument("--model", required=True, help=f"a local HF model dir (continued pretraining) or a preset "
@@ -183,7 +184,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
 
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    deepspeed.add_config_arguments(parser)
+    parser.add_argument("--deepspeed_config", help="the DeepSpeed JSON config (required; see ds_configs/)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="accepted as DeepSpeed's own scripts take it; train.py always runs DeepSpeed")
     parser.set_defaults(deprecated=())
     return parser
 
@@ -213,6 +216,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
     if not (math.isfinite(args.smmd_squash_factor) and args.smmd_squash_factor >= 0):
         parser.error(f"--smmd_squash_factor {args.smmd_squash_factor} must be a finite number >= 0 (0 or 1: raw "
                      "value distances; above 1: non-zero distances mapped onto [1, it])")
+    if not (math.isfinite(args.numeric_max_value) and args.numeric_max_value >= 0):
+        parser.error(f"--numeric_max_value {args.numeric_max_value:g} must be a finite number >= 0")
     if not (math.isfinite(args.z_loss) and args.z_loss >= 0):
         parser.error(f"--z_loss {args.z_loss} must be a finite number >= 0")
     if not 0.0 <= args.label_smoothing < 1.0:

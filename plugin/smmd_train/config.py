@@ -144,6 +144,13 @@ def _resolve_auto(section: dict, key: str, value) -> None:
         section[key] = value
 
 
+def check_tensor_parallel_world(tp_size: int, world_size: int) -> None:
+    """Refuse an AutoTP degree that does not divide the world size."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} (--tp) must divide the world size {world_size} (the "
+                         f"ranks are split into world/autotp_size data-parallel groups of autotp_size ranks)")
+
+
 def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
                    learning_rate: float, weight_decay: float, bf16_supported: bool, hidden_size: int,
                    accelerator: str = "cuda", sp_size: int = 1) -> tuple:
@@ -166,9 +173,7 @@ def resolve_config(config: dict, *, world_size: int, micro_batch_size: int, grad
     config.pop("tensorboard", None)
     tensor_parallel = config.get("tensor_parallel") or {}
     tp_size = tensor_parallel_size(config)
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} (--tp) must divide the world size {world_size} (the "
-                         f"ranks are split into world/autotp_size data-parallel groups of autotp_size ranks)")
+    check_tensor_parallel_world(tp_size, world_size)
     if tp_size > 1 and not tensor_parallel.get("vocab_parallel_lm_head", False):
         raise ValueError("tensor_parallel.autotp_size > 1 needs \"vocab_parallel_lm_head\": true so the LM head "
                          "stays vocabulary-sharded and the SMMD loss runs on the shards (gathering full logits "

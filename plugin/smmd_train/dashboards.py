@@ -137,13 +137,19 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
     return values
 
 
+# The HParams table's trial column shows about this many characters of a trial id, then cuts it off.
+TRIAL_ID_CHARS = 40
+
+
 def trial_id(tensorboard_dir: str) -> str:
-    """The run's HParams trial id: its directory's name (the output dir's for the default
-    ``<output_dir>/tensorboard``) and a short hash of the absolute path, so two runs never share a
-    row and a resumed run keeps its own."""
+    """The run's HParams trial id, at most :data:`TRIAL_ID_CHARS` long: the start of its directory's
+    name (the output dir's for the default ``<output_dir>/tensorboard``) and a short hash of the
+    absolute path, so two runs never share a row (their names may share the start that fits) and a
+    resumed run keeps its own."""
     path = Path(tensorboard_dir).resolve()
     name = path.parent.name if path.name == "tensorboard" else path.name
-    return f"{name}-{hashlib.sha1(str(path).encode()).hexdigest()[:6]}"
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:6]
+    return f"{name[:TRIAL_ID_CHARS - len(digest) - 1]}-{digest}"
 
 
 def hparam_value(value):

@@ -1,6 +1,8 @@
-"""The memory planner: per-GPU memory for training a Llama model (a preset, or a Hugging Face model
-folder / config.json: :func:`model_config`) under ZeRO-3 (+ AutoTP), before booking a cluster, and
-what to change when it does not fit. ``launch/estimate.py`` runs :func:`main`.
+"""The memory planner: per-GPU memory for training a Llama, Mistral, Qwen2 or Qwen3 model (a preset,
+or a Hugging Face model folder / config.json: :func:`model_config`) under ZeRO-3 (+ AutoTP), before
+booking a cluster, and what to change when it does not fit. Gemma's layers (fp32 RMSNorms; Gemma-2/3:
+four norms per layer, soft-capped eager attention) keep activations it does not count: refused.
+``launch/estimate.py`` runs :func:`main`.
 
     result = estimate(model_config("/models/llama-3-8b"), nodes=4, gpus_per_node=8, tp_size=2)
     result["total_gpu_bytes"], result["verdict"], next_steps(config, nodes=4, gpus_per_node=8)
@@ -52,7 +54,7 @@ import transformers
 from smmd_scale.fused_linear import default_chunk_size
 
 from .autotp import kv_head_shares, near_even_shares
-from .presets import PRESETS, largest_layer_params, parameter_count, preset_config
+from .presets import PRESETS, decoder_family, head_dim, largest_layer_params, parameter_count, preset_config
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -63,14 +65,25 @@ HEADROOM_FRACTION = 0.1  # what this estimate does not count (see the module doc
 TABLE_PRESETS = ("1b", "3b", "7b", "13b", "34b", "70b")
 MAX_NODES_TRIED = 1024
 LLAMA3_VOCAB_SIZE = 128256  # a preset's vocabulary unless --vocab_size says otherwise
+# The families whose layer activations layer_activation_bytes counts (checked against autograd).
+ESTIMATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_estimated_family(model_type) -> None:
+    """Refuse (ValueError naming it) a model type whose decoder layer this planner does not count."""
+    if model_type not in ESTIMATED_FAMILIES:
+        hint = ("its parameters are counted (smmd_train.presets) but not the activations of Gemma's layer (fp32 "
+                "RMSNorms; Gemma-2/3: four norms per layer, soft-capped eager attention)"
+                if model_type in ("gemma", "gemma2", "gemma3_text") else "not a decoder family this planner knows")
+        raise ValueError(f"model_type {model_type!r}: {hint}; the planner estimates {', '.join(ESTIMATED_FAMILIES)}")
 
 
 def model_config(model: str, vocab_size: Optional[int] = None):
-    """The ``LlamaConfig`` to plan for: a preset name (vocabulary ``vocab_size``, default Llama-3's),
-    or a local Hugging Face model folder or its ``config.json`` (its own vocabulary unless
-    ``vocab_size`` is given; only the config is read, no weights, no hub). Raises ValueError naming
-    what is wrong: neither a preset nor a file, not JSON, or not a Llama decoder (the layer this
-    planner counts)."""
+    """The config to plan for: a preset name (a ``LlamaConfig``, vocabulary ``vocab_size``, default
+    Llama-3's), or a local Hugging Face model folder or its ``config.json`` (its own config class and
+    vocabulary unless ``vocab_size`` is given; only the config is read, no weights, no hub). Raises
+    ValueError naming what is wrong: neither a preset nor a file, not JSON, or a model type whose
+    layers this planner does not count (:data:`ESTIMATED_FAMILIES`)."""
     if model in PRESETS:
         return preset_config(model, vocab_size=vocab_size or LLAMA3_VOCAB_SIZE)
     path = Path(model)
@@ -82,11 +95,12 @@ def model_config(model: str, vocab_size: Optional[int] = None):
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not JSON: {error}") from None
-    if not isinstance(values, dict) or values.get("model_type") != "llama":
-        found = values.get("model_type") if isinstance(values, dict) else None
-        raise ValueError(f"{config_file}: model_type {found!r}; the planner counts the layers of Llama decoders "
-                         "(model_type 'llama': Llama 2 and 3, CodeLlama and other LlamaForCausalLM checkpoints)")
-    config = transformers.LlamaConfig.from_dict(values)
+    model_type = values.get("model_type") if isinstance(values, dict) else None
+    try:
+        check_estimated_family(model_type)
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(values)
     if vocab_size:
         config.vocab_size = vocab_size
     return config
@@ -94,8 +108,8 @@ def model_config(model: str, vocab_size: Optional[int] = None):
 
 def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
                            flash_attention: bool = True, sp_size: int = 1) -> int:
-    """Bytes one HF ``LlamaDecoderLayer`` keeps for backward on one GPU, with bf16 activations,
-    causal attention without a mask (packed sequences), and attention dropout 0.
+    """Bytes one HF decoder layer of Llama, Mistral, Qwen2 or Qwen3 keeps for backward on one GPU,
+    with bf16 activations, causal attention without a mask (packed sequences), and attention dropout 0.
 
     Per token (``h`` hidden, ``a`` heads and ``k`` KV heads of ``d``, ``I`` MLP width, ``t`` TP):
 
@@ -105,6 +119,8 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
       output), k and v (2*k*d each, GQA is not expanded), the fp32 log-sum-exp (4a);
       eager: q, the expanded k and v, the o_proj input (2*a*d each) and per score the fp32 softmax
       and its bf16 copy (6 bytes, a*s scores per token);
+    * Qwen3's query and key head norms: per head, the fp32 input (4d), the normalized bf16 (2d),
+      the fp32 rsqrt (4) -> 6*a*d + 4a + 6*k*d + 4k (Qwen2's q/k/v biases keep nothing more);
     * SwiGLU: gate (the SiLU input), SiLU output, up and their product (the down_proj input),
       2*I each -> 8I;
 
@@ -116,19 +132,22 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
     back; eager keeps both already). tests/train/test_presets.py and tests/train/test_sequence_parallel.py
     check this against the tensors autograd saves.
     """
+    check_estimated_family(getattr(config, "model_type", None))
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
     tokens = seq_len * micro_batch // sp_size
     kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[0]  # this rank's
-    heads, head_dim = config.num_attention_heads // config.num_key_value_heads * kv_heads, config.head_dim
-    kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
+    heads, width = config.num_attention_heads // config.num_key_value_heads * kv_heads, head_dim(config)
     norms = tokens * (16 * config.hidden_size + 8)
+    if decoder_family(config).qk_norm:  # before Ulysses' all-to-all: this rank's tokens, its TP share of heads
+        norms += tokens * ((6 * width + 4) * (heads + kv_heads))
+    kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
     if flash_attention:
-        attention = tokens * (4 * heads * head_dim + 4 * kv_heads * head_dim + 4 * heads
-                              + (2 * heads * head_dim if sp_size > 1 else 0))
+        attention = tokens * (4 * heads * width + 4 * kv_heads * width + 4 * heads
+                              + (2 * heads * width if sp_size > 1 else 0))
     else:
-        attention = tokens * (8 * heads * head_dim + 6 * heads * seq_len)
+        attention = tokens * (8 * heads * width + 6 * heads * seq_len)
     mlp = tokens * 8 * near_even_shares(config.intermediate_size, tp_size)[0]
     return norms + attention + mlp
 
@@ -435,11 +454,12 @@ def format_markdown(results: list, vocab_size: int) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama model (a preset or a Hugging "
-                                     "Face config) under ZeRO-3 (+ AutoTP), before booking a cluster")
+    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama, Mistral, Qwen2 or Qwen3 model "
+                                     "(a preset or a Hugging Face config) under ZeRO-3 (+ AutoTP), before booking a "
+                                     "cluster")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), or a local Hugging Face model folder or "
-                       "its config.json (model_type llama; only the config is read)")
+                       "its config.json (model_type llama, mistral, qwen2 or qwen3; only the config is read)")
     which.add_argument("--all", action="store_true", help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus_per_node", type=int, default=8)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from smmd_scale.registry import statistic_names
 
 from . import dashboards
+from .metrics_file import keep_records_through
 
 # The per-position statistics the registered numeric losses report (their output's stats), logged as loss/<name>.
 NUMERIC_PARTS = statistic_names()
@@ -67,11 +68,13 @@ class TrainingMonitor:
     ``flops_per_token``: model FLOPs per trained token for forward + backward (6 x parameters
     plus attention), used for ``perf/tflops_per_rank``. ``tensorboard_dir``: where rank 0 writes
     the run's events (None: no TensorBoard); ``hparams``: the run's settings for the HParams view.
+    ``start_step``: the step the run continues from (a resumed checkpoint's; 0 from scratch): rank 0
+    drops the records of later steps from ``metrics_path``, which this run logs again.
     """
 
     def __init__(self, engine, *, world_size: int, tp_size: int, dp_size: int, dp_group, flops_per_token: float,
                  metrics_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 hparams: Optional[dict] = None, sp_size: int = 1):
+                 hparams: Optional[dict] = None, sp_size: int = 1, start_step: int = 0):
         self.engine = engine
         self.world_size, self.tp_size, self.dp_size, self.dp_group = world_size, tp_size, dp_size, dp_group
         # With sequence parallelism (dp_group then holds the SP ranks too) a rank computes 1/sp of a micro-batch.
@@ -79,6 +82,8 @@ class TrainingMonitor:
         self.flops_per_token = flops_per_token
         rank_zero = dist.get_rank() == 0
         self.metrics_path = Path(metrics_path) if metrics_path and rank_zero else None
+        if self.metrics_path is not None:
+            keep_records_through(self.metrics_path, start_step)
         self.writer = None
         self._charted = set()  # the tags the run's Custom Scalars layout holds
         if tensorboard_dir and rank_zero:

@@ -12,6 +12,9 @@ process without a launcher.
 
 from __future__ import annotations
 
+import ast
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +22,7 @@ from .autotp import check_tensor_parallel_split
 from .config import (
     Topology,
     check_flags_agree,
+    check_tensor_parallel_world,
     load_config,
     resolve_config,
     set_tensor_parallel,
@@ -65,6 +69,79 @@ def numeric_loss(args, vocab):
         "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
 
 
+def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
+    """One warning per term of ``loss`` (times ``weight``) whose size follows the numeric values
+    (``NumericLoss.value_scale``: NTL-MSE, raw NTL-WAS) and can, at its weight, exceed CE's value for
+    a uniform prediction, ln(vocab_size): where CE starts on a fresh model. The warning gives the
+    term's possible size and the setting the numeracy study used. SMMD, NTL-WAS on squashed distances
+    and number-level NTL are bounded whatever the values: they never warn."""
+    from smmd_scale.registry import entry_of
+
+    ce_scale, values = math.log(vocab_size), loss.vocab.values
+    warnings = []
+    for term, term_weight in loss.weighted_terms():
+        scale, effective = term.value_scale, term_weight * weight
+        if scale is None or effective * scale <= ce_scale:
+            continue
+        entry = entry_of(term)
+        warnings.append(f"--numeric_loss {entry.name}:{term_weight:g}: {entry.name} grows with the numeric values "
+                        f"({float(values.min()):g}..{float(values.max()):g} here): up to {scale:.3g} per position, "
+                        f"{effective * scale:.3g} at weight {effective:g}, against CE's ln(vocab_size) = "
+                        f"{ce_scale:.1f} for a uniform prediction, so it can drown CE; the numeracy study "
+                        f"(benchmarks/numeracy) used {entry.study_setting}")
+    return warnings
+
+
+# The keyword arguments of smmd_scale that train.py's flags set: the library refuses in its own words
+# (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy digits``).
+LIBRARY_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value", "sigmas": "--smmd_sigmas",
+                 "squash_factor": "--ntl_squash_factor", "mode": "--smmd_mode", "kernel": "--smmd_kernel"}
+
+
+def in_flag_words(message: str) -> str:
+    """``message`` (a refusal from smmd_scale) with the keyword arguments train.py's flags set named as
+    those flags: ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
+    --numeric_max_value``, ``NumericVocab.from_tokenizer(tokenizer, policy='digits')`` -> ``--numeric_policy
+    digits``, and ``or None for X`` (no flag value is None) -> ``or leave the flag out for X``."""
+    def flag_and_value(match):
+        try:
+            value = ast.literal_eval(match.group(2))
+        except (ValueError, SyntaxError):  # not a Python literal (nan, inf): as written
+            value = match.group(2)
+        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        return f"{LIBRARY_FLAGS[match.group(1)]} {shown}"
+
+    names = "|".join(LIBRARY_FLAGS)
+    message = re.sub(r"NumericVocab\.from_tokenizer\(tokenizer, ([^)]*)\)", r"\1", message)
+    message = re.sub(rf"\b({names})=('[^']*'|\([^)]*\)|[-+\w.]+)", flag_and_value, message)
+    message = re.sub(r"(?<![-\w])(max_value|squash_factor)\b", lambda match: LIBRARY_FLAGS[match.group(1)], message)
+    return message.replace(", or None for", ", or leave the flag out for")
+
+
+def refuse_together(*checks) -> None:
+    """Run every check (a callable that raises ValueError, one line per problem) and raise one
+    ValueError with all their lines: a layout with two problems names both at once."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def context_warning(config, seq_len: int) -> Optional[str]:
+    """A warning when ``--seq_len`` is longer than the positions the model ``config`` was built for."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        return (f"--seq_len {seq_len} is longer than the model's max_position_embeddings={limit}: it was not trained "
+                f"on positions past {limit} (rotary positions extrapolate poorly, learned ones fail); use --seq_len "
+                f"{limit} or less, or a model (or rope_scaling in its config.json) with a longer context")
+    return None
+
+
 def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
     """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
@@ -79,9 +156,12 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     check_flags_agree(json_config, explicit)
     raw_config = set_tensor_parallel(json_config, args.tp)
     config = model_config(args.model, tokenizer, args.seq_len, args.trust_remote_code)
-    check_tensor_parallel_split(config, tensor_parallel_size(raw_config))
-    check_sequence_parallel(config, args.sp, args.seq_len, tensor_parallel_size(raw_config), world_size)
-    warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size)]
+    tp_size = tensor_parallel_size(raw_config)
+    refuse_together(lambda: check_tensor_parallel_split(config, tp_size),
+                    lambda: check_tensor_parallel_world(tp_size, world_size),
+                    lambda: check_sequence_parallel(config, args.sp, args.seq_len, tp_size, world_size))
+    warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size),
+                context_warning(config, args.seq_len)]
     if args.framework_loss and args.eval_data:
         warnings.append("--eval_data is not evaluated with --framework_loss: the held-out metrics come from the "
                         "installed numeric loss, which a --framework_loss run does not have")
@@ -99,13 +179,19 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
         warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
                         f"most {MAX_WARMUP_FRACTION:.0%} of --max_steps {args.max_steps}")
-    vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
-                                                   max_value=args.numeric_max_value, vocab_size=config.vocab_size)
+    try:
+        vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
+                                                       max_value=args.numeric_max_value, vocab_size=config.vocab_size)
+        loss = None if args.framework_loss else numeric_loss(args, vocab)
+    except ValueError as error:
+        raise ValueError(in_flag_words(str(error))) from None
+    if loss is not None:
+        warnings += numeric_scale_warnings(loss, args.smmd_weight, config.vocab_size)
     return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if args.model in PRESETS else args.model,
                    tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
                    tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
                    schedule=Schedule(ds_config.get("optimizer", {}).get("params", {}).get("lr", args.lr), warmup_steps,
                                      args.max_steps, args.min_lr_ratio), numeric_vocab=vocab,
-                   numeric_loss=None if args.framework_loss else numeric_loss(args, vocab),
+                   numeric_loss=loss,
                    numeric_weight=args.smmd_weight, warnings=[warning for warning in warnings if warning])

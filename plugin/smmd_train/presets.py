@@ -28,9 +28,12 @@ are tied for ``tiny``, ``10m`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7
 
 from __future__ import annotations
 
-import transformers
+from typing import TYPE_CHECKING, NamedTuple
 
 from .autotp import check_tensor_parallel_split, kv_head_shares, near_even_shares
+
+if TYPE_CHECKING:
+    import transformers
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
 
@@ -60,6 +63,8 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 409
                   **overrides) -> transformers.LlamaConfig:
     """The ``LlamaConfig`` of preset ``name`` for a ``vocab_size``-token vocabulary; ``overrides``
     are further LlamaConfig keyword arguments and win over the preset's."""
+    import transformers  # here, not at the top: train.py's parser reads PRESETS before the heavy imports
+
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
                          "(or pass a local Hugging Face model dir where a dir is accepted)")
@@ -69,23 +74,66 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 409
                                        "max_position_embeddings": max_position_embeddings, **overrides})
 
 
+class DecoderFamily(NamedTuple):
+    """What a family's decoder layer has beyond Llama's (its transformers modeling file): the weights
+    ``parameter_count`` counts and the activations ``smmd_train.memory`` counts differ only in these.
+
+    qkv_bias:       q/k/v projections always have a bias and o_proj none (Qwen2), instead of all four
+                    following ``config.attention_bias`` (Llama, Qwen3, Gemma; Mistral has none)
+    qk_norm:        an RMSNorm over ``head_dim`` on every query and key head (Qwen3, Gemma-3)
+    layer_norms:    RMSNorms per layer: 2 (input, post-attention), 4 with Gemma-2/3's pre- and
+                    post-feed-forward norms
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    layer_norms: int = 2
+
+
+# The dense decoder families train.py trains (by ``model_type``): the Llama layer and its variants.
+DECODER_FAMILIES = {
+    "llama": DecoderFamily(), "mistral": DecoderFamily(), "qwen2": DecoderFamily(qkv_bias=True),
+    "qwen3": DecoderFamily(qk_norm=True), "gemma": DecoderFamily(), "gemma2": DecoderFamily(layer_norms=4),
+    "gemma3_text": DecoderFamily(qk_norm=True, layer_norms=4),
+}
+
+
+def decoder_family(config) -> DecoderFamily:
+    """The family of ``config`` (its ``model_type``); ValueError for a model type not in
+    :data:`DECODER_FAMILIES`, whose layers these counts would get wrong."""
+    family = DECODER_FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r}: the parameter and memory counts know "
+                         f"the decoder layers of {', '.join(DECODER_FAMILIES)}")
+    return family
+
+
+def head_dim(config) -> int:
+    """The attention head width: the config's ``head_dim`` where it sets one (Gemma, Qwen3; Mistral
+    may leave it None), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _attention_params(config, tp_size: int) -> dict:
     """Parameters of each attention projection of one layer on rank 0 of ``tp_size`` (the largest
     share, :mod:`smmd_train.autotp`): q/k/v are column-parallel (weight and bias split by KV head,
     each with its query heads), o_proj row-parallel (weight split, bias whole)."""
-    hidden, head_dim, kv_heads = config.hidden_size, config.head_dim, config.num_key_value_heads
+    hidden, width, kv_heads = config.hidden_size, head_dim(config), config.num_key_value_heads
     rank_kv_heads = kv_head_shares(kv_heads, tp_size)[0]
-    q_width = config.num_attention_heads // kv_heads * rank_kv_heads * head_dim
-    kv_width = rank_kv_heads * head_dim
-    bias = bool(config.attention_bias)
+    q_width = config.num_attention_heads // kv_heads * rank_kv_heads * width
+    kv_width = rank_kv_heads * width
+    if decoder_family(config).qkv_bias:
+        bias, o_bias = True, False
+    else:
+        bias = o_bias = bool(getattr(config, "attention_bias", False))
     return {"q_proj": (hidden + bias) * q_width, "k_proj": (hidden + bias) * kv_width,
-            "v_proj": (hidden + bias) * kv_width, "o_proj": q_width * hidden + bias * hidden}
+            "v_proj": (hidden + bias) * kv_width, "o_proj": q_width * hidden + o_bias * hidden}
 
 
 def _mlp_params(config, tp_size: int) -> dict:
     """Parameters of each SwiGLU projection of one layer on rank 0 of ``tp_size``: gate/up
     column-parallel, down row-parallel, the width split near-evenly."""
-    hidden, bias = config.hidden_size, bool(config.mlp_bias)
+    hidden, bias = config.hidden_size, bool(getattr(config, "mlp_bias", False))
     width = near_even_shares(config.intermediate_size, tp_size)[0]
     return {"gate_proj": (hidden + bias) * width, "up_proj": (hidden + bias) * width,
             "down_proj": width * hidden + bias * hidden}
@@ -107,9 +155,10 @@ def _embedding_and_head_params(config, tp_size: int) -> tuple:
 
 
 def parameter_count(config, tp_size: int = 1) -> int:
-    """Exact parameter count of ``LlamaForCausalLM(config)``, a tied lm_head counted once: the
-    embedding, per layer the attention (GQA-sized k/v) and SwiGLU projections and two RMSNorms,
-    the final RMSNorm, and the lm_head unless tied.
+    """Exact parameter count of ``AutoModelForCausalLM.from_config(config)`` for a family of
+    :data:`DECODER_FAMILIES`, a tied lm_head counted once: the embedding, per layer the attention
+    (GQA-sized k/v, the family's biases) and gated MLP projections, its RMSNorms (and the query/key
+    head norms of Qwen3 and Gemma-3), the final RMSNorm, and the lm_head unless tied.
 
     With ``tp_size`` > 1: the parameters tensor-parallel rank 0 (the largest share when the heads,
     widths or vocabulary split unevenly) holds under DeepSpeed AutoTP with a vocabulary-parallel
@@ -118,14 +167,15 @@ def parameter_count(config, tp_size: int = 1) -> int:
     raises ValueError (:func:`smmd_train.autotp.check_tensor_parallel_split`).
     """
     check_tensor_parallel_split(config, tp_size)
+    family = decoder_family(config)
     embedding, head = _embedding_and_head_params(config, tp_size)
-    layer = (sum(_attention_params(config, tp_size).values()) + sum(_mlp_params(config, tp_size).values())
-             + 2 * config.hidden_size)
+    norms = family.layer_norms * config.hidden_size + family.qk_norm * 2 * head_dim(config)  # whole on every rank
+    layer = sum(_attention_params(config, tp_size).values()) + sum(_mlp_params(config, tp_size).values()) + norms
     return embedding + config.num_hidden_layers * layer + config.hidden_size + head
 
 
 def largest_layer_params(config, tp_size: int = 1) -> int:
-    """Parameters of the largest single module of ``LlamaForCausalLM(config)`` (its own
+    """Parameters of the largest single module of the model of ``config`` (its own
     parameters, not its children's), as ``deepspeed.runtime.zero.stage3.model_to_params`` counts
     them for the ZeRO-3 estimator: the embedding / lm_head, unless an MLP projection is larger.
     ``tp_size`` > 1: on AutoTP rank 0, as in :func:`parameter_count`. A tied head is the

@@ -320,8 +320,9 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
                             skipped_steps=guard.total_skips)
 
 
-def open_monitor(run: PreparedRun):
-    """The run's :class:`~smmd_train.monitor.TrainingMonitor` (metrics.jsonl, TensorBoard, HParams)."""
+def open_monitor(run: PreparedRun, start_step: int = 0):
+    """The run's :class:`~smmd_train.monitor.TrainingMonitor` (metrics.jsonl, TensorBoard, HParams),
+    for a run that continues from ``start_step`` (a resumed checkpoint's step; 0 from scratch)."""
     from .dashboards import run_hparams
     from .monitor import TrainingMonitor
 
@@ -331,7 +332,8 @@ def open_monitor(run: PreparedRun):
                            flops_per_token=run.flops_per_token,
                            metrics_path=str(Path(run.args.output_dir, "metrics.jsonl")),
                            tensorboard_dir=plan.tensorboard_dir if plan.tensorboard else None,
-                           hparams=run_hparams(run.args, plan, run.launch.launcher, run.installed is None))
+                           hparams=run_hparams(run.args, plan, run.launch.launcher, run.installed is None),
+                           start_step=start_step)
 
 
 def write_run_config(run: PreparedRun) -> None:

@@ -1,16 +1,16 @@
-"""Pretraining and continued pretraining with CE + a numeric loss (SMMD, NTL) under DeepSpeed ZeRO-3 (+ AutoTP).
+r"""Pretraining and continued pretraining with CE + a numeric loss (SMMD, NTL) under DeepSpeed ZeRO-3 (+ AutoTP).
 
     deepspeed --hostfile hostfile launch/train.py --deepspeed_config ds_configs/zero3.json --tp 2 \
         --model 7b --tokenizer /data/tokenizer --data /data/corpus.jsonl --output_dir /ckpt/run1
 
 Also ``smmd-train ...`` (a console command: one process, or a launcher that starts a command) and
 ``launch/train.py`` (the script path that the deepspeed launcher, mpirun and srun start). Reads top
-to bottom: start the process
-group -> prepare the run (plan: tokenizer, architecture, resolved DeepSpeed config, parallel layout,
-numeric vocabulary and loss, where every bad option fails; data; model and engine; the numeric loss
-installed on the (possibly vocabulary-parallel) LM head) -> resume -> train steps, with evaluation and
-checkpoints at their own cadence -> export. Its pieces are the ``smmd_train`` package
-(``smmd_train.run`` sets the run up); its flags are in ``smmd_train/arguments.py``.
+to bottom: start the process group -> prepare the run (plan: tokenizer, architecture, resolved
+DeepSpeed config, parallel layout, numeric vocabulary and loss, where every bad option fails; data;
+model and engine; the numeric loss installed on the (possibly vocabulary-parallel) LM head) ->
+resume -> train steps, with evaluation and checkpoints at their own cadence -> export. Its pieces are
+the ``smmd_train`` package (``smmd_train.run`` sets the run up); its flags are in
+``smmd_train/arguments.py``.
 """
 
 from __future__ import annotations
@@ -21,27 +21,31 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm import tqdm
-
+# Only the parser at the top: cli() reads the command line before torch, DeepSpeed and transformers load
+# (seconds, on every rank), so a mistyped flag is refused at once; main() imports the rest.
 from .arguments import parse_args
-from .checkpoint import Checkpointer, TrainState, clear_run, run_record
-from .distributed import init_distributed, run_on_rank_zero, shutdown_distributed
-from .evaluation import Evaluator, describe
-from .export import export_hf
-from .guard import NonFiniteGuard, NonFiniteLossError
-from .run import RunRefused, log, open_monitor, prepare_run, train_step, write_run_config
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv, description=__doc__)
+def main(args) -> None:
+    """Train the run of ``args`` (:func:`smmd_train.arguments.parse_args`)."""
+    from tqdm import tqdm
+
+    from .checkpoint import Checkpointer, TrainState, clear_run, run_record
+    from .distributed import init_distributed, run_on_rank_zero
+    from .evaluation import Evaluator, describe
+    from .export import export_hf
+    from .guard import NonFiniteGuard
+    from .run import log, open_monitor, prepare_run, train_step, write_run_config
+
     launch = init_distributed(args.process_group_timeout_minutes)
     seed_everything(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -66,7 +70,7 @@ def main(argv=None) -> None:
         if removed:
             log(f"--overwrite_output_dir: removed {len(removed)} file(s) and checkpoint(s) of an earlier run")
 
-    monitor = open_monitor(run)
+    monitor = open_monitor(run, start_step=state.step)
     write_run_config(run)
     if state.step == 0:
         monitor.log_run_shape()
@@ -103,6 +107,8 @@ def main(argv=None) -> None:
 def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, checkpoint_tag) -> list:
     """The console's end-of-run summary: what was trained, the final losses and throughput, the held-out
     metrics, and where the checkpoint, the metrics, TensorBoard and the export went."""
+    from .evaluation import describe
+
     args, plan = run.args, run.plan
     lines = [f"done: {steps} step(s) in {seconds:.1f} s, to step {args.max_steps}"]
     losses = [f"{name} {summary[f'summary/final_loss_{name}']:.4f}" for name in ("total", "ce", "numeric")
@@ -126,10 +132,16 @@ def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, check
 
 def cli(argv=None) -> None:
     """Run :func:`main`, then shut the process group down in order; the exit code says how it ended
-    (0 trained, 2 refused: one line per problem on rank 0, 3 stopped for non-finite losses)."""
+    (0 trained, 2 refused: one line per problem on rank 0, 3 stopped for non-finite losses). A bad command
+    line exits 2 from the parser, before anything heavy is imported."""
+    args = parse_args(argv, description=__doc__)
+    from .distributed import shutdown_distributed
+    from .guard import NonFiniteLossError
+    from .run import RunRefused
+
     exit_code = 0
     try:
-        main(argv)
+        main(args)
     except RunRefused as error:  # raised on every rank, before the model was built
         if os.environ.get("RANK", "0") == "0":
             for problem in str(error).splitlines():

@@ -96,6 +96,29 @@ def test_bad_options_are_named(generator, options, error, match):
         NTLoss(vocab, **options)
 
 
+@pytest.mark.parametrize("kind", ["mse", "was"])
+@pytest.mark.parametrize("reweigh", [False, True])
+def test_value_scale_is_the_largest_value_the_loss_reaches(generator, kind, reweigh):
+    """The size a trainer warns about is attained: the target at the smallest value, all the mass on the
+    largest one (or, reweighed, outside the numbers)."""
+    vocab_size, count = 40, 12
+    token_ids = torch.randperm(vocab_size, generator=generator)[:count]
+    values = torch.randperm(1000, generator=generator)[:count].double()
+    vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
+    loss = NTLoss(vocab, kind=kind, reweigh=reweigh)
+    value_range = float(values.max() - values.min())
+    expected = (value_range ** 2 if kind == "mse" else value_range) * (1.01 if reweigh else 1.0)
+    assert loss.value_scale == pytest.approx(expected, rel=1e-12)
+    non_numeric = next(token for token in range(vocab_size) if token not in token_ids.tolist())
+    peak = non_numeric if reweigh else int(token_ids[values.argmax()])
+    logits = torch.zeros(1, vocab_size, dtype=torch.float64)
+    logits[0, peak] = 60.0  # every other token's probability is below e^-60: the value is the bound to ~1e-24
+    reached = float(loss(logits, token_ids[values.argmin()].reshape(1)))
+    assert reached == pytest.approx(expected, rel=1e-12) and reached <= expected
+    # Bounded whatever the values: NTL-WAS on squashed distances, SMMD.
+    assert NTLoss(vocab, kind="was", squash_factor=9.0).value_scale is None and SMMDLoss(vocab).value_scale is None
+
+
 def test_a_vocabulary_without_numbers_or_with_one_value_is_refused(tokenizer_dir):
     with pytest.raises(ValueError, match="empty numeric vocabulary"):
         NTLoss(NumericVocab([], [], 10))

@@ -202,3 +202,27 @@ def test_the_scaling_charts_keep_every_world_size_on_the_axis(tmp_path):
         (band, ) = chart["margin"]["series"]
         charted = [value for tag in band.values() for value in series[tag]]
         assert _quantile(charted, 0.05) <= series[band["value"]][0] <= _quantile(charted, 0.95), chart["title"]
+
+
+def _long_named_runs(rank, world_size, root):
+    for name in ("numeracy-tierA-ntl_mse-weight1e-4-seed1000-lr3e-3-steps1500", "numeracy-tierA-ntl_mse-weight1e-4"
+                 "-seed1000-lr3e-3-steps3000"):
+        _train(root / name / "tensorboard", steps=range(1, 2), **RUNS["a"])
+
+
+def test_trial_ids_fit_the_hparams_column_and_stay_apart(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from smmd_train.dashboards import TRIAL_ID_CHARS
+
+    values_or_raise(run_ranks(_long_named_runs, 1, tmp_path))
+    written = []
+    for events in sorted(tmp_path.glob("*/tensorboard/events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+        accumulator.Reload()
+        content = accumulator.SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+        written.append(plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.group_name)
+    assert len(written) == 2 and len(set(written)) == 2, written
+    assert all(len(trial) <= TRIAL_ID_CHARS and trial.startswith("numeracy-tierA-ntl_mse-weight1e-4") for trial in
+               written), written

@@ -122,6 +122,37 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     assert "held-out (x = step)" in [category.title for category in layout.category]
 
 
+def _killed_resumed_and_restarted(rank, world_size, directory):
+    from smmd_train.monitor import TrainingMonitor
+
+    def segment(start_step, steps, ce):
+        """A process of the run: its monitor opened at ``start_step``, then ``steps`` trained at loss ``ce``."""
+        monitor = TrainingMonitor(RecordingEngine(), world_size=1, tp_size=1, dp_size=1, dp_group=None,
+                                  flops_per_token=6e6, metrics_path=f"{directory}/metrics.jsonl",
+                                  start_step=start_step)
+        if start_step == 0:
+            monitor.log_run_shape()
+        for step in steps:
+            monitor.record_micro_batch((ce, ce, 0.0), None)
+            monitor.end_step(step, 1.0, tokens_in_step=100, learning_rate=1e-3)
+        return monitor
+
+    segment(0, range(1, 6), ce=3.0)  # killed after step 5; its last committed checkpoint is step 4's
+    segment(4, (5, 6), ce=2.0).finish(6)  # resumed from step 4: trains steps 5 and 6
+    resumed = read_metrics(directory)
+    segment(0, (1, ), ce=1.0)  # a new run from scratch in the same folder (no checkpoint was kept)
+    return resumed, read_metrics(directory)
+
+
+def test_a_resumed_run_s_metrics_hold_each_step_once(tmp_path):
+    ((resumed, restarted), ) = values_or_raise(run_ranks(_killed_resumed_and_restarted, 1, tmp_path))
+    trained = [(record["step"], record["loss/ce"]) for record in resumed if "loss/ce" in record]
+    assert trained == [(1, 3.0), (2, 3.0), (3, 3.0), (4, 3.0), (5, 2.0), (6, 2.0)]  # step 5 from the resumed run
+    assert [record["step"] for record in resumed if "run/world_size" in record] == [0]
+    assert [record["step"] for record in resumed if "summary/final_loss_ce" in record] == [6]
+    assert [(record["step"], record.get("loss/ce")) for record in restarted] == [(0, None), (1, 1.0)]
+
+
 def test_read_metrics_leaves_out_a_record_still_being_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce": 2.4}\n{"step": 3, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss/ce": 2.5}, {"step": 2, "loss/ce": 2.4}]

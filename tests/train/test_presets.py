@@ -53,6 +53,70 @@ def test_parameter_count_random_configs(generator):
         assert largest_layer_params(config) == model_to_params(model)[1], config
 
 
+# The config class of each decoder family train.py trains (smmd_train.presets.DECODER_FAMILIES).
+FAMILY_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                         "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+                         "gemma3_text": "Gemma3TextConfig"}
+
+
+def _family_config(family, layers, tied=True, hidden_size=96, heads=6, kv_heads=2, head_dim=8, **fields):
+    import transformers
+
+    return getattr(transformers, FAMILY_CONFIG_CLASSES[family])(
+        vocab_size=300, hidden_size=hidden_size, intermediate_size=176, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
+        max_position_embeddings=64, **fields)
+
+
+def test_every_family_s_parameter_count_equals_its_model(generator):
+    from transformers import AutoModelForCausalLM
+
+    from smmd_train.presets import DECODER_FAMILIES
+
+    assert set(FAMILY_CONFIG_CLASSES) == set(DECODER_FAMILIES)
+    for family in FAMILY_CONFIG_CLASSES:
+        kv_heads = int(torch.randint(1, 4, (1, ), generator=generator))
+        heads = kv_heads * int(torch.randint(1, 4, (1, ), generator=generator))
+        for tied in (True, False):
+            config = _family_config(family, int(torch.randint(1, 4, (1, ), generator=generator)), tied=tied,
+                                    hidden_size=8 * heads, heads=heads, kv_heads=kv_heads,
+                                    head_dim=4 * int(torch.randint(1, 6, (1, ), generator=generator)))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            assert parameter_count(config) == sum(p.numel() for p in model.parameters()), (family, config)
+            assert largest_layer_params(config) == model_to_params(model)[1], (family, config)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_each_estimated_family_s_activation_bytes_equal_what_autograd_saves(family, attention, generator):
+    from transformers import AutoModelForCausalLM
+
+    micro_batch, seq_len = int(torch.randint(1, 4, (1, ), generator=generator)), 8 * int(
+        torch.randint(2, 5, (1, ), generator=generator))
+    configs = [_family_config(family, layers, attn_implementation=attention) for layers in (1, 2)]
+    one, two = (saved_activation_bytes(AutoModelForCausalLM.from_config(config).to(torch.bfloat16),
+                                       input_ids=torch.randint(0, 300, (micro_batch, seq_len))) for config in configs)
+    flash = attention == "sdpa"
+    assert two - one == estimate_cli.layer_activation_bytes(configs[0], seq_len, micro_batch, flash_attention=flash)
+    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin.
+    extra = micro_batch * seq_len * 8 + 2 * seq_len * configs[1].head_dim * 2
+    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash) + extra
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_a_hugging_face_config_of_each_estimated_family_is_planned(tmp_path, capsys, family):
+    from transformers import AutoModelForCausalLM
+
+    config = _family_config(family, 2, tied=False)
+    config.save_pretrained(tmp_path / family)
+    with torch.device("meta"):
+        params = sum(parameter.numel() for parameter in AutoModelForCausalLM.from_config(config).parameters())
+    estimate_cli.main(["--model", str(tmp_path / family), "--json", "--gpus_per_node", "2", "--seq_len", "64"])
+    record = json.loads(capsys.readouterr().out)
+    assert record["params"] == params and type(estimate_cli.model_config(str(tmp_path / family))) is type(config)
+
+
 def test_tp_rank_counts_match_deepspeed_autotp():
     # Recorded from deepspeed.initialize on 2 gloo ranks (ZeRO-3, autotp_size 2,
     # vocab_parallel_lm_head): per rank, the sum of ds_numel and the largest module's ds_numel.
@@ -326,12 +390,16 @@ def test_a_model_the_planner_cannot_read_is_refused_by_name(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config().save_pretrained(tmp_path / "gpt2")
+    _family_config("gemma2", 2).save_pretrained(tmp_path / "gemma2")
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.json").write_text("{not json")
     refusals = {"8b": "8b: not a preset \\(tiny, .*\\), and no such file or folder",
                 str(tmp_path / "empty"): "the folder has no config.json",
                 str(tmp_path / "broken.json"): "broken.json is not JSON",
-                str(tmp_path / "gpt2"): "model_type 'gpt2'; the planner counts the layers of Llama decoders"}
+                str(tmp_path / "gpt2"): "model_type 'gpt2': not a decoder family this planner knows; the planner "
+                                        "estimates llama, mistral, qwen2, qwen3",
+                str(tmp_path / "gemma2"): "model_type 'gemma2': its parameters are counted .* but not the "
+                                          "activations of Gemma's layer"}
     for model, message in refusals.items():
         with pytest.raises(SystemExit, match=message):
             estimate_cli.main(["--model", model])

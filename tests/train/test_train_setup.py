@@ -113,6 +113,13 @@ def test_bad_schedule_flags_are_named(tmp_path, capsys, options, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_a_negative_numeric_max_value_is_named_by_its_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1,
+                               output_dir=tmp_path, numeric_max_value=-5))
+    assert "--numeric_max_value -5 must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_a_preset_needs_a_tokenizer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", data=["x.jsonl"], max_steps=1,
@@ -280,6 +287,20 @@ def _small_hf_model(directory, vocab_size):
     return directory
 
 
+def _wordy_tokenizer(directory):
+    """A tokenizer of a few words and no numbers."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "cat": 4}, unk_token="<unk>"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+                            ).save_pretrained(directory)
+    return directory
+
+
 def _non_utf8(path):
     lines = [json.dumps({"text": "fine line 1"}).encode(), json.dumps({"text": "fine line 2"}).encode(),
              b'{"text": "broken \xff\xfe bytes"}']
@@ -325,11 +346,19 @@ BAD_SETUPS = {
     "sp_does_not_divide_the_world": (lambda tmp, tok: {"sp": 2, "world_size": 3},
                                      r"--sp 2 must divide the world size 3"),
     # Options of the numeric loss and vocabulary: the loss is built in the plan, before the model.
+    # smmd_scale's refusals reach the user in the words of train.py's flags, not the library's keywords.
     "smmd_sigmas_negative": (lambda tmp, tok: {"smmd_sigmas": [-1.0]},
-                             r"sigmas=\(-1.0,\) must be a non-empty sequence of finite positive numbers"),
+                             r"^--smmd_sigmas -1.0 must be a non-empty sequence of finite positive numbers$"),
     "ntl_squash_factor_below_one": (lambda tmp, tok: {"numeric_loss": ["ntl-was"], "ntl_squash_factor": 0.5},
-                                    r"squash_factor=0.5 must be a finite number > 1"),
-    "numeric_max_value_negative": (lambda tmp, tok: {"numeric_max_value": -5}, r"max_value"),
+                                    r"^--ntl_squash_factor 0.5 must be a finite number > 1 .*, or leave the flag out "
+                                    r"for the raw distances$"),
+    "number_level_ntl_on_integers": (lambda tmp, tok: {"numeric_loss": ["ntl-number"]},
+                                     r"number-level NTL .* needs a vocabulary of the ten digits .*; build it with "
+                                     r"--numeric_policy digits from a tokenizer that spells numbers digit by digit$"),
+    "no_numeric_token": (lambda tmp, tok: {"tokenizer": _wordy_tokenizer(tmp / "words")},
+                         r"^no numeric token found under --numeric_policy integers with --numeric_max_value 999 "
+                         r"among \d+ tokens of \w+; try --numeric_policy digits or --numeric_policy floats, or a "
+                         r"larger --numeric_max_value$"),
     # Flags that contradict a number in the DeepSpeed config, each named with the config's value.
     "lr_contradicts_the_config": (
         lambda tmp, tok: {"deepspeed_config": _config(tmp, lambda c: c["optimizer"]["params"].update(lr=1e-3)),
@@ -424,6 +453,30 @@ def test_the_plan_holds_the_numeric_vocabulary_and_loss(tmp_path, tokenizer_dir)
     assert framework.numeric_loss is None
 
 
+def test_a_numeric_term_that_can_drown_ce_warns_with_its_size_and_the_study_s_setting(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+
+    def warnings(**options):
+        return prepared(argv(tokenizer_dir, corpus, tmp_path / "run", **options), until="plan")[1].warnings
+
+    # The tokenizer's 0..999 values, a vocabulary of 1536 rows (1512 tokens padded): CE starts at ln 1536 = 7.3.
+    assert warnings(numeric_loss=["ntl-mse:0.5"]) == [
+        "--numeric_loss ntl-mse:0.5: ntl-mse grows with the numeric values (0..999 here): up to 1.01e+06 per "
+        "position, 5.04e+05 at weight 0.5, against CE's ln(vocab_size) = 7.3 for a uniform prediction, so it can "
+        "drown CE; the numeracy study (benchmarks/numeracy) used ntl-mse:0.0001 on the values 0..999, chosen on "
+        "validation"]
+    raw_was = warnings(numeric_loss=["smmd", "ntl-was:0.3"])
+    assert len(raw_was) == 1 and raw_was[0].startswith(
+        "--numeric_loss ntl-was:0.3: ntl-was grows with the numeric values (0..999 here): up to 1.01e+03 per position, "
+        "303 at weight 0.3")
+    assert raw_was[0].endswith("used ntl-was:0.3 with --ntl_squash_factor 9 (distances mapped onto [1, 9], so at most "
+                               "9.09 per position)")
+    # Bounded losses, a term too light to matter (1e-6 x 1.01e6 = 1 < 7.3), and CE alone: no warning.
+    for options in ({}, {"numeric_loss": ["ntl-was:0.3"], "ntl_squash_factor": 9.0},
+                    {"numeric_loss": ["ntl-mse:0.000001"]}, {"numeric_loss": ["ntl-mse:0"]}):
+        assert warnings(**options) == [], options
+
+
 def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, tokenizer_dir):
     corpus = write_corpus(tmp_path / "train.jsonl", 200)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", smmd_policy="digits", smmd_max_value=9,
@@ -453,6 +506,33 @@ def test_uneven_tensor_parallelism_is_planned(tmp_path, tokenizer_dir, tp):
     with pytest.raises(RunRefused, match=r"--tp 4 is more than the model's num_key_value_heads=3: .* rank 3 would "
                                          r"hold none; use --tp 3 or less \(it need not divide 3\)"):
         prepared(argv(tokenizer_dir, corpus, tmp_path / "run", model=model_dir, tp=4), world_size=4, until="plan")
+
+
+def test_a_tp_degree_with_two_problems_names_both(tmp_path, tokenizer_dir):
+    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 50), tmp_path / "run", tp=3)
+    with pytest.raises(RunRefused) as refused:
+        prepared(arguments, world_size=2, until="plan")
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("--tp 3 is more than the model's num_key_value_heads=2")
+    assert lines[1].startswith("tensor_parallel.autotp_size=3 (--tp) must divide the world size 2")
+
+
+def test_a_sequence_longer_than_the_model_s_positions_warns(tmp_path, tokenizer_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "short-context"
+    LlamaForCausalLM(LlamaConfig(vocab_size=1600, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+                     ).save_pretrained(model_dir)
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+    _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", model=model_dir), until="plan")
+    assert [warning for warning in plan.warnings if warning.startswith("--seq_len")] == [
+        f"--seq_len {SEQ_LEN} is longer than the model's max_position_embeddings=32: it was not trained on positions "
+        "past 32 (rotary positions extrapolate poorly, learned ones fail); use --seq_len 32 or less, or a model (or "
+        "rope_scaling in its config.json) with a longer context"]
+    _, fits = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", model=model_dir, seq_len=32), until="plan")
+    assert not [warning for warning in fits.warnings if warning.startswith("--seq_len")]
 
 
 def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
