@@ -1,14 +1,25 @@
-"""Run a function on real gloo ranks (spawned processes) under a hard timeout.
+"""Run a function on real gloo ranks (separate processes) under a hard timeout.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes on 127.0.0.1, each with its
-own process group (gloo, ``pg_timeout`` seconds), calls ``fn(rank, world_size, *args)`` and
-returns one :class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds all are
-killed and the test fails: a hang is a failure, never a stuck CI job.
+``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` processes,
+each in a process group of its own (gloo on 127.0.0.1, ``pg_timeout`` seconds), and returns one
+:class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds all are killed and the
+test fails: a hang is a failure, never a stuck CI job.
+
+The processes: by default a pool of worker processes kept for the session (spawned once; each call
+makes a new process group on a new port and destroys it after ``fn``, and the worker's environment
+variables are restored), since spawning ranks costs seconds per call (each imports torch and the
+test module) and the loss tests make dozens of calls. ``fresh=True`` spawns new processes for the
+call, for a test whose ranks change what outlives a process group (DeepSpeed's global groups, an
+engine, threads a shutdown test counts). A pool whose call fails by a hang or a dead rank is
+killed whole and spawned again on the next call.
 """
 
+import atexit
 import datetime
+import itertools
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -26,7 +37,7 @@ class Outcome(NamedTuple):
     traceback: str = ""
 
 
-def _worker(rank, world_size, port, pg_timeout, fn, args, results):
+def _run_rank(rank, world_size, port, pg_timeout, fn, args) -> Outcome:
     import torch
     import torch.distributed as dist
 
@@ -35,23 +46,82 @@ def _worker(rank, world_size, port, pg_timeout, fn, args, results):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
-        results.put(Outcome(rank, True, fn(rank, world_size, *args)))
+        return Outcome(rank, True, fn(rank, world_size, *args))
     except BaseException as error:  # reported to the parent, which fails the test
-        results.put(Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        return Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc())
     finally:
         if dist.is_initialized():  # fn may have shut it down itself
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: float = 60) -> list:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+def _worker(rank, world_size, port, pg_timeout, fn, args, results):
+    results.put((None, _run_rank(rank, world_size, port, pg_timeout, fn, args)))
+
+
+def _pool_worker(inbox, results):
+    """A pooled rank: runs calls until it gets None, each with the environment it started with."""
+    environ = dict(os.environ)
+    while (task := inbox.get()) is not None:
+        call, rank, world_size, port, pg_timeout, payload = task
+        try:
+            fn, args = pickle.loads(payload)  # the test module is imported here, once per worker
+            outcome = _run_rank(rank, world_size, port, pg_timeout, fn, args)
+        except BaseException as error:
+            outcome = Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc())
+        results.put((call, outcome))
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+class _Pool:
+    def __init__(self):
+        self.context = multiprocessing.get_context("spawn")
+        self.results = self.context.Queue()
+        self.workers = []  # (process, inbox), rank i runs on worker i
+        self.calls = itertools.count()
+
+    def processes(self, world_size: int) -> list:
+        while len(self.workers) < world_size:
+            inbox = self.context.Queue()
+            process = self.context.Process(target=_pool_worker, args=(inbox, self.results), daemon=True)
+            process.start()
+            self.workers.append((process, inbox))
+        return [process for process, _ in self.workers[:world_size]]
+
+    def submit(self, world_size, port, pg_timeout, fn, args) -> int:
+        call, payload = next(self.calls), pickle.dumps((fn, args))
+        self.processes(world_size)
+        for rank, (_, inbox) in enumerate(self.workers[:world_size]):
+            inbox.put((call, rank, world_size, port, pg_timeout, payload))
+        return call
+
+    def close(self):
+        for process, inbox in self.workers:
+            process.kill()
+            process.join(timeout=10)
+            inbox.close()
+        self.workers = []
+        self.results = self.context.Queue()  # a killed worker may have left the old one half written
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: float = 60, fresh: bool = False) -> list:
     port = free_port()
-    processes = [context.Process(target=_worker, args=(rank, world_size, port, pg_timeout, fn, args, results),
-                                 daemon=True) for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    outcomes, deadline = {}, time.monotonic() + timeout
+    if fresh:
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        processes = [context.Process(target=_worker, args=(rank, world_size, port, pg_timeout, fn, args, results),
+                                     daemon=True) for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        call = None
+    else:
+        call = _POOL.submit(world_size, port, pg_timeout, fn, args)
+        results, processes = _POOL.results, _POOL.processes(world_size)
+    outcomes, deadline, finished = {}, time.monotonic() + timeout, False
     try:
         while len(outcomes) < world_size:
             remaining = deadline - time.monotonic()
@@ -59,18 +129,23 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: floa
                 raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish within "
                                      f"{timeout:.0f} s (a hang); finished: {sorted(outcomes)}")
             try:
-                outcome = results.get(timeout=min(remaining, 1.0))
-                outcomes[outcome.rank] = outcome
+                outcome_call, outcome = results.get(timeout=min(remaining, 1.0))
+                if outcome_call == call:
+                    outcomes[outcome.rank] = outcome
             except queue.Empty:
-                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                dead = [p for p in processes if p.exitcode not in (None, 0) or (call is not None and not p.is_alive())]
                 if dead and len(outcomes) + len(dead) >= world_size:
                     raise AssertionError(f"a rank died without reporting (exit codes "
                                          f"{[p.exitcode for p in processes]})") from None
+        finished = True
     finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+        if fresh:
+            for process in processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+        elif not finished:
+            _POOL.close()
     return [outcomes[rank] for rank in range(world_size)]
 
 

@@ -162,7 +162,7 @@ def _tensor_parallel_groups(rank, world_size):
 @pytest.mark.gloo
 @pytest.mark.slow
 def test_init_tensor_parallel_groups_on_two_gloo_ranks():
-    assert values_or_raise(run_ranks(_tensor_parallel_groups, 2)) == [(2, 1), (2, 1)]
+    assert values_or_raise(run_ranks(_tensor_parallel_groups, 2, fresh=True)) == [(2, 1), (2, 1)]
 
 
 def test_trainer_count_items_is_the_trainers_own_token_count(tmp_path):

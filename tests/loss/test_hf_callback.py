@@ -177,7 +177,8 @@ def test_on_two_processes_a_window_pools_both_processes_micro_batches(tmp_path, 
     from helpers.distributed import run_ranks, values_or_raise
 
     ids, labels = rows(generator)
-    (logs0, calls0), (logs1, calls1) = values_or_raise(run_ranks(_data_parallel_trainer, 2, tmp_path, ids, labels))
+    (logs0, calls0), (logs1, calls1) = values_or_raise(run_ranks(_data_parallel_trainer, 2, tmp_path, ids, labels,
+                                                                 fresh=True))
     assert len(logs0) == len(logs1) == 2 and len(calls0) == len(calls1) == 2  # one micro-batch per step and rank
     for step in range(2):
         ce_sum, tokens, smmd_sum, positions = (sum(values) for values in zip(calls0[step], calls1[step]))

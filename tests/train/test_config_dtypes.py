@@ -51,5 +51,5 @@ def _bf16_engine_dtypes(rank, world_size):
 @pytest.mark.gloo
 @pytest.mark.slow  # DeepSpeed's first init on a fresh machine compiles its CPU shared-memory op
 def test_a_bf16_zero3_engine_built_from_the_config_accumulates_and_reduces_in_fp32():
-    assert values_or_raise(run_ranks(_bf16_engine_dtypes, 1)) == [("torch.bfloat16", "torch.float32",
+    assert values_or_raise(run_ranks(_bf16_engine_dtypes, 1, fresh=True)) == [("torch.bfloat16", "torch.float32",
                                                                    "torch.float32")]

@@ -59,7 +59,7 @@ def _two_runs_and_a_resume(rank, world_size, root):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    values_or_raise(run_ranks(_two_runs_and_a_resume, 1, root))
+    values_or_raise(run_ranks(_two_runs_and_a_resume, 1, root, fresh=True))
     return root
 
 
@@ -141,7 +141,7 @@ def test_runs_under_a_log_root_with_an_experiment_leave_it_the_columns(tmp_path)
 
     from smmd_train import dashboards
 
-    values_or_raise(run_ranks(_a_sweep, 1, tmp_path))
+    values_or_raise(run_ranks(_a_sweep, 1, tmp_path, fresh=True))
     for name in RUNS:
         (events_file, ) = (tmp_path / name).glob("events.out.tfevents.*")
         events = EventAccumulator(str(events_file))

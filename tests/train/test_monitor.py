@@ -55,7 +55,8 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
 
     from smmd_train import dashboards
 
-    (steps0, summary0, events0), (steps1, summary1, events1) = values_or_raise(run_ranks(_three_steps, 2, tmp_path))
+    (steps0, summary0, events0), (steps1, summary1, events1) = values_or_raise(run_ranks(_three_steps, 2, tmp_path,
+                                                                                         fresh=True))
     assert steps0 == steps1 and summary0 == summary1  # every rank sees the reduced values
     first = steps0[0]
     assert first["loss/total"] == pytest.approx(2.5) and first["loss/ce"] == pytest.approx(2.0)
@@ -183,7 +184,7 @@ def _shares(rank, world_size):
 
 
 def test_shares_of_the_step_add_up_and_a_step_without_numbers_logs_zero():
-    first, second = values_or_raise(run_ranks(_shares, 2))[0]
+    first, second = values_or_raise(run_ranks(_shares, 2, fresh=True))[0]
     # Summed over 2 micro-batches x 2 ranks (shares), not averaged.
     assert first["loss/ce"] == pytest.approx(2 * 0.25 + 2 * 0.5)
     smmd_sum = sum((0.5 + rank + micro) * 3 for rank in range(2) for micro in range(2))

@@ -42,7 +42,7 @@ def _slow_build(rank, world_size, cache: str):
 
 def test_rank_zero_work_longer_than_the_process_group_timeout_completes(tmp_path):
     results = values_or_raise(run_ranks(_slow_build, 2, str(tmp_path / "cache"), timeout=120,
-                                        pg_timeout=PG_TIMEOUT_SECONDS))
+                                        pg_timeout=PG_TIMEOUT_SECONDS, fresh=True))
     assert results == ["packed", "packed"]
 
 
@@ -75,7 +75,7 @@ def _failing_build(rank, world_size, kind: str):
     ("local", "RuntimeError", "on rank 0: _failing_build.<locals>.DefinedInAFunction: unpicklable type"),
 ])
 def test_a_rank_zero_error_of_any_type_reaches_the_other_rank_within_seconds(kind, name, message):
-    outcomes = run_ranks(_failing_build, 2, kind, timeout=120, pg_timeout=60)
+    outcomes = run_ranks(_failing_build, 2, kind, timeout=120, pg_timeout=60, fresh=True)
     assert all(outcome.ok for outcome in outcomes), outcomes
     (rank0_name, _, _), (rank1_name, rank1_message, waited_seconds) = [outcome.value for outcome in outcomes]
     assert rank0_name == type_name_on_rank_zero(kind)
@@ -113,7 +113,7 @@ def test_a_broken_jsonl_line_is_the_same_one_line_refusal_on_every_rank(tmp_path
     lines[20] = '{"text": "21 + 21 = '
     data.write_text("\n".join(lines) + "\n")
     outcomes = run_ranks(_prepare_on_broken_data, 2, str(tokenizer_dir), str(data), str(tmp_path / "run"),
-                         timeout=180, pg_timeout=60)
+                         timeout=180, pg_timeout=60, fresh=True)
     messages = values_or_raise(outcomes)
     assert messages[0] == f"{data}:21:10: not valid JSON: Unterminated string starting at; each line of a " \
                           "JSON-lines file must be one JSON object"

@@ -33,7 +33,7 @@ def outcomes(tmp_path, rank0_steps, rank1_steps, rank1_latest=None):
     for directory, steps, latest in zip(directories, (rank0_steps, rank1_steps), (None, rank1_latest)):
         directory.mkdir()
         commit(directory, *steps, latest=latest)
-    return values_or_raise(run_ranks(_resume_tag, 2, [str(directory) for directory in directories]))
+    return values_or_raise(run_ranks(_resume_tag, 2, [str(directory) for directory in directories], fresh=True))
 
 
 def test_ranks_that_see_the_same_checkpoints_resume_from_one_tag(tmp_path):

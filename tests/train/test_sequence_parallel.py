@@ -90,7 +90,7 @@ def _against_deepspeed_adapter(rank, world_size, seed):
 
 @pytest.mark.gloo
 def test_shards_equal_deepspeeds_adapter_and_counts_cover_the_group():
-    for same, counts, expected in values_or_raise(run_ranks(_against_deepspeed_adapter, 2, 7)):
+    for same, counts, expected in values_or_raise(run_ranks(_against_deepspeed_adapter, 2, 7, fresh=True)):
         assert all(same.values()), same
         assert counts == expected and expected[1] > 0
 
@@ -141,7 +141,7 @@ def _shares_add_up_with_and_without_the_fused_head(rank, world_size, seed):
 
 @pytest.mark.gloo
 def test_two_shards_add_up_to_the_whole_sequence():
-    for outcomes in values_or_raise(run_ranks(_shares_add_up_with_and_without_the_fused_head, 2, 3)):
+    for outcomes in values_or_raise(run_ranks(_shares_add_up_with_and_without_the_fused_head, 2, 3, fresh=True)):
         for fused_linear, (loss_error, gradient_error, path) in zip((False, True), outcomes):
             assert loss_error < 1e-10 and gradient_error < 1e-10, (fused_linear, loss_error, gradient_error)
             assert (path == "fused_linear") == fused_linear
@@ -188,6 +188,6 @@ def _saved_activation_bytes_per_rank_for_kv_heads(rank, world_size, micro_batch,
 
 @pytest.mark.gloo
 def test_planner_counts_what_a_ulysses_layer_saves_per_rank():
-    for outcomes in values_or_raise(run_ranks(_saved_activation_bytes_per_rank_for_kv_heads, 2, 2, 24)):
+    for outcomes in values_or_raise(run_ranks(_saved_activation_bytes_per_rank_for_kv_heads, 2, 2, 24, fresh=True)):
         for kv_heads, (saved, planned) in zip((4, 2, 1), outcomes):
             assert saved == planned, kv_heads

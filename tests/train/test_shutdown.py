@@ -72,18 +72,18 @@ def _error_path(rank, world_size):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
 def test_shutdown_destroys_every_group_and_stops_their_threads():
-    for leftover, initialized, had_threads, threads in values_or_raise(run_ranks(_everything_goes, 2)):
+    for leftover, initialized, had_threads, threads in values_or_raise(run_ranks(_everything_goes, 2, fresh=True)):
         assert (leftover, initialized, had_threads, threads) == (0, False, True, [])
 
 
 def test_a_group_still_referenced_is_reported():
-    for leftover, held, messages in values_or_raise(run_ranks(_a_held_group_is_reported, 2)):
+    for leftover, held, messages in values_or_raise(run_ranks(_a_held_group_is_reported, 2, fresh=True)):
         assert leftover == held == 2 and len(messages) == 1 and "2 process group(s) are still referenced" in messages[0]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
 def test_on_an_error_path_it_skips_the_barrier_and_frees_the_failed_frames_groups():
-    (leftover, threads), _ = values_or_raise(run_ranks(_error_path, 2, timeout=120, pg_timeout=30))
+    (leftover, threads), _ = values_or_raise(run_ranks(_error_path, 2, timeout=120, pg_timeout=30, fresh=True))
     assert leftover == 0 and threads == []
 
 
@@ -113,5 +113,5 @@ def test_a_training_process_that_loads_a_config_leaves_no_group_behind(tmp_path)
 
     LlamaConfig(vocab_size=64).save_pretrained(tmp_path)
     for preloaded, leftover, messages in values_or_raise(run_ranks(_a_run_that_loads_a_config, 2, free_port(),
-                                                                   str(tmp_path))):
+                                                                   str(tmp_path), fresh=True)):
         assert (leftover, messages) == (0, []), preloaded

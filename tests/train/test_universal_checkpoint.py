@@ -99,7 +99,7 @@ def test_a_failed_conversion_raises_the_same_error_on_every_rank(tmp_path):
     tag = tmp_path / "step00000004"
     tag.mkdir()
     (tag / COMMIT_FILE).write_text('{"step": 4, "world_size": 4, "tp_size": 2, "zero_stage": 3}')
-    rank0, rank1 = values_or_raise(run_ranks(_load_a_checkpoint_that_cannot_convert, 2, str(tmp_path)))
+    rank0, rank1 = values_or_raise(run_ranks(_load_a_checkpoint_that_cannot_convert, 2, str(tmp_path), fresh=True))
     assert rank0.startswith("ValueError: ") and "no complete set of ZeRO-3 model and optimizer state files" in rank0
     assert rank1 == rank0.replace("ValueError: ", "ValueError: on rank 0: ", 1)
     assert not (tag / UNIVERSAL_DIR).exists()
