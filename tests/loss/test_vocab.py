@@ -406,6 +406,6 @@ def test_no_numeric_token_names_policy_and_max_value():
     raw = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "1.5": 2}, unk_token="<unk>"))
     with pytest.raises(ValueError, match=re.escape("no numeric token found under policy='integers' with "
                                                    "max_value=999 among 3 tokens of Tokenizer; try policy='digits' or "
-                                                   "'floats'")):
+                                                   "policy='floats', or a larger max_value")):
         NumericVocab.from_tokenizer(raw)
     assert by_token(NumericVocab.from_tokenizer(raw, policy="floats")) == {"1.5": 1.5}
