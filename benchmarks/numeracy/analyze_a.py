@@ -19,6 +19,7 @@ the observed SD, in the metric's units.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -69,9 +70,11 @@ def bootstrap_interval(differences, resamples: int = BOOTSTRAP_RESAMPLES, seed: 
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
 
 
+@functools.lru_cache(maxsize=None)
 def minimal_detectable_effect(n: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """The true mean difference, in SDs of the per-seed differences, that a two-sided paired t-test
-    with ``n`` pairs detects with probability ``power`` at level ``alpha``."""
+    with ``n`` pairs detects with probability ``power`` at level ``alpha`` (a root search over the
+    noncentral t, about a second: remembered per ``n``, since a report asks it for every metric)."""
     if n < 2:
         return math.nan
     return float(optimize.brentq(lambda effect: paired_power(n, effect, alpha) - power, 1e-3, 100.0))

@@ -76,9 +76,11 @@ def test_generation_is_deterministic_and_leaves_the_global_generators_alone():
     # ... and in a fresh process with another string-hash seed.
     code = ("from smmd_numeracy import tier_b; import json; "
             "print(json.dumps(tier_b.generate_problems('train-medium', 40, seed=3)))")
-    for hash_seed in ("1", "2"):
-        output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                env={**os.environ, "PYTHONHASHSEED": hash_seed}).stdout
+    processes = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONHASHSEED": hash_seed}) for hash_seed in ("1", "2")]
+    for process in processes:  # started together: each spends seconds importing
+        output = process.communicate(timeout=300)[0]
+        assert process.returncode == 0
         assert [tuple(problem) for problem in json.loads(output)] == first
     with pytest.raises(ValueError, match="unknown split"):
         tier_b.generate_problems("train", 1, seed=0)

@@ -40,6 +40,7 @@ def _slow_build(rank, world_size, cache: str):
     return built
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 def test_rank_zero_work_longer_than_the_process_group_timeout_completes(tmp_path):
     results = values_or_raise(run_ranks(_slow_build, 2, str(tmp_path / "cache"), timeout=120,
                                         pg_timeout=PG_TIMEOUT_SECONDS, fresh=True))
@@ -68,6 +69,7 @@ def _failing_build(rank, world_size, kind: str):
     return None
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 @pytest.mark.parametrize("kind, name, message", [
     ("project", "ShardIndexError", "on rank 0: shard 7 has no index"),
     ("library", "BadZipFile", "on rank 0: truncated corpus"),

@@ -41,6 +41,7 @@ def test_ranks_that_see_the_same_checkpoints_resume_from_one_tag(tmp_path):
     assert outcomes(tmp_path, (2, 4), (2, 4), rank1_latest=2) == [("resumes", "step00000004")] * 2
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 @pytest.mark.parametrize("rank0_steps, rank1_steps, view", [
     ((2, 4), (), "rank 0 resumes from step00000004 but rank 1 sees none"),
     ((2, ), (2, 4), "rank 0 resumes from step00000002 but rank 1 sees step00000004"),

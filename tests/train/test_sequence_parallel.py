@@ -186,6 +186,7 @@ def _saved_activation_bytes_per_rank_for_kv_heads(rank, world_size, micro_batch,
             for kv_heads in (4, 2, 1)]
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 @pytest.mark.gloo
 def test_planner_counts_what_a_ulysses_layer_saves_per_rank():
     for outcomes in values_or_raise(run_ranks(_saved_activation_bytes_per_rank_for_kv_heads, 2, 2, 24, fresh=True)):

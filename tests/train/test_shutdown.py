@@ -76,11 +76,13 @@ def test_shutdown_destroys_every_group_and_stops_their_threads():
         assert (leftover, initialized, had_threads, threads) == (0, False, True, [])
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 def test_a_group_still_referenced_is_reported():
     for leftover, held, messages in values_or_raise(run_ranks(_a_held_group_is_reported, 2, fresh=True)):
         assert leftover == held == 2 and len(messages) == 1 and "2 process group(s) are still referenced" in messages[0]
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
 def test_on_an_error_path_it_skips_the_barrier_and_frees_the_failed_frames_groups():
     (leftover, threads), _ = values_or_raise(run_ranks(_error_path, 2, timeout=120, pg_timeout=30, fresh=True))
@@ -106,6 +108,7 @@ def _a_run_that_loads_a_config(rank, world_size, port, config_dir):
     return preloaded, leftover, [str(w.message) for w in caught if "still referenced" in str(w.message)]
 
 
+@pytest.mark.slow  # starts processes: the fast loop keeps one test of this kind
 def test_a_training_process_that_loads_a_config_leaves_no_group_behind(tmp_path):
     from transformers import LlamaConfig
 
