@@ -3,10 +3,10 @@
 # partitioned while they load). Same variables as pretrain.sh (launch/deepspeed_train.sh), plus
 # MODEL_DIR and EXPORT_DIR:
 #   MODEL_DIR=/models/llama-3-8b DATA=/data/math.jsonl LR=2e-5 NUM_NODES=2 bash launch/continue_pretrain.sh
-# Set LR (or the DeepSpeed config's optimizer lr): the ready-made configs leave it "auto", and then
-# train.py's --lr default, 3e-4, applies, a rate for training from scratch; continued pretraining
-# usually wants one around 2e-5. Without WARMUP_STEPS the warmup is train.py's (100 steps, at most 10%
-# of MAX_STEPS).
+# The rate: LR when set, else the DeepSpeed config's optimizer lr, else (a config that leaves it "auto",
+# as the ready-made ones do) 2e-5, a continued-pretraining rate (train.py's own default, 3e-4, is for
+# training from scratch). Without WARMUP_STEPS the warmup is train.py's (100 steps, at most 10% of
+# MAX_STEPS).
 # TP=2 (or 4, 8) adds AutoTP tensor parallelism with a vocabulary-parallel LM head, or SP=2 (or 4,
 # 8) Ulysses sequence parallelism for long sequences; DS_CONFIG=
 # ds_configs/zero3_offload.json offloads parameters and optimizer states to the CPU. Relative paths
@@ -20,5 +20,16 @@ OUTPUT_DIR="${OUTPUT_DIR:-outputs/continue-$(basename "$MODEL_DIR")}"
 MAX_STEPS="${MAX_STEPS:-2000}"
 SAVE_STEPS="${SAVE_STEPS:-250}"
 
+rate=()
+if [ -z "${LR:-}" ] && "${PYTHON:-python}" - "${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}" \
+    2>/dev/null <<'PY'
+import json, sys
+lr = json.load(open(sys.argv[1])).get("optimizer", {}).get("params", {}).get("lr", "auto")
+sys.exit(0 if lr == "auto" else 1)
+PY
+then
+  rate=(--lr 2e-5)
+fi
+
 # shellcheck source=launch/deepspeed_train.sh
-. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "$@"
+. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "${rate[@]}" "$@"

@@ -199,6 +199,9 @@ def test_a_flag_the_config_could_decide_is_passed_only_when_its_variable_is_set(
     completed, argv = launch(tmp_path, script, DATA="/d", **required)
     assert completed.returncode == 0, completed.stderr
     for variable, (name, _) in ONLY_WHEN_SET.items():
+        if (script, variable) == ("continue_pretrain.sh", "LR"):  # zero3.json's lr is "auto": the script's rate
+            assert flag(argv, "--lr") == "2e-5"
+            continue
         assert name not in argv, f"{name} passed without {variable}"
     assert sources(tmp_path) == ""
     assert flag(argv, "--seq_len") == "4096" and "--resume" in argv
@@ -267,3 +270,14 @@ def test_a_variable_that_contradicts_the_user_s_json_is_refused_by_name(tmp_path
         "train_micro_batch_size_per_gpu to \"auto\"",
         "--lr 0.0001 (set by LR) but the DeepSpeed config says optimizer.params.lr=5e-05: unset LR, or make them "
         "agree, or set optimizer.params.lr to \"auto\""]
+
+
+def test_continue_pretrain_takes_a_small_rate_only_where_the_config_leaves_it_auto(tmp_path, user_config):
+    """2e-5 for continued pretraining when neither LR nor the DeepSpeed JSON says (zero3.json: "auto");
+    a JSON with its own lr keeps it (no flag to contradict it), LR wins over both."""
+    completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d")
+    assert completed.returncode == 0 and flag(argv, "--lr") == "2e-5"
+    completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d", DS_CONFIG=user_config)
+    assert completed.returncode == 0 and "--lr" not in argv
+    completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d", LR="1e-5")
+    assert completed.returncode == 0 and argv.count("--lr") == 1 and flag(argv, "--lr") == "1e-5"
