@@ -4,7 +4,8 @@ single plain ``python`` process; and the matching ordered shutdown (``shutdown_d
 
 DeepSpeed's own MPI discovery takes the master address from ``hostname -I`` (the first network
 card) and overwrites MASTER_ADDR/MASTER_PORT; here the address is whatever the user or launcher
-set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process.
+set, rank 0's host name under MPI otherwise, and 127.0.0.1 for a single process. Discovery imports
+nothing heavy (torch, DeepSpeed and the compat inventory load where a process group starts or ends).
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ import socket
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, TypeVar
-
-import torch
-
-from smmd_scale import compat
 
 from .launcher import free_port
 from .preflight import comm_build_wait
@@ -150,6 +147,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     job with a lost rank exits instead of waiting forever.
     """
     import deepspeed
+    import torch
     from deepspeed.accelerator import get_accelerator
 
     # Imported after the default group exists, torch._dynamo (which transformers imports for its
@@ -190,6 +188,8 @@ def release_cpu_allreduce_segment() -> None:
     memory lives on until the processes exit, even if they are killed.
     """
     import torch.distributed as dist
+
+    from smmd_scale import compat
 
     if not dist.is_initialized():
         return
@@ -244,6 +244,8 @@ def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
     import weakref
 
     import torch.distributed as dist
+
+    from smmd_scale import compat
 
     error = sys.exc_info()[1]
     failing = error is not None and not (isinstance(error, SystemExit) and error.code in (None, 0))
