@@ -175,8 +175,9 @@ class NumberLevelNTLoss(NumericLoss):
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype) -> NumericTerms:
         raise NotImplementedError("number-level NTL needs the call's positions: the ops call terms_for_call")
 
-    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
+    def terms_for_call(self, plan, numeric) -> NumericTerms:
         # O(P N) and O(P): float64 throughout.
+        q, mass = numeric.q, numeric.mass
         spans = self.spans(plan)
         values = self.vocab.on(q.device, torch.float64)[1]
         scale = torch.pow(10.0, spans.exponent.to(torch.float64))
