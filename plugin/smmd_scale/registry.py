@@ -18,10 +18,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from .digit_entropy import DigitEntropyLoss
 from .ntl import NTLoss
 from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .smmd import SMMDLoss
+from .soft_target import DIST2Loss, GaussianLabelSmoothingLoss
 from .vocab import NumericVocab
 
 
@@ -78,6 +80,7 @@ class NumericLossEntry:
                    whose size follows the values (``NumericLoss.value_scale``): what a warning suggests
     options:       the :class:`LossOption` s its build reads from its group (an option may serve
                    several entries of one group: NTL's ``--ntl_reweigh``)
+    reads_dots:    its build takes ``dot_token_ids``, the ids of ``"."`` (a loss that reads decimals)
     """
 
     name: str
@@ -88,6 +91,7 @@ class NumericLossEntry:
     summary: str
     study_setting: str = ""
     options: tuple = ()
+    reads_dots: bool = False
 
 
 def _finite_at_least_zero(value) -> Optional[str]:
@@ -117,6 +121,25 @@ NTL_REWEIGH = LossOption("reweigh", "--ntl_reweigh", bool, True,
                          "NTL: scale by the probability mass on number tokens (ntloss's default)")
 NTL_SQUASH = LossOption("squash_factor", "--ntl_squash_factor", float, None,
                         "NTL-WAS: map value distances onto [1, this] (default: raw distances, as ntloss)")
+DIST2_OPTIONS = (
+    LossOption("tau", "--dist2_tau", float, 1.0, "DIST2: the soft targets' temperature, q_j ~ exp(-(v_j - "
+               "v_target)^2 / tau) over the numeric tokens", check=_finite_positive),
+    LossOption("place_weighted", "--dist2_place_weighted", bool, False, "DIST2: weigh each digit by its place in "
+               "its number (1 for units, 2 for tens, ...), as the DEL authors' re-implementation does"),
+)
+GAUSS_LS_OPTIONS = (
+    LossOption("sigma", "--gauss_ls_sigma", float, 1.0, "Gaussian label smoothing: the soft targets' standard "
+               "deviation in value units, q_j ~ exp(-(v_j - v_target)^2 / (2 sigma^2))", check=_finite_positive),
+)
+DEL_OPTIONS = (
+    LossOption("place_base", "--del_place_base", float, 1.02, "DEL: decimal digits weigh base^-(k+1) at the k-th "
+               "place after the dot (the paper's 1.02)", check=lambda value: None if math.isfinite(value)
+               and value > 1 else "must be a finite number > 1"),
+    LossOption("scale", "--del_scale", float, 0.01, "DEL: the loss's scale (the paper's 0.01)",
+               check=_finite_positive),
+)
+
+
 def _ntl(kind: str) -> Callable[..., NumericLoss]:
     def build(vocab: NumericVocab, **options) -> NumericLoss:
         return NTLoss(vocab, kind=kind, **options)
@@ -137,6 +160,16 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
     NumericLossEntry("ntl-number", "ntl_number", (), "ntl", NumberLevelNTLoss,
                      "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
                      "(needs a digit vocabulary: --numeric_policy digits)", options=(NTL_REWEIGH, )),
+    NumericLossEntry("dist2", "dist2", (), "dist2", DIST2Loss,
+                     "DIST2: KL from soft targets exp(-(value distance)^2 / tau) over the numeric tokens to the "
+                     "numeric softmax", options=DIST2_OPTIONS),
+    NumericLossEntry("gauss-ls", "gauss_ls", (), "gauss_ls", GaussianLabelSmoothingLoss,
+                     "Gaussian label smoothing on number tokens: CE against a Gaussian over the values, "
+                     "full-vocabulary softmax", options=GAUSS_LS_OPTIONS),
+    NumericLossEntry("del", "del", (), "del", DigitEntropyLoss,
+                     "Digit Entropy Loss: per-digit BCE on the digit logits, weighted by the digit softmax and the "
+                     "digit's place (needs a digit vocabulary: --numeric_policy digits)", options=DEL_OPTIONS,
+                     reads_dots=True),
 )}
 
 
@@ -217,17 +250,21 @@ class LossOptionError(ValueError):
         self.entry = entry
 
 
-def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Optional[dict] = None) -> NumericLoss:
+def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Optional[dict] = None,
+                       dot_token_ids: Sequence[int] = ()) -> NumericLoss:
     """The loss of ``terms`` (``[(name, weight)]``, see :func:`parse_terms`) on ``vocab``: the loss
     itself for one term of weight 1, else their weighted sum. ``options``: keyword options per
     option group (``{"smmd": {"sigmas": (2.0,)}, "ntl": {"reweigh": True}}``); each loss gets those
-    of its group that it declares. A loss that refuses its options raises :class:`LossOptionError`."""
+    of its group that it declares. ``dot_token_ids``: the ids of ``"."``, for a loss that reads
+    decimals (DEL). A loss that refuses its options raises :class:`LossOptionError`."""
     options = options or {}
     built = []
     for name, weight in terms:
         entry = NUMERIC_LOSSES[name]
         group = options.get(entry.option_group, {})
         keywords = {option.keyword: group[option.keyword] for option in entry.options if option.keyword in group}
+        if entry.reads_dots:
+            keywords["dot_token_ids"] = tuple(dot_token_ids)
         try:
             built.append((entry.build(vocab, **keywords), weight))
         except ValueError as error:

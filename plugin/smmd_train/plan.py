@@ -58,14 +58,15 @@ class RunPlan:
         return self.schedule.warmup_steps
 
 
-def numeric_loss(args, vocab):
-    """The run's numeric loss from ``--numeric_loss`` (and the SMMD / NTL options), on ``vocab``:
-    one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``)."""
+def numeric_loss(args, vocab, dot_token_ids=()):
+    """The run's numeric loss from ``--numeric_loss`` and the options its registry entries declare, on
+    ``vocab``: one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``).
+    ``dot_token_ids``: the tokenizer's decimal points, for a loss that reads decimals (DEL)."""
     from smmd_scale.registry import LossOptionError, build_numeric_loss, options_from
 
     options = options_from(lambda option: getattr(args, option.column))
     try:
-        return build_numeric_loss(vocab, args.numeric_loss, options)
+        return build_numeric_loss(vocab, args.numeric_loss, options, dot_token_ids=dot_token_ids)
     except LossOptionError as error:  # in the words of the refusing loss's own flags
         flags = {option.keyword: option.flag for option in error.entry.options}
         raise ValueError(in_flag_words(str(error), flags)) from None
@@ -155,6 +156,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     from transformers import AutoTokenizer
 
     import smmd_scale
+    from smmd_scale.vocab import dot_token_ids
 
     check_local_sources(args.model, args.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
@@ -189,7 +191,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     try:
         vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
                                                        max_value=args.numeric_max_value, vocab_size=config.vocab_size)
-        loss = None if args.framework_loss else numeric_loss(args, vocab)
+        loss = None if args.framework_loss else numeric_loss(args, vocab, dot_token_ids(tokenizer))
     except ValueError as error:
         raise ValueError(in_flag_words(str(error))) from None
     if loss is not None:
