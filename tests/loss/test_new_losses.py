@@ -333,3 +333,32 @@ def _vocab_parallel_new_losses(rank, world_size, seed):
 def test_vocab_parallel_equals_one_device_with_the_one_collective(world_size):
     reports = values_or_raise(run_ranks(_vocab_parallel_new_losses, world_size, int(torch.randint(0, 2**31, (1, )))))
     assert all(report == reports[0] for report in reports)
+
+
+# ------------------------------------------------------------------------------------------------
+# train.py
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_plans_the_new_losses_from_the_command_line(tmp_path, tokenizer_dir):
+    from helpers.corpora import write_corpus
+    from helpers.launching import REPO, train_flags
+    from transformers import AutoTokenizer
+
+    from smmd_train.arguments import parse_args
+    from smmd_train.distributed import Launch
+    from smmd_train.run import prepare_run
+
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+    flags = train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
+                        data=[corpus], seq_len=48, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run",
+                        numeric_loss=["dist2:0.5", "gauss-ls:0.3", "del"], numeric_policy="digits", dist2_tau=2.0,
+                        gauss_ls_sigma=0.5, del_scale=0.02)
+    planned = prepare_run(parse_args(flags), Launch(0, 1, 0, 1, "single"), until="plan").plan
+    (dist2, dist2_weight), (gauss, gauss_weight), (digit_entropy, del_weight) = planned.numeric_loss.weighted_terms()
+    assert (type(dist2), dist2.tau, dist2_weight) == (DIST2Loss, 2.0, 0.5)
+    assert (type(gauss), gauss.sigma, gauss_weight) == (GaussianLabelSmoothingLoss, 0.5, 0.3)
+    assert (type(digit_entropy), digit_entropy.scale, del_weight) == (DigitEntropyLoss, 0.02, 1.0)
+    dots = [token_id for token, token_id in AutoTokenizer.from_pretrained(tokenizer_dir).get_vocab().items()
+            if token.lstrip("Ġ▁ ") == "." and len(token) <= 2]
+    assert dots and set(digit_entropy.dot_token_ids) == set(dots)  # the tokenizer's "." found by the plan
