@@ -23,6 +23,23 @@ from .parallel import ExchangeResult, ExchangeState, RankContribution, exchange,
 from .vocab import NumericVocab
 
 
+@dataclass
+class NumericSlice:
+    """What the one exchange gives a numeric loss at a call's P numeric-target positions (float64).
+
+    logits:   ``[P, N]`` the numeric logits (after the call's logit scale and soft-cap)
+    q, log_q: ``[P, N]`` the softmax over the numeric tokens and its log
+    mass:     ``[P]`` the full softmax's probability on the numeric tokens, None unless the loss
+              ``needs_mass``; ``log_mass`` its log, formed without cancellation
+    """
+
+    logits: torch.Tensor
+    q: torch.Tensor
+    log_q: torch.Tensor
+    mass: Optional[torch.Tensor] = None
+    log_mass: Optional[torch.Tensor] = None
+
+
 @runtime_checkable
 class NumericLossLike(Protocol):
     """What the loss ops need of a numeric loss (``smmd_scale.NumericLoss`` provides it)."""
@@ -35,7 +52,7 @@ class NumericLossLike(Protocol):
 
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype): ...
 
-    def terms_for_call(self, plan, q, mass): ...  # numeric_terms, or a loss that reads the call's targets
+    def terms_for_call(self, plan, numeric: NumericSlice): ...  # the loss and its gradient for one call
 
 
 def check_numeric_loss(numeric_loss) -> None:

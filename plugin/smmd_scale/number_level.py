@@ -92,6 +92,45 @@ def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: in
     return DigitSpans(number=number, exponent=exponent.clamp(0, max_number_length - 1), first=first)
 
 
+class Runs(NamedTuple):
+    """Runs of consecutive member cells along the sequence dim, per cell of ``targets`` (flat order).
+
+    run:    which run (0..R-1) each cell belongs to (meaningless outside the members)
+    index:  the cell's place in its run, 0-based from the run's start
+    length: its run's number of cells
+    """
+
+    run: torch.Tensor
+    index: torch.Tensor
+    length: torch.Tensor
+
+
+def runs_along(member: torch.Tensor, sequence_dim: int = -1) -> Runs:
+    """The runs of ``member`` (bool ``[...]``, e.g. "the target is a digit") along ``sequence_dim``:
+    a run never crosses a sequence's end (the next row starts a new one)."""
+    shape = tuple(member.shape) or (1, )
+    cells = member.numel()
+    device = member.device
+    order = torch.arange(cells, device=device).view(shape).movedim(sequence_dim if member.dim() else -1, -1)
+    order = order.reshape(-1, order.shape[-1])
+    inside = member.reshape(-1)[order]
+    previous = torch.zeros_like(inside)
+    previous[:, 1:] = inside[:, :-1]
+    starts = (inside & ~previous).reshape(-1)
+    run = (torch.cumsum(starts.to(torch.int64), 0) - 1).clamp(min=0)
+    places = torch.arange(cells, device=device)
+    start_place = torch.zeros(int(starts.sum()), dtype=torch.int64, device=device)
+    start_place[run[starts]] = places[starts]
+    index = places - start_place[run] if start_place.numel() else torch.zeros_like(places)
+    inside = inside.reshape(-1)
+    length = torch.zeros_like(start_place).index_add_(0, run[inside], torch.ones_like(run[inside]))
+    flat = order.reshape(-1)
+    found = [torch.empty_like(places) for _ in range(3)]
+    for tensor, value in zip(found, (run, index, length[run] if length.numel() else torch.zeros_like(places))):
+        tensor[flat] = value
+    return Runs(*found)
+
+
 class NumberLevelNTLoss(NumericLoss):
     """Number-level NTL (ntloss's ``NumberLevelLoss``) over a digit vocabulary.
 
@@ -175,8 +214,9 @@ class NumberLevelNTLoss(NumericLoss):
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype) -> NumericTerms:
         raise NotImplementedError("number-level NTL needs the call's positions: the ops call terms_for_call")
 
-    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
+    def terms_for_call(self, plan, numeric) -> NumericTerms:
         # O(P N) and O(P): float64 throughout.
+        q, mass = numeric.q, numeric.mass
         spans = self.spans(plan)
         values = self.vocab.on(q.device, torch.float64)[1]
         scale = torch.pow(10.0, spans.exponent.to(torch.float64))

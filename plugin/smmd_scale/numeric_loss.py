@@ -1,13 +1,16 @@
 """What a numeric loss is: a :class:`NumericVocab`, ``ignore_index``, and its math at the positions
 whose target is numeric — nothing per call, no collective state.
 
-A numeric loss is a function of the model's distribution over the numeric tokens at the positions
-whose target is numeric: ``q = softmax(numeric logits)`` ``[P, N]`` and, for losses that weigh by it,
-the probability ``mass`` the full softmax puts on the numeric tokens ``[P]``. A new loss subclasses
-:class:`NumericLoss` and implements :attr:`~NumericLoss.name`, :meth:`~NumericLoss.options` and
-:meth:`~NumericLoss.numeric_terms` (plus an entry in ``registry.py`` for the command line and the
-monitor); the ops (``loss.py``, ``fused_linear.py``) chain its gradient through the softmax, so it
-runs on full logits, vocabulary-parallel shards and the fused linear head with the same one exchange.
+A numeric loss is a function of the numeric slice at the positions whose target is numeric
+(:class:`~smmd_scale.call_plan.NumericSlice`): the numeric logits ``[P, N]``, ``q = softmax`` over
+them and, for losses that read it, the probability ``mass`` the full softmax puts on the numeric
+tokens ``[P]``. A new loss subclasses :class:`NumericLoss` and implements :attr:`~NumericLoss.name`,
+:meth:`~NumericLoss.options` and either :meth:`~NumericLoss.numeric_value` (the loss as a
+differentiable function of the slice: autograd gives its gradient) or, as an optimisation,
+:meth:`~NumericLoss.numeric_terms` (the value and a hand-written gradient); plus an entry in
+``registry.py`` for the command line, its options and the monitor. The ops (``loss.py``,
+``fused_linear.py``) chain the gradient through the softmax, so it runs on full logits,
+vocabulary-parallel shards and the fused linear head with the same one exchange.
 Calling a loss runs the standalone op (:func:`smmd_scale.standalone.numeric_loss_alone`), so this
 module imports it; the ops never import a loss: they see one only through the small protocol in
 ``call_plan.py``. A loss whose value at a position depends on other positions (number-level NTL:
@@ -26,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .call_plan import NumericSlice
 from .standalone import numeric_loss_alone
 from .vocab import NumericVocab
 
@@ -40,18 +44,23 @@ def options_fingerprint(*parts) -> int:
 class NumericTerms:
     """What a numeric loss returns for the P numeric-target positions of a call.
 
-    value:      ``[P]`` the loss at each position (>= 0)
-    grad_q:     ``[P, N]`` d value / d q, q = softmax over the numeric tokens
-    grad_mass:  ``[P]`` d value / d mass (the full softmax's mass on the numeric tokens), or None
-                when the loss does not depend on it
-    parts:      named ``[P]`` statistics, one per name in the loss's ``stat_names`` (the loss's own
-                value under its ``name`` first, then e.g. SMMD's ``mmd`` and ``smooth``)
+    value:         ``[P]`` the loss at each position (>= 0)
+    grad_q:        ``[P, N]`` d value / d q, q = softmax over the numeric tokens, or None
+    grad_mass:     ``[P]`` d value / d mass (the full softmax's mass on the numeric tokens), or None
+                   when the loss does not depend on it
+    parts:         named ``[P]`` statistics, one per name in the loss's ``stat_names`` (the loss's own
+                   value under its ``name`` first, then e.g. SMMD's ``mmd`` and ``smooth``)
+    grad_logits:   ``[P, N]`` d value / d numeric logits beyond what ``grad_q`` carries (q and the
+                   mass held fixed), or None
+    grad_log_mass: ``[P]`` d value / d log(mass), or None (a loss gives it or ``grad_mass``)
     """
 
     value: torch.Tensor
-    grad_q: torch.Tensor
+    grad_q: Optional[torch.Tensor]
     grad_mass: Optional[torch.Tensor]
     parts: dict = field(default_factory=dict)
+    grad_logits: Optional[torch.Tensor] = None
+    grad_log_mass: Optional[torch.Tensor] = None
 
 
 class NumericLoss:
@@ -101,18 +110,31 @@ class NumericLoss:
         on squashed distances). None unless a loss overrides it."""
         return None
 
+    def numeric_value(self, plan, numeric: NumericSlice) -> torch.Tensor:
+        """The loss ``[P]`` at the numeric positions of ``plan`` (``smmd_scale.call_plan.CallPlan``: its
+        ``numeric_targets``, ``positions``, ``targets``) as a differentiable function of ``numeric``'s
+        ``logits`` and ``log_mass`` (float64 leaves; ``q``, ``log_q`` and ``mass`` are formed from
+        them): autograd gives the gradient (:func:`autograd_terms`). Each position's logits may feed
+        only its own value (or, with :meth:`value_owners`, its owner's)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither numeric_value (autograd's gradient) nor "
+                                  "numeric_terms (a hand-written one)")
+
     def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
                       compute_dtype: torch.dtype) -> NumericTerms:
-        """The loss at P positions from ``q [P, N]`` and (if :attr:`needs_mass`) ``mass [P]``, both
-        float64, and ``numeric_targets [P]``; work that is O(P N) can stay in float64, heavier work
-        runs in ``compute_dtype`` (the logits' precision, at least float32)."""
+        """A hand-written gradient: the loss at P positions from ``q [P, N]`` and (if
+        :attr:`needs_mass`) ``mass [P]``, both float64, and ``numeric_targets [P]``; work that is
+        O(P N) can stay in float64, heavier work runs in ``compute_dtype`` (the logits' precision, at
+        least float32). A loss that defines only :meth:`numeric_value` leaves this to autograd."""
         raise NotImplementedError
 
-    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
-        """:meth:`numeric_terms` for one call's plan (``smmd_scale.call_plan.CallPlan``): what the ops
-        call. A loss that needs more of the call than the numeric targets (the positions, the other
-        targets) overrides this; the others implement :meth:`numeric_terms`."""
-        return self.numeric_terms(q, plan.numeric_targets, mass, plan.compute_dtype)
+    def terms_for_call(self, plan, numeric: NumericSlice) -> NumericTerms:
+        """The loss and its gradient for one call's plan (``smmd_scale.call_plan.CallPlan``): what the
+        ops call. :meth:`numeric_terms` where the loss has it (a hand-written gradient), else
+        autograd through :meth:`numeric_value`. A loss whose hand-written gradient needs more of the
+        call than the numeric targets (the positions, the other targets) overrides this."""
+        if type(self).numeric_terms is not NumericLoss.numeric_terms:
+            return self.numeric_terms(numeric.q, plan.numeric_targets, numeric.mass, plan.compute_dtype)
+        return autograd_terms(self, plan, numeric)
 
     def value_owners(self, plan) -> Optional[torch.Tensor]:
         """``[P]``: for each numeric position of ``plan``, the position (index into ``plan.positions``)
@@ -231,8 +253,8 @@ class WeightedNumericLosses(NumericLoss):
                       compute_dtype: torch.dtype) -> NumericTerms:
         return self._combine([term.numeric_terms(q, numeric_targets, mass, compute_dtype) for term, _ in self.terms])
 
-    def terms_for_call(self, plan, q: torch.Tensor, mass: Optional[torch.Tensor]) -> NumericTerms:
-        return self._combine([term.terms_for_call(plan, q, mass) for term, _ in self.terms])
+    def terms_for_call(self, plan, numeric: NumericSlice) -> NumericTerms:
+        return self._combine([term.terms_for_call(plan, numeric) for term, _ in self.terms])
 
     def value_owners(self, plan) -> Optional[torch.Tensor]:
         """The terms' owners when they all agree (one kind of loss); a sum that mixes per-position and
@@ -249,12 +271,35 @@ class WeightedNumericLosses(NumericLoss):
         return None if not rows or any(row is None for row in rows) else torch.unique(torch.cat(rows))
 
     def _combine(self, all_terms: list) -> NumericTerms:
-        value = grad_q = grad_mass = None
+        def weighted_sum(field_name: str) -> Optional[torch.Tensor]:
+            found = [weight * getattr(terms, field_name).double() for (_, weight), terms in zip(self.terms, all_terms)
+                     if getattr(terms, field_name) is not None]
+            return torch.stack(found).sum(dim=0) if found else None
+
         parts = {}
-        for (_, weight), terms in zip(self.terms, all_terms):
-            value = weight * terms.value.double() if value is None else value + weight * terms.value.double()
-            grad_q = weight * terms.grad_q.double() if grad_q is None else grad_q + weight * terms.grad_q.double()
-            if terms.grad_mass is not None:
-                grad_mass = weight * terms.grad_mass if grad_mass is None else grad_mass + weight * terms.grad_mass
+        for terms in all_terms:
             parts.update(terms.parts)
-        return NumericTerms(value=value, grad_q=grad_q, grad_mass=grad_mass, parts=parts)
+        return NumericTerms(value=weighted_sum("value"), grad_q=weighted_sum("grad_q"),
+                            grad_mass=weighted_sum("grad_mass"), parts=parts, grad_logits=weighted_sum("grad_logits"),
+                            grad_log_mass=weighted_sum("grad_log_mass"))
+
+
+def autograd_terms(loss: NumericLoss, plan, numeric: NumericSlice) -> NumericTerms:
+    """``loss``'s :meth:`~NumericLoss.numeric_value` at ``plan``'s P positions, with its gradient by
+    autograd (float64): ``grad_logits`` with respect to the numeric logits, the log-mass held fixed,
+    and ``grad_log_mass`` (the ops add the log-mass's own dependence on the logits)."""
+    logits = numeric.logits.detach().requires_grad_()
+    log_mass = None if numeric.log_mass is None else numeric.log_mass.detach().requires_grad_()
+    with torch.enable_grad():
+        log_q = torch.log_softmax(logits, dim=-1)
+        inputs = NumericSlice(logits, log_q.exp(), log_q, None if log_mass is None else log_mass.exp(), log_mass)
+        value = loss.numeric_value(plan, inputs)
+        leaves = [logits] if log_mass is None else [logits, log_mass]
+        grads = torch.autograd.grad(value.sum(), leaves, allow_unused=True)
+    grad_logits = torch.zeros_like(logits) if grads[0] is None else grads[0]
+    grad_log_mass = None
+    if log_mass is not None:
+        grad_log_mass = torch.zeros_like(log_mass) if grads[1] is None else grads[1]
+    value = value.detach()
+    return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={loss.name: value},
+                        grad_logits=grad_logits.detach(), grad_log_mass=grad_log_mass)

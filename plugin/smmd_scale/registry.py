@@ -1,10 +1,15 @@
-"""The numeric losses by name: one table that the command line, the training monitor and the
-TensorBoard layout read, so adding a loss touches its own module and one entry here.
+"""The numeric losses by name: one table that the command line, the training monitor, the
+TensorBoard layout, the HParams columns and the resume record read, so adding a loss touches its
+own module and one entry here.
 
     entry = NUMERIC_LOSSES["ntl-was"]          # name on the command line
     entry.stat_name, entry.parts               # "ntl_was", (): what the loss logs (loss/<stat_name>)
+    entry.options                              # its LossOptions: keyword, train.py flag, default, check, help
     terms = parse_terms(["smmd:1", "ntl-was:0.3"])                  # [("smmd", 1.0), ("ntl-was", 0.3)]
     loss = build_numeric_loss(vocab, terms, {"smmd": {...}, "ntl": {...}})   # one loss or a weighted sum
+
+This module imports only the losses (torch and numpy): the trainer builds its flags from
+:func:`all_options` and reads them back with :func:`options_from`.
 """
 
 from __future__ import annotations
@@ -13,11 +18,52 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from .digit_entropy import DigitEntropyLoss
 from .ntl import NTLoss
 from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .smmd import SMMDLoss
+from .soft_target import DIST2Loss, GaussianLabelSmoothingLoss
 from .vocab import NumericVocab
+
+
+@dataclass(frozen=True)
+class LossOption:
+    """One option of a numeric loss: the keyword its class takes and the train.py flag that sets it.
+
+    keyword:  the loss class's keyword argument (``sigmas``)
+    flag:     train.py's flag (``--smmd_sigmas``); without the dashes (:attr:`column`) it names the
+              option's HParams column and its key in a checkpoint's resume record
+    kind:     ``float``, ``int``, ``str`` or ``bool`` (a bool is a ``--flag`` / ``--no-flag`` pair)
+    default:  the flag's default (None: the keyword's None, e.g. "no squashing")
+    help:     one line for ``--help`` and the docs
+    choices:  the values a ``str`` option takes
+    several:  the flag takes one or more values (the keyword gets a tuple)
+    check:    ``value -> None`` or what is wrong with it, a phrase read after ``<flag> <value>``
+              (checked when the command line is read; the loss's own checks run when it is built)
+    """
+
+    keyword: str
+    flag: str
+    kind: type
+    default: object
+    help: str
+    choices: tuple = ()
+    several: bool = False
+    check: Optional[Callable[[object], Optional[str]]] = None
+
+    @property
+    def column(self) -> str:
+        return self.flag.lstrip("-")
+
+    def keyword_value(self, value):
+        """The flag's parsed value as the loss's keyword takes it."""
+        return tuple(value) if self.several and value is not None else value
+
+    def problem(self, value) -> Optional[str]:
+        """``"<flag> <value> <what is wrong>"``, or None when ``value`` passes :attr:`check`."""
+        found = self.check(value) if self.check is not None and value is not None else None
+        return None if found is None else f"{self.flag} {value} {found}"
 
 
 @dataclass(frozen=True)
@@ -32,6 +78,9 @@ class NumericLossEntry:
     summary:       one line for ``--help``
     study_setting: the setting the numeracy study (benchmarks/numeracy) trained it with, for a loss
                    whose size follows the values (``NumericLoss.value_scale``): what a warning suggests
+    options:       the :class:`LossOption` s its build reads from its group (an option may serve
+                   several entries of one group: NTL's ``--ntl_reweigh``)
+    reads_dots:    its build takes ``dot_token_ids``, the ids of ``"."`` (a loss that reads decimals)
     """
 
     name: str
@@ -41,6 +90,54 @@ class NumericLossEntry:
     build: Callable[..., NumericLoss]
     summary: str
     study_setting: str = ""
+    options: tuple = ()
+    reads_dots: bool = False
+
+
+def _finite_at_least_zero(value) -> Optional[str]:
+    if not (math.isfinite(value) and value >= 0):
+        return ("must be a finite number >= 0 (0 or 1: raw value distances; above 1: non-zero distances mapped onto "
+                "[1, it])")
+    return None
+
+
+def _finite_positive(value) -> Optional[str]:
+    return None if math.isfinite(value) and value > 0 else "must be a finite number > 0"
+
+
+SMMD_OPTIONS = (
+    LossOption("mode", "--smmd_mode", str, "smmd", "SMMD: both terms, or the MMD or the smoothness term alone "
+               "(ablations)", choices=("smmd", "mmd", "smooth")),
+    LossOption("kernel", "--smmd_kernel", str, "gaussian", "SMMD's value kernel (random and shuffled: ablations "
+               "without value structure)", choices=("gaussian", "laplace", "random", "shuffled")),
+    LossOption("sigmas", "--smmd_sigmas", float, (2.0, ), "SMMD kernel bandwidths (averaged), in the units of the "
+               "value distances the kernel sees: after --smmd_squash_factor, or raw value differences with it at 0 or "
+               "1", several=True),
+    LossOption("squash_factor", "--smmd_squash_factor", float, 9.0, "SMMD: map the non-zero value distances "
+               "affinely onto [1, this] before the kernel (the paper's 9; the identity on the values 0..9); 0 or 1: "
+               "raw value differences", check=_finite_at_least_zero),
+)
+NTL_REWEIGH = LossOption("reweigh", "--ntl_reweigh", bool, True,
+                         "NTL: scale by the probability mass on number tokens (ntloss's default)")
+NTL_SQUASH = LossOption("squash_factor", "--ntl_squash_factor", float, None,
+                        "NTL-WAS: map value distances onto [1, this] (default: raw distances, as ntloss)")
+DIST2_OPTIONS = (
+    LossOption("tau", "--dist2_tau", float, 1.0, "DIST2: the soft targets' temperature, q_j ~ exp(-(v_j - "
+               "v_target)^2 / tau) over the numeric tokens", check=_finite_positive),
+    LossOption("place_weighted", "--dist2_place_weighted", bool, False, "DIST2: weigh each digit by its place in "
+               "its number (1 for units, 2 for tens, ...), as the DEL authors' re-implementation does"),
+)
+GAUSS_LS_OPTIONS = (
+    LossOption("sigma", "--gauss_ls_sigma", float, 1.0, "Gaussian label smoothing: the soft targets' standard "
+               "deviation in value units, q_j ~ exp(-(v_j - v_target)^2 / (2 sigma^2))", check=_finite_positive),
+)
+DEL_OPTIONS = (
+    LossOption("place_base", "--del_place_base", float, 1.02, "DEL: decimal digits weigh base^-(k+1) at the k-th "
+               "place after the dot (the paper's 1.02)", check=lambda value: None if math.isfinite(value)
+               and value > 1 else "must be a finite number > 1"),
+    LossOption("scale", "--del_scale", float, 0.01, "DEL: the loss's scale (the paper's 0.01)",
+               check=_finite_positive),
+)
 
 
 def _ntl(kind: str) -> Callable[..., NumericLoss]:
@@ -50,25 +147,58 @@ def _ntl(kind: str) -> Callable[..., NumericLoss]:
     return build
 
 
-def _number_level(vocab: NumericVocab, reweigh: bool = True, squash_factor=None, **options) -> NumericLoss:
-    # the "ntl" option group's squash_factor shapes NTL-WAS's distances; number-level NTL has none
-    return NumberLevelNTLoss(vocab, reweigh=reweigh, **options)
-
-
 NUMERIC_LOSSES = {entry.name: entry for entry in (
     NumericLossEntry("smmd", "smmd", ("mmd", "smooth"), "smmd", SMMDLoss,
-                     "Smooth MMD: value-distance kernel MMD + graph-Laplacian smoothness"),
+                     "Smooth MMD: value-distance kernel MMD + graph-Laplacian smoothness", options=SMMD_OPTIONS),
     NumericLossEntry("ntl-was", "ntl_was", (), "ntl", _ntl("was"),
                      "Number Token Loss, Wasserstein-1 to the target value",
                      "ntl-was:0.3 with --ntl_squash_factor 9 (distances mapped onto [1, 9], so at most 9.09 per "
-                     "position)"),
+                     "position)", options=(NTL_REWEIGH, NTL_SQUASH)),
     NumericLossEntry("ntl-mse", "ntl_mse", (), "ntl", _ntl("mse"),
                      "Number Token Loss, squared error of the expected value",
-                     "ntl-mse:0.0001 on the values 0..999, chosen on validation"),
-    NumericLossEntry("ntl-number", "ntl_number", (), "ntl", _number_level,
+                     "ntl-mse:0.0001 on the values 0..999, chosen on validation", options=(NTL_REWEIGH, )),
+    NumericLossEntry("ntl-number", "ntl_number", (), "ntl", NumberLevelNTLoss,
                      "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
-                     "(needs a digit vocabulary: --numeric_policy digits)"),
+                     "(needs a digit vocabulary: --numeric_policy digits)", options=(NTL_REWEIGH, )),
+    NumericLossEntry("dist2", "dist2", (), "dist2", DIST2Loss,
+                     "DIST2: KL from soft targets exp(-(value distance)^2 / tau) over the numeric tokens to the "
+                     "numeric softmax", options=DIST2_OPTIONS),
+    NumericLossEntry("gauss-ls", "gauss_ls", (), "gauss_ls", GaussianLabelSmoothingLoss,
+                     "Gaussian label smoothing on number tokens: CE against a Gaussian over the values, "
+                     "full-vocabulary softmax", options=GAUSS_LS_OPTIONS),
+    NumericLossEntry("del", "del", (), "del", DigitEntropyLoss,
+                     "Digit Entropy Loss: per-digit BCE on the digit logits, weighted by the digit softmax and the "
+                     "digit's place (needs a digit vocabulary: --numeric_policy digits)", options=DEL_OPTIONS,
+                     reads_dots=True),
 )}
+
+
+def all_options() -> tuple:
+    """Every registered :class:`LossOption` once (an option several entries share appears once), in
+    registry order: what train.py makes its loss flags from."""
+    found = []
+    for entry in NUMERIC_LOSSES.values():
+        found += [option for option in entry.options if option not in found]
+    return tuple(found)
+
+
+def options_from(read: Callable[[LossOption], object]) -> dict:
+    """The keyword options of every group (``build_numeric_loss``'s ``options``) from ``read(option)``,
+    the option's value as the command line gave it (train.py: ``getattr(args, option.column)``)."""
+    groups = {}
+    for entry in NUMERIC_LOSSES.values():
+        group = groups.setdefault(entry.option_group, {})
+        for option in entry.options:
+            group[option.keyword] = option.keyword_value(read(option))
+    return groups
+
+
+def options_in_use(terms: Sequence[tuple]) -> tuple:
+    """The :class:`LossOption` s that shape the losses of ``terms`` (``[(name, weight)]``), each once."""
+    found = []
+    for name, _ in terms:
+        found += [option for option in NUMERIC_LOSSES[name].options if option not in found]
+    return tuple(found)
 
 
 def statistic_names() -> tuple:
@@ -111,13 +241,34 @@ def parse_terms(entries: Sequence[str], flag: str = "--numeric_loss") -> list:
     return terms
 
 
-def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Optional[dict] = None) -> NumericLoss:
+class LossOptionError(ValueError):
+    """A loss refused its options while :func:`build_numeric_loss` built it; ``entry`` says which loss
+    (so that a tool can name the options in its own words, e.g. train.py's flags)."""
+
+    def __init__(self, entry: NumericLossEntry, message: str):
+        super().__init__(message)
+        self.entry = entry
+
+
+def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Optional[dict] = None,
+                       dot_token_ids: Sequence[int] = ()) -> NumericLoss:
     """The loss of ``terms`` (``[(name, weight)]``, see :func:`parse_terms`) on ``vocab``: the loss
     itself for one term of weight 1, else their weighted sum. ``options``: keyword options per
-    option group (``{"smmd": {"sigmas": (2.0,)}, "ntl": {"reweigh": True}}``)."""
+    option group (``{"smmd": {"sigmas": (2.0,)}, "ntl": {"reweigh": True}}``); each loss gets those
+    of its group that it declares. ``dot_token_ids``: the ids of ``"."``, for a loss that reads
+    decimals (DEL). A loss that refuses its options raises :class:`LossOptionError`."""
     options = options or {}
-    built = [(NUMERIC_LOSSES[name].build(vocab, **options.get(NUMERIC_LOSSES[name].option_group, {})), weight)
-             for name, weight in terms]
+    built = []
+    for name, weight in terms:
+        entry = NUMERIC_LOSSES[name]
+        group = options.get(entry.option_group, {})
+        keywords = {option.keyword: group[option.keyword] for option in entry.options if option.keyword in group}
+        if entry.reads_dots:
+            keywords["dot_token_ids"] = tuple(dot_token_ids)
+        try:
+            built.append((entry.build(vocab, **keywords), weight))
+        except ValueError as error:
+            raise LossOptionError(entry, str(error)) from None
     if len(built) == 1 and built[0][1] == 1.0:
         return built[0][0]
     return WeightedNumericLosses(built)

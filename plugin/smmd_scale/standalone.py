@@ -22,8 +22,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks
-from .call_plan import CallPlan, LogitsSpec, NumericLossLike, check_numeric_loss, plan_call
-from .steps import ShiftedLogSumExp, exchange_or_keep_local, gather_numeric_logits, row_blocks
+from .call_plan import CallPlan, LogitsSpec, NumericLossLike, NumericSlice, check_numeric_loss, plan_call
+from .steps import (
+    ShiftedLogSumExp,
+    chain_through_softmax,
+    exchange_or_keep_local,
+    gather_numeric_logits,
+    log_mass_gradient,
+    row_blocks,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -67,26 +74,26 @@ def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor, other: Optio
     """The plan's loss from the numeric logits ``[P, N]`` and (for a loss that needs the mass) the
     non-numeric log-sum-exp ``other`` (``[T]``), in float64. With ``d = lse_other - lse_numeric``,
     ``mass = sigmoid(-d)`` and ``1 - mass = sigmoid(d)``: both keep their relative accuracy. A numeric
-    column's whole gradient is formed here, where the mass's part ``grad_mass * mass * (1 - mass) * q``
+    column's whole gradient is formed here, where the mass's part ``g * (1 - mass) * q`` (``g``: d value
+    / d log(mass))
     is small when the mass is close to 1 (as two fp32 terms it would cancel)."""
     logits = numeric_logits.double()
     q = torch.softmax(logits, dim=-1)
-    mass = rest = lse = None
+    mass = log_mass = rest = lse = None
     if plan.loss.needs_mass:
         numeric_part = torch.logsumexp(logits, dim=-1)
         positions = plan.positions
         other_part = other.shift[positions].double() + other.log_sum[positions].double()
         gap = other_part - numeric_part
-        mass, rest = torch.sigmoid(-gap), torch.sigmoid(gap)
+        mass, rest, log_mass = torch.sigmoid(-gap), torch.sigmoid(gap), -torch.nn.functional.softplus(gap)
         lse = torch.logaddexp(numeric_part, other_part)
-    terms = plan.loss.terms_for_call(plan, q, mass)
-    grad_q = terms.grad_q.double()
-    grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
+    grad = chain_through_softmax(terms, q)
     row_coefficient = None
-    if terms.grad_mass is not None:
-        grad_mass = terms.grad_mass.double()
-        grad = grad + (grad_mass * mass * rest)[:, None] * q
-        row_coefficient = -grad_mass * mass
+    grad_log_mass = log_mass_gradient(terms, mass)
+    if grad_log_mass is not None:
+        grad = grad + (grad_log_mass * rest)[:, None] * q
+        row_coefficient = -grad_log_mass
     return AloneGradient(terms.value.double(), grad, row_coefficient, lse, mass_rows)
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .call_plan import CallPlan, CrossEntropyOptions, run_exchange
+from .call_plan import CallPlan, CrossEntropyOptions, NumericSlice, run_exchange
 
 # Rows of a [T, V_local] buffer processed at once where a step needs a temporary of their size.
 ROW_BLOCK_ELEMENTS = 1 << 20
@@ -237,10 +237,11 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
                               lse: Optional[ShiftedLogSumExp] = None) -> NumericGradient:
     """The plan's numeric loss on the full numeric slice ``[P, N]`` and its gradient.
 
-    ``q = softmax(numeric logits)``; the loss gives d/dq (and d/dmass), chained here through the
-    softmax over the numeric tokens. ``mass``, the full softmax's probability on the numeric tokens,
-    is ``exp(logsumexp(numeric logits) - lse)`` at the numeric positions (needs ``lse``), and its
-    gradient reaches every column: ``d mass / d z_k = p_k [k numeric] - mass p_k``.
+    ``q = softmax(numeric logits)``; the loss gives d/dq (chained here through the softmax over the
+    numeric tokens), d/d numeric logits, or both, and d/dmass or d/dlog(mass). ``mass``, the full
+    softmax's probability on the numeric tokens, is ``exp(logsumexp(numeric logits) - lse)`` at the
+    numeric positions (needs ``lse``), and its gradient reaches every column: ``d mass / d z_k = p_k
+    [k numeric] - mass p_k``.
 
     Everything here is O(P N), so it runs in float64 whatever the logits' dtype (the chain through
     the softmax subtracts nearly equal numbers); a loss's own heavier work (SMMD's ``[P, N] x [N, N]``
@@ -248,18 +249,18 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     """
     logits = transform_logits_(numeric_logits.double(), plan.options)
     q = torch.softmax(logits, dim=-1)
-    mass = None
+    mass = log_mass = None
     if plan.loss.needs_mass:
         positions = plan.positions
-        mass = torch.exp((torch.logsumexp(logits, dim=-1) - lse.shift[positions].double())
-                         - lse.log_sum[positions].double())
-    terms = plan.loss.terms_for_call(plan, q, mass)
-    grad_q = terms.grad_q.double()
-    grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+        log_mass = (torch.logsumexp(logits, dim=-1) - lse.shift[positions].double()) - lse.log_sum[positions].double()
+        mass = torch.exp(log_mass)
+    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
+    grad = chain_through_softmax(terms, q)
     row_coefficient = None
-    if terms.grad_mass is not None:
-        grad = grad + (terms.grad_mass * mass)[:, None] * q
-        row_coefficient = (-terms.grad_mass * mass).to(plan.compute_dtype)
+    grad_log_mass = log_mass_gradient(terms, mass)
+    if grad_log_mass is not None:
+        grad = grad + grad_log_mass[:, None] * q
+        row_coefficient = (-grad_log_mass).to(plan.compute_dtype)
     slope = transform_slope(logits, plan.options)
     if slope is not None:
         grad = grad * slope
@@ -267,6 +268,31 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     return NumericGradient(value=terms.value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
                            abs_error=(q @ values - values[plan.numeric_targets]).abs())
+
+
+def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:
+    """A loss's :class:`~smmd_scale.numeric_loss.NumericTerms` -> d value / d numeric logits ``[P, N]``
+    (float64) with the mass held fixed: ``grad_q`` chained through the softmax over the numeric tokens,
+    plus ``grad_logits``."""
+    grad = torch.zeros_like(q)
+    if terms.grad_q is not None:
+        grad_q = terms.grad_q.double()
+        grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+    if terms.grad_logits is not None:
+        grad = grad + terms.grad_logits.double()
+    return grad
+
+
+def log_mass_gradient(terms, mass: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """d value / d log(mass) ``[P]`` (float64) from a loss's ``grad_mass`` and ``grad_log_mass``, or
+    None when it reads no mass. Through ``log mass = lse(numeric logits) - lse(all logits)`` it adds
+    ``g q_k`` to the numeric columns and ``-g p_k`` to every column."""
+    found = None
+    if terms.grad_mass is not None:
+        found = terms.grad_mass.double() * mass
+    if terms.grad_log_mass is not None:
+        found = terms.grad_log_mass.double() if found is None else found + terms.grad_log_mass.double()
+    return found
 
 
 def numeric_per_token(plan: CallPlan, numeric: NumericGradient, like: torch.Tensor) -> torch.Tensor:

@@ -202,6 +202,16 @@ class NumericVocab:
         return vocab
 
 
+def dot_token_ids(tokenizer) -> tuple:
+    """The ids of the decimal point in ``tokenizer``: ``.``, with one space marker in front or as the
+    byte-fallback token ``<0x2E>``; special and appended added tokens excluded (as in
+    :meth:`NumericVocab.from_tokenizer`). A loss that reads decimals (DEL) joins digits across them."""
+    token_to_id, _, excluded_ids = _scan_tokenizer(tokenizer)
+    spellings = {".", "<0x2E>", *(marker + "." for marker in SPACE_MARKERS)}
+    return tuple(sorted(token_id for token, token_id in token_to_id.items()
+                        if token in spellings and token_id not in excluded_ids))
+
+
 def _parse_numeric_token(token: str, policy: str) -> Optional[float]:
     """The value of one token string under ``policy``, or ``None`` if it is not numeric (no max_value)."""
     byte = _BYTE_FALLBACK_DIGIT.fullmatch(token)

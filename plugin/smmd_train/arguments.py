@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smmd_scale.registry import NUMERIC_LOSSES, parse_terms
+from smmd_scale.registry import NUMERIC_LOSSES, all_options, parse_terms
 
 from .launcher import launch_command
 from .presets import PRESETS
@@ -83,6 +83,22 @@ class TrainArgumentParser(argparse.ArgumentParser):
             if name.startswith("--") and name not in known:
                 close = difflib.get_close_matches(name, known, n=3)
                 self.error(f"unknown option {name}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
+def add_loss_options(group) -> None:
+    """One flag per option of the registered numeric losses (``smmd_scale.registry.all_options``):
+    a bool is a ``--flag`` / ``--no-flag`` pair, ``several`` takes one or more values."""
+    for option in all_options():
+        settings = dict(default=option.default, help=option.help)
+        if option.kind is bool:
+            settings["action"] = argparse.BooleanOptionalAction
+        else:
+            settings["type"] = option.kind
+        if option.choices:
+            settings["choices"] = list(option.choices)
+        if option.several:
+            settings.update(nargs="+", default=list(option.default))
+        group.add_argument(option.flag, **settings)
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
@@ -157,23 +173,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       choices=["integers", "digits", "floats"], help=argparse.SUPPRESS)
     smmd.add_argument("--smmd_max_value", dest="numeric_max_value", type=float, action=DeprecatedFlag,
                       replacement="--numeric_max_value", help=argparse.SUPPRESS)
-    smmd.add_argument("--smmd_mode", default="smmd", choices=["smmd", "mmd", "smooth"],
-                      help="SMMD: both terms, or the MMD or the smoothness term alone (ablations)")
-    smmd.add_argument("--smmd_kernel", default="gaussian", choices=["gaussian", "laplace", "random", "shuffled"],
-                      help="SMMD's value kernel (random and shuffled: ablations without value structure)")
-    smmd.add_argument("--smmd_sigmas", type=float, nargs="+", default=[2.0],
-                      help="SMMD kernel bandwidths (averaged), in the units of the value distances the kernel sees: "
-                      "after --smmd_squash_factor, or raw value differences with it at 0 or 1")
-    smmd.add_argument("--smmd_squash_factor", type=float, default=9.0,
-                      help="SMMD: map the non-zero value distances affinely onto [1, this] before the kernel (the "
-                      "paper's 9; the identity on the values 0..9); 0 or 1: raw value differences")
+    add_loss_options(smmd)
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
                       "(Llama, Mistral, Qwen2/3, Gemma-2/3, Cohere, Mixtral, Qwen2/3-MoE); evaluation uses logits")
-    smmd.add_argument("--ntl_reweigh", action=argparse.BooleanOptionalAction, default=True,
-                      help="NTL: scale by the probability mass on number tokens (ntloss's default)")
-    smmd.add_argument("--ntl_squash_factor", type=float, default=None,
-                      help="NTL-WAS: map value distances onto [1, this] (default: raw distances, as ntloss)")
     smmd.add_argument("--z_loss", type=float, default=0.0, help="adds this x lse^2 per token (PaLM's z-loss; "
                       "1e-4 is PaLM's), logged as loss/z; the model's soft-capping and logit scale are read from "
                       "its config")
@@ -213,9 +216,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
-    if not (math.isfinite(args.smmd_squash_factor) and args.smmd_squash_factor >= 0):
-        parser.error(f"--smmd_squash_factor {args.smmd_squash_factor} must be a finite number >= 0 (0 or 1: raw "
-                     "value distances; above 1: non-zero distances mapped onto [1, it])")
+    for option in all_options():
+        problem = option.problem(getattr(args, option.column))
+        if problem:
+            parser.error(problem)
     if not (math.isfinite(args.numeric_max_value) and args.numeric_max_value >= 0):
         parser.error(f"--numeric_max_value {args.numeric_max_value:g} must be a finite number >= 0")
     if not (math.isfinite(args.z_loss) and args.z_loss >= 0):

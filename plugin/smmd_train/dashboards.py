@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from smmd_scale import compat
-from smmd_scale.registry import statistic_names
+from smmd_scale.registry import all_options, options_in_use, statistic_names
 
 # Per-step charts, one tag each (tag -> title), by category; a run's layout holds those it writes.
 STEP_CHARTS = {
@@ -105,12 +105,16 @@ def open_writer(log_dir: str):
     return SummaryWriter(log_dir=log_dir)
 
 
-# The settings every train.py run records for the HParams dashboard (smmd_train.monitor). The
-# dashboard shows five columns at first: those flagged ``differs``, then the rest by name. A log
-# root's experiment flags the settings that vary; a run's own flags RUN_SHOWN.
+# The settings every train.py run records for the HParams dashboard (smmd_train.monitor): the run's
+# layout and objective, one column per numeric-loss option (smmd_scale.registry: ``smmd_sigmas``,
+# ``ntl_reweigh``, ...; "unused" where the run's losses do not read it), then the rest. The dashboard
+# shows five columns at first: those flagged ``differs``, then the rest by name. A log root's
+# experiment flags the settings that vary; a run's own flags RUN_SHOWN.
+LOSS_OPTION_COLUMNS = tuple(option.column for option in all_options())
 RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", "numeric_weight",
-               "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
-               "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
+               *LOSS_OPTION_COLUMNS, "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum",
+               "global_batch", "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
+UNUSED_OPTION = "unused"
 RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "numeric_weight", "lr")
 
 
@@ -126,7 +130,7 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
         "sp_size": topology.sp_size, "numeric_loss": "none (framework loss)" if framework_loss else
         " + ".join(f"{weight:g} {name}" for name, weight in args.numeric_loss),
         "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
-        "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
+        **loss_option_hparams(args, framework_loss), "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": ds_config["train_micro_batch_size_per_gpu"],
         "grad_accum": ds_config["gradient_accumulation_steps"], "global_batch": ds_config["train_batch_size"],
@@ -134,6 +138,23 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
         "warmup_steps": plan.warmup_steps,
         "max_steps": args.max_steps, "launcher": launcher,
     }
+    return values
+
+
+def loss_option_hparams(args, framework_loss: bool) -> dict:
+    """The :data:`LOSS_OPTION_COLUMNS` of a run: each option its losses read as the flag gave it
+    (several values joined by spaces, None as "none"), :data:`UNUSED_OPTION` for the others."""
+    in_use = () if framework_loss else options_in_use(args.numeric_loss)
+    values = {}
+    for option in all_options():
+        value = getattr(args, option.column)
+        if option not in in_use:
+            value = UNUSED_OPTION
+        elif isinstance(value, (list, tuple)):
+            value = " ".join(str(hparam_value(item)) for item in value)
+        elif value is None:
+            value = "none"
+        values[option.column] = value
     return values
 
 

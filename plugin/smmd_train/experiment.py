@@ -32,16 +32,13 @@ import os
 
 import numpy as np
 
+from smmd_scale.registry import NUMERIC_LOSSES
+
 ALLOW_FLAG = "--allow_objective_change"
 
-# The flags that shape each numeric loss (smmd_scale.registry.NUMERIC_LOSSES), recorded when it is in
-# --numeric_loss. NTL-MSE and number-level NTL take no distances, so --ntl_squash_factor is NTL-WAS's alone.
-LOSS_FLAGS = {
-    "smmd": ("smmd_mode", "smmd_kernel", "smmd_sigmas"),
-    "ntl-was": ("ntl_reweigh", "ntl_squash_factor"),
-    "ntl-mse": ("ntl_reweigh",),
-    "ntl-number": ("ntl_reweigh",),
-}
+# The flags that shape each numeric loss, recorded when it is in --numeric_loss: its registry entry's
+# options (NTL-MSE and number-level NTL take no distances, so --ntl_squash_factor is NTL-WAS's alone).
+LOSS_FLAGS = {name: tuple(option.column for option in entry.options) for name, entry in NUMERIC_LOSSES.items()}
 FINGERPRINT_BLOCKS = 64  # blocks hashed for the data's fingerprint, evenly spaced over the corpus
 
 

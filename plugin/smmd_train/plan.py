@@ -58,15 +58,18 @@ class RunPlan:
         return self.schedule.warmup_steps
 
 
-def numeric_loss(args, vocab):
-    """The run's numeric loss from ``--numeric_loss`` (and the SMMD / NTL options), on ``vocab``:
-    one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``)."""
-    from smmd_scale.registry import build_numeric_loss
+def numeric_loss(args, vocab, dot_token_ids=()):
+    """The run's numeric loss from ``--numeric_loss`` and the options its registry entries declare, on
+    ``vocab``: one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``).
+    ``dot_token_ids``: the tokenizer's decimal points, for a loss that reads decimals (DEL)."""
+    from smmd_scale.registry import LossOptionError, build_numeric_loss, options_from
 
-    return build_numeric_loss(vocab, args.numeric_loss, {
-        "smmd": {"mode": args.smmd_mode, "kernel": args.smmd_kernel, "sigmas": tuple(args.smmd_sigmas),
-                 "squash_factor": args.smmd_squash_factor},
-        "ntl": {"reweigh": args.ntl_reweigh, "squash_factor": args.ntl_squash_factor}})
+    options = options_from(lambda option: getattr(args, option.column))
+    try:
+        return build_numeric_loss(vocab, args.numeric_loss, options, dot_token_ids=dot_token_ids)
+    except LossOptionError as error:  # in the words of the refusing loss's own flags
+        flags = {option.keyword: option.flag for option in error.entry.options}
+        raise ValueError(in_flag_words(str(error), flags)) from None
 
 
 def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
@@ -92,29 +95,34 @@ def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
     return warnings
 
 
-# The keyword arguments of smmd_scale that train.py's flags set: the library refuses in its own words
-# (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy digits``).
-LIBRARY_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value", "sigmas": "--smmd_sigmas",
-                 "squash_factor": "--ntl_squash_factor", "mode": "--smmd_mode", "kernel": "--smmd_kernel"}
+# The keyword arguments of NumericVocab.from_tokenizer that train.py's flags set: the library refuses in
+# its own words (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy
+# digits``). A loss's keywords and flags come from its registry entry.
+VOCAB_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value"}
 
 
-def in_flag_words(message: str) -> str:
+def in_flag_words(message: str, loss_flags: Optional[dict] = None) -> str:
     """``message`` (a refusal from smmd_scale) with the keyword arguments train.py's flags set named as
-    those flags: ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
+    those flags (the vocabulary's, and ``loss_flags``: keyword -> flag of the refusing loss):
+    ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
     --numeric_max_value``, ``NumericVocab.from_tokenizer(tokenizer, policy='digits')`` -> ``--numeric_policy
     digits``, and ``or None for X`` (no flag value is None) -> ``or leave the flag out for X``."""
+    flags = {**VOCAB_FLAGS, **(loss_flags or {})}
+
     def flag_and_value(match):
         try:
             value = ast.literal_eval(match.group(2))
         except (ValueError, SyntaxError):  # not a Python literal (nan, inf): as written
             value = match.group(2)
         shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        return f"{LIBRARY_FLAGS[match.group(1)]} {shown}"
+        return f"{flags[match.group(1)]} {shown}"
 
-    names = "|".join(LIBRARY_FLAGS)
+    names = "|".join(flags)
     message = re.sub(r"NumericVocab\.from_tokenizer\(tokenizer, ([^)]*)\)", r"\1", message)
     message = re.sub(rf"\b({names})=('[^']*'|\([^)]*\)|[-+\w.]+)", flag_and_value, message)
-    message = re.sub(r"(?<![-\w])(max_value|squash_factor)\b", lambda match: LIBRARY_FLAGS[match.group(1)], message)
+    # a keyword named bare in the text (``a larger max_value``): those with an underscore, never plain words
+    bare = "|".join(name for name in flags if "_" in name)
+    message = re.sub(rf"(?<![-\w])({bare})\b", lambda match: flags[match.group(1)], message)
     return message.replace(", or None for", ", or leave the flag out for")
 
 
@@ -148,6 +156,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     from transformers import AutoTokenizer
 
     import smmd_scale
+    from smmd_scale.vocab import dot_token_ids
 
     check_local_sources(args.model, args.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
@@ -182,7 +191,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     try:
         vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
                                                        max_value=args.numeric_max_value, vocab_size=config.vocab_size)
-        loss = None if args.framework_loss else numeric_loss(args, vocab)
+        loss = None if args.framework_loss else numeric_loss(args, vocab, dot_token_ids(tokenizer))
     except ValueError as error:
         raise ValueError(in_flag_words(str(error))) from None
     if loss is not None:

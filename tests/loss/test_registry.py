@@ -34,4 +34,5 @@ def test_every_entry_reports_the_statistic_it_registers():
     for entry in NUMERIC_LOSSES.values():
         stats = numeric_cross_entropy(logits, targets, entry.build(vocab)).stats
         assert {entry.stat_name, *entry.parts} <= set(stats), entry.name
-    assert set(statistic_names()) == {"smmd", "mmd", "smooth", "ntl_was", "ntl_mse", "ntl_number"}
+    assert set(statistic_names()) == {"smmd", "mmd", "smooth", "ntl_was", "ntl_mse", "ntl_number", "dist2", "gauss_ls",
+                                      "del"}

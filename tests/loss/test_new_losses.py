@@ -1,0 +1,364 @@
+"""DIST2, Gaussian label smoothing on number tokens and DEL: against float64 references written from
+the papers' math (plain loops, independent of ours) on full logits, alone, through the fused linear
+head and summed with SMMD/NTL; the hand-written soft-target gradient against autograd's; and
+vocabulary-parallel on real gloo groups of 2 and 4 ranks with uneven shards and the one collective."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
+from helpers.reference import relative_error
+
+import smmd_scale
+from smmd_scale import (
+    DigitEntropyLoss,
+    DIST2Loss,
+    GaussianLabelSmoothingLoss,
+    NTLoss,
+    NumericLoss,
+    NumericVocab,
+    SMMDLoss,
+    linear_numeric_cross_entropy,
+    numeric_cross_entropy,
+)
+from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss
+
+IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------------------
+# References from the math: one position at a time
+# ------------------------------------------------------------------------------------------------
+
+
+def numeric_positions(targets, token_ids):
+    """``[(row, column)]`` of the numeric targets of ``targets [B, T]`` in reading order."""
+    ids = set(token_ids.tolist())
+    return [(row, column) for row in range(targets.shape[0]) for column in range(targets.shape[1])
+            if int(targets[row, column]) in ids]
+
+
+def run_places(targets, member_ids):
+    """``{(row, column): (place from the run's start, run length)}`` for targets in ``member_ids``."""
+    places = {}
+    for row in range(targets.shape[0]):
+        column = 0
+        while column < targets.shape[1]:
+            if int(targets[row, column]) not in member_ids:
+                column += 1
+                continue
+            end = column
+            while end < targets.shape[1] and int(targets[row, end]) in member_ids:
+                end += 1
+            for place in range(end - column):
+                places[(row, column + place)] = (place, end - column)
+            column = end
+    return places
+
+
+def reference_soft_target(logits, targets, token_ids, values, tau, full_vocabulary, kl, place_weighted=False):
+    """Mean over numeric positions of KL(t || p) or CE(t, p), t_j ~ exp(-(v_j - v_y)^2 / tau)."""
+    positions = numeric_positions(targets, token_ids)
+    places = run_places(targets, set(token_ids.tolist()))
+    index_of = {int(token): k for k, token in enumerate(token_ids)}
+    total = logits.sum() * 0
+    for row, column in positions:
+        row_logits = logits[row, column]
+        if full_vocabulary:
+            log_p = torch.log_softmax(row_logits, dim=-1)[token_ids]
+        else:
+            log_p = torch.log_softmax(row_logits[token_ids], dim=-1)
+        target_value = values[index_of[int(targets[row, column])]]
+        weights = torch.exp(-(values - target_value) ** 2 / tau)
+        soft = weights / weights.sum()
+        value = -(soft * log_p).sum()
+        if kl:
+            value = value + (soft * torch.log(soft)).sum()
+        if place_weighted:
+            place, length = places[(row, column)]
+            value = value * (length - place)
+        total = total + value
+    return total / max(len(positions), 1)
+
+
+def del_place_weight(run_tokens, place, base):
+    """The weight of the digit at ``place`` of a run of tokens ("d" digit, "." dot), read as the paper
+    describes it: integer digits 2, 4, 6, ... from the units (the last digit before the first dot, or
+    of the run when it has no dot after its start), decimals base^-2, base^-3, ... after the dot."""
+    dot = run_tokens.index(".") if "." in run_tokens else None
+    if dot is None or dot == 0:
+        return 2.0 * (len(run_tokens) - place)
+    if place < dot:
+        return 2.0 * (dot - place)
+    return base ** -(place - dot + 1)
+
+
+def reference_del(logits, targets, token_ids, dot_ids, base=1.02, scale=0.01):
+    positions = numeric_positions(targets, token_ids)
+    places = run_places(targets, set(token_ids.tolist()) | set(dot_ids))
+    total = logits.sum() * 0
+    for row, column in positions:
+        place, length = places[(row, column)]
+        start = column - place
+        run_tokens = ["." if int(targets[row, start + k]) in dot_ids else "d" for k in range(length)]
+        digit_logits = logits[row, column][token_ids]
+        probabilities = torch.softmax(digit_logits, dim=-1)
+        target = (token_ids == targets[row, column]).double()
+        entropy = -(target * torch.log(torch.sigmoid(digit_logits))
+                    + (1 - target) * torch.log(1 - torch.sigmoid(digit_logits)))
+        total = total + scale * del_place_weight(run_tokens, place, base) * (probabilities * entropy).mean()
+    return total / max(len(positions), 1)
+
+
+def digit_problem(generator, batch=3, length=24, vocab_size=40, duplicate=False):
+    """Digit targets in runs with dots (some at a run's start or end), other ids and ignore_index."""
+    ids = torch.randperm(vocab_size, generator=generator)
+    token_ids, dot = ids[:10 + 3 * duplicate], int(ids[13])
+    values = list(range(10)) + ([1, 5, 9] if duplicate else [])
+    order = torch.argsort(token_ids)
+    token_ids, values = token_ids[order], torch.tensor(values, dtype=torch.float64)[order]
+    vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
+    choice = torch.rand(batch, length, generator=generator)
+    targets = torch.randint(0, vocab_size, (batch, length), generator=generator)
+    digits = token_ids[torch.randint(0, len(token_ids), (batch, length), generator=generator)]
+    targets = torch.where(choice < 0.6, digits, targets)
+    targets = torch.where((choice >= 0.6) & (choice < 0.7), torch.full_like(targets, dot), targets)
+    targets = torch.where(choice >= 0.93, torch.full_like(targets, IGNORE), targets)
+    logits = 3 * torch.randn(batch, length, vocab_size, generator=generator, dtype=torch.float64)
+    return vocab, dot, logits, targets
+
+
+def losses_and_references(vocab, dot, generator):
+    tau = 0.3 + 3 * torch.rand(1, generator=generator).item()
+    sigma = 0.3 + 2 * torch.rand(1, generator=generator).item()
+    base = 1.0 + torch.rand(1, generator=generator).item()
+    token_ids, values = vocab.token_ids, vocab.values
+    return [
+        (DIST2Loss(vocab, tau=tau), lambda x, y: reference_soft_target(x, y, token_ids, values, tau, False, True)),
+        (DIST2Loss(vocab, tau=tau, place_weighted=True),
+         lambda x, y: reference_soft_target(x, y, token_ids, values, tau, False, True, place_weighted=True)),
+        (GaussianLabelSmoothingLoss(vocab, sigma=sigma),
+         lambda x, y: reference_soft_target(x, y, token_ids, values, 2 * sigma * sigma, True, False)),
+        (DigitEntropyLoss(vocab, dot_token_ids=[dot], place_base=base, scale=0.05),
+         lambda x, y: reference_del(x, y, token_ids, [dot], base, 0.05)),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# One process
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("duplicate", [False, True], ids=["ten-digits", "spelled-twice"])
+def test_each_loss_matches_its_float64_reference(generator, duplicate):
+    for _ in range(2):
+        vocab, dot, logits, targets = digit_problem(generator, duplicate=duplicate)
+        for loss, reference in losses_and_references(vocab, dot, generator):
+            ours = logits.clone().requires_grad_(True)
+            out = numeric_cross_entropy(ours, targets, loss, weight=0.7)
+            out.total.backward()
+            expected_logits = logits.clone().requires_grad_(True)
+            expected = reference(expected_logits, targets)
+            expected_ce = torch.nn.functional.cross_entropy(expected_logits.reshape(-1, vocab.vocab_size),
+                                                            targets.reshape(-1))
+            (expected_ce + 0.7 * expected).backward()
+            # float64 throughout, the same math in another order: 1e-10 is far above its rounding
+            assert relative_error(out.numeric.detach(), expected.detach()) <= 1e-10, loss
+            assert relative_error(ours.grad, expected_logits.grad) <= 1e-10, loss
+            assert out.stats[loss.name] == pytest.approx(expected.item(), rel=1e-10, abs=1e-14)
+            alone = logits.clone().requires_grad_(True)
+            value = loss(alone, targets)
+            value.backward()
+            expected_alone = logits.clone().requires_grad_(True)
+            reference(expected_alone, targets).backward()
+            assert relative_error(value.detach(), expected.detach()) <= 1e-10, loss
+            assert relative_error(alone.grad, expected_alone.grad) <= 1e-10, loss
+
+
+def test_del_place_weights_read_the_paper_s_examples():
+    """12.05 -> units 2, tens 4, decimals base^-2, base^-3; .5 and 7. and 305 (no dot inside)."""
+    vocab = NumericVocab(list(range(10)), list(range(10)), 16)
+    dot = 12
+    loss = DigitEntropyLoss(vocab, dot_token_ids=[dot])
+    targets = torch.tensor([[1, 2, dot, 0, 5, 13, dot, 5, 13, 7, dot, 13, 3, 0, 5]])
+    plan = smmd_scale.call_plan.plan_call(loss, smmd_scale.call_plan.LogitsSpec((1, 15, 16), torch.float64,
+                                                                               torch.device("cpu")),
+                                          targets, None, 0, with_ce=False)
+    expected = [4, 2, 1.02 ** -2, 1.02 ** -3, 2, 2, 6, 4, 2]
+    assert torch.allclose(loss.place_weights(plan), torch.tensor(expected, dtype=torch.float64), rtol=1e-15)
+
+
+def test_del_reads_megatron_s_sequence_first_targets(generator):
+    vocab, dot, logits, targets = digit_problem(generator)
+    batch_first = DigitEntropyLoss(vocab, dot_token_ids=[dot])
+    sequence_first = DigitEntropyLoss(vocab, dot_token_ids=[dot], sequence_dim=0)
+    expected = batch_first(logits, targets, reduction="none")
+    found = sequence_first(logits.transpose(0, 1), targets.transpose(0, 1), reduction="none")
+    assert torch.equal(found.transpose(0, 1), expected)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_the_hand_written_soft_target_gradient_equals_autograd_s(generator, index):
+    vocab, dot, logits, targets = digit_problem(generator, duplicate=True)
+    loss = losses_and_references(vocab, dot, generator)[index][0]
+
+    class ViaAutograd(type(loss)):
+        terms_for_call = NumericLoss.terms_for_call  # no numeric_terms: autograd through numeric_value
+
+    autograd = ViaAutograd.__new__(ViaAutograd)
+    autograd.__dict__.update(loss.__dict__)
+    results = []
+    for numeric in (loss, autograd):
+        ours = logits.clone().requires_grad_(True)
+        out = numeric_cross_entropy(ours, targets, numeric, weight=0.5)
+        out.total.backward()
+        results.append((out.total.detach(), ours.grad))
+    assert relative_error(results[0][0], results[1][0]) <= 1e-12  # the same float64 values, summed apart
+    assert relative_error(results[0][1], results[1][1]) <= 1e-12
+
+
+def test_fused_linear_head_and_sums_with_smmd_and_ntl(generator):
+    vocab, dot, _, targets = digit_problem(generator, batch=2, length=15, vocab_size=60)
+    hidden = torch.randn(2, 15, 8, generator=generator, dtype=torch.float64)
+    head = torch.randn(60, 8, generator=generator, dtype=torch.float64)
+    new = [loss for loss, _ in losses_and_references(vocab, dot, generator)]
+    candidates = [*new, SMMDLoss(vocab) + 0.3 * new[0] + 0.5 * new[3] + 0.2 * new[2] + 0.4 * NTLoss(vocab)]
+    for numeric in candidates:
+        fused = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
+        out = linear_numeric_cross_entropy(*fused, targets, numeric, 0.9, chunk_size=7)
+        out.total.backward()
+        materialized = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
+        reference = numeric_cross_entropy(materialized[0] @ materialized[1].T, targets, numeric, 0.9)
+        reference.total.backward()
+        assert out.total.item() == pytest.approx(reference.total.item(), rel=1e-10)  # float64 both
+        for ours, expected in zip(fused, materialized):
+            assert relative_error(ours.grad, expected.grad) <= 1e-10
+    # the sum is the sum of its terms, each logged under its own name
+    summed = numeric_cross_entropy(hidden @ head.T, targets, candidates[-1], 1.0)
+    for term, _ in candidates[-1].weighted_terms():
+        alone = numeric_cross_entropy(hidden @ head.T, targets, term, 1.0)
+        assert summed.stats[term.name] == pytest.approx(alone.stats[term.name], rel=1e-12)
+
+
+def test_the_registry_builds_each_with_its_options_and_dots():
+    vocab = NumericVocab(list(range(10)), list(range(10)), 16)
+    built = build_numeric_loss(vocab, [("dist2", 1.0), ("gauss-ls", 0.5), ("del", 2.0)],
+                               {"dist2": {"tau": 2.0, "place_weighted": True}, "gauss_ls": {"sigma": 0.5},
+                                "del": {"place_base": 1.1, "scale": 0.02}}, dot_token_ids=[13])
+    (dist2, _), (gauss, _), (digit_entropy, weight) = built.weighted_terms()
+    assert (dist2.tau, dist2.place_weighted, gauss.sigma, gauss.tau) == (2.0, True, 0.5, 0.5)
+    assert (digit_entropy.dot_token_ids, digit_entropy.place_base, digit_entropy.scale, weight) == ((13, ), 1.1, 0.02,
+                                                                                                  2.0)
+    assert {"dist2", "gauss-ls", "del"} <= set(NUMERIC_LOSSES)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda vocab: DIST2Loss(vocab, tau=0), r"tau=0 must be a finite number > 0"),
+    (lambda vocab: GaussianLabelSmoothingLoss(vocab, sigma=math.inf), r"sigma=inf must be a finite number > 0"),
+    (lambda vocab: DigitEntropyLoss(vocab, place_base=1.0), r"place_base=1.0 must be a finite number > 1"),
+    (lambda vocab: DigitEntropyLoss(vocab, dot_token_ids=[3]), r"dot_token_ids \[3\] include numeric tokens"),
+    (lambda vocab: DigitEntropyLoss(NumericVocab([1, 2], [1, 20], 16)), r"needs a vocabulary of the ten digits"),
+])
+def test_bad_options_are_named(build, message):
+    with pytest.raises(ValueError, match=message):
+        build(NumericVocab(list(range(10)), list(range(10)), 16))
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary-parallel: uneven shards, the one collective
+# ------------------------------------------------------------------------------------------------
+
+
+def _vocab_parallel_new_losses(rank, world_size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size = int(torch.randint(16 * world_size, 90, (1, ), generator=generator))
+    vocab, dot, logits, targets = digit_problem(generator, batch=2, length=17, vocab_size=vocab_size)
+    cuts = sorted(torch.randperm(vocab_size - 1, generator=generator)[:world_size - 1].add(1).tolist())
+    bounds = [0, *cuts, vocab_size]  # uneven shards
+    start, end = bounds[rank], bounds[rank + 1]
+    hidden = torch.randn(2, 17, 6, generator=generator, dtype=torch.float64)
+    head = torch.randn(vocab_size, 6, generator=generator, dtype=torch.float64)
+    new = [loss for loss, _ in losses_and_references(vocab, dot, generator)]
+    losses = {"smmd": SMMDLoss(vocab), **{loss.name + str(k): loss for k, loss in enumerate(new)},
+              "sum": SMMDLoss(vocab) + 0.3 * new[0] + 0.2 * new[2] + 0.5 * new[3] + NTLoss(vocab, kind="mse")}
+    counts = {}
+    for name, numeric in losses.items():
+        full = logits.clone().requires_grad_(True)
+        single = numeric_cross_entropy(full, targets, numeric, weight=0.6)
+        single.total.backward()
+        for _ in range(2):  # the second call runs at the capacity the first one grew: one collective
+            shard = logits[..., start:end].clone().requires_grad_(True)
+            with CollectiveSpy() as forward:
+                out = numeric_cross_entropy(shard, targets, numeric, weight=0.6, tp_group=dist.group.WORLD,
+                                            vocab_start_index=start)
+            with CollectiveSpy() as backward:
+                out.total.backward()
+            # float64 on every rank; the exchange sums exact zeros with one rank's values
+            assert abs(out.total.item() - single.total.item()) <= 1e-10 * max(abs(single.total.item()), 1.0), name
+            assert relative_error(shard.grad, full.grad[..., start:end]) <= 1e-10, name
+            assert forward.calls == out.stats["comm_calls"] and backward.calls == 0, name
+        assert forward.calls == 1, name
+        alone = logits[..., start:end].clone().requires_grad_(True)
+        expected_alone = logits.clone().requires_grad_(True)
+        value = numeric(alone, targets, tp_group=dist.group.WORLD, vocab_start_index=start)
+        value.backward()
+        numeric(expected_alone, targets).backward()
+        assert abs(value.item() - numeric(logits, targets).item()) <= 1e-10 * max(abs(value.item()), 1.0), name
+        assert relative_error(alone.grad, expected_alone.grad[..., start:end]) <= 1e-10, name
+        leaves = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
+        expected = numeric_cross_entropy(leaves[0] @ leaves[1].T, targets, numeric, 0.6)
+        expected.total.backward()
+        for _ in range(2):
+            fused = [hidden.clone().requires_grad_(True), head[start:end].clone().requires_grad_(True)]
+            with CollectiveSpy() as fused_forward:
+                out = linear_numeric_cross_entropy(*fused, targets, numeric, 0.6, tp_group=dist.group.WORLD,
+                                                   vocab_start_index=start, chunk_size=5)
+            with CollectiveSpy() as fused_backward:
+                out.total.backward()
+            assert abs(out.total.item() - expected.total.item()) <= 1e-10 * max(abs(expected.total.item()), 1.0), name
+            assert relative_error(fused[0].grad, leaves[0].grad) <= 1e-10, name
+            assert relative_error(fused[1].grad, leaves[1].grad[start:end]) <= 1e-10, name
+            assert fused_forward.calls == out.stats["comm_calls"] and fused_backward.calls == 1, name  # dX's
+        assert fused_forward.calls == 1, name
+        counts[name] = (forward.calls, forward.bytes)
+    # the new losses add no collective and no byte: the same one exchange as SMMD alone
+    assert len(set(counts.values())) == 1, counts
+    return counts
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_equals_one_device_with_the_one_collective(world_size):
+    reports = values_or_raise(run_ranks(_vocab_parallel_new_losses, world_size, int(torch.randint(0, 2**31, (1, )))))
+    assert all(report == reports[0] for report in reports)
+
+
+# ------------------------------------------------------------------------------------------------
+# train.py
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_plans_the_new_losses_from_the_command_line(tmp_path, tokenizer_dir):
+    from helpers.corpora import write_corpus
+    from helpers.launching import REPO, train_flags
+    from transformers import AutoTokenizer
+
+    from smmd_train.arguments import parse_args
+    from smmd_train.distributed import Launch
+    from smmd_train.run import prepare_run
+
+    corpus = write_corpus(tmp_path / "train.jsonl", 50)
+    flags = train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
+                        data=[corpus], seq_len=48, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run",
+                        numeric_loss=["dist2:0.5", "gauss-ls:0.3", "del"], numeric_policy="digits", dist2_tau=2.0,
+                        gauss_ls_sigma=0.5, del_scale=0.02)
+    planned = prepare_run(parse_args(flags), Launch(0, 1, 0, 1, "single"), until="plan").plan
+    (dist2, dist2_weight), (gauss, gauss_weight), (digit_entropy, del_weight) = planned.numeric_loss.weighted_terms()
+    assert (type(dist2), dist2.tau, dist2_weight) == (DIST2Loss, 2.0, 0.5)
+    assert (type(gauss), gauss.sigma, gauss_weight) == (GaussianLabelSmoothingLoss, 0.5, 0.3)
+    assert (type(digit_entropy), digit_entropy.scale, del_weight) == (DigitEntropyLoss, 0.02, 1.0)
+    dots = [token_id for token, token_id in AutoTokenizer.from_pretrained(tokenizer_dir).get_vocab().items()
+            if token.lstrip("Ġ▁ ") == "." and len(token) <= 2]
+    assert dots and set(digit_entropy.dot_token_ids) == set(dots)  # the tokenizer's "." found by the plan
