@@ -14,6 +14,10 @@ What TensorBoard does that shapes these views (tensorboard 2.21):
 * Custom Scalars' "ignore outliers" (on by default) scales the y axis to the 5-95% quantiles of the
   chart's values, which drops the one point at 1.0 of a three-point efficiency curve; the band's
   upper edge (1.0 at every world size) keeps it in.
+* Custom Scalars fits the y axis to a chart's values and has no axis-minimum setting: peak memory
+  of 0.64 and 0.66 GiB would span the whole chart, a 3% difference drawn as a cliff. The memory
+  charts are Margin charts whose band starts at 0 (a zero tag written next to the value at every
+  point, :data:`FROM_ZERO`), so 0 is on their axis, inside the quantiles too.
 * A run's layout is the last one it wrote, and the layouts of the runs are merged by category: a
   run writes the charts of the tags it has written (:func:`step_layout`), again when new ones
   appear (the first evaluation), and only a sweep's ``scaling-*`` runs write the scaling charts.
@@ -59,7 +63,8 @@ STEP_CHARTS = {
         "perf/count_seconds": "seconds counting the step's targets",
     },
     "memory and communication (x = step)": {
-        "memory/peak_gib": "peak memory GiB (max over ranks)", "comm/loss_bytes": "loss exchange bytes per step",
+        "memory/peak_gib": "peak memory GiB (max over ranks; band from 0)",
+        "comm/loss_bytes": "loss exchange bytes per step",
         "comm/loss_backward_bytes": "fused linear head: d hidden all-reduce bytes per step",
     },
     "optimizer (x = step)": {
@@ -67,8 +72,12 @@ STEP_CHARTS = {
     },
 }
 
+# Per-step charts drawn as a band from 0 up to the value (tag -> the zero tag the run writes next to
+# it in TensorBoard): their axis starts at 0, so a few percent look like a few percent.
+FROM_ZERO = {"memory/peak_gib": "memory/zero_gib"}
+
 # The scaling charts of a sweep's scaling-<layout> runs (x = world size): Margin charts draw the
-# measured value with a band up to linear scaling, or up to the baseline's peak memory (value,
+# measured value with a band up to linear scaling, or from 0 up to the baseline's peak memory (value,
 # lower, upper are exact tags); the bands also keep the baseline's point inside the y axis.
 SCALING_LAYOUT = {
     "scaling (x = world size)": {
@@ -79,8 +88,8 @@ SCALING_LAYOUT = {
                        "scaling/ideal_tokens_per_second_per_rank"]],
         "efficiency: per-rank tokens/s / the baseline's (1 = linear)": [
             "Margin", ["scaling/efficiency", "scaling/efficiency", "scaling/ideal_efficiency"]],
-        "peak memory GiB (max over ranks; band: up to the baseline's)": [
-            "Margin", ["scaling/peak_memory_gib", "scaling/peak_memory_gib", "scaling/baseline_peak_memory_gib"]],
+        "peak memory GiB (max over ranks; band: 0 to the baseline's)": [
+            "Margin", ["scaling/peak_memory_gib", "scaling/zero_gib", "scaling/baseline_peak_memory_gib"]],
     },
 }
 
@@ -251,11 +260,13 @@ def write_experiment(log_root: str, hparams: Sequence[str] = RUN_HPARAMS, metric
 
 def step_layout(tags: Iterable[str]) -> dict:
     """The Custom Scalars layout of a training run that has written ``tags``: a chart per tag of
-    :data:`STEP_CHARTS` it wrote (anchored regex, one line per run), a category only when it holds one."""
+    :data:`STEP_CHARTS` it wrote (anchored regex, one line per run; those of :data:`FROM_ZERO` a band
+    from their zero tag up to the value), a category only when it holds one."""
     tags = set(tags)
     layout = {}
     for category, charts in STEP_CHARTS.items():
-        written = {title: ["Multiline", [f"^{tag}$"]] for tag, title in charts.items() if tag in tags}
+        written = {title: ["Margin", [tag, FROM_ZERO[tag], tag]] if tag in FROM_ZERO else ["Multiline", [f"^{tag}$"]]
+                   for tag, title in charts.items() if tag in tags}
         if written:
             layout[category] = written
     return layout

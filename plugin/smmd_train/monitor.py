@@ -12,6 +12,9 @@ Names are a contract (what dashboards key on):
     perf/step_seconds  perf/count_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
     train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size  run/sp_size
 
+TensorBoard alone also gets ``memory/zero_gib`` (0 at every step that has ``memory/peak_gib``): the
+lower edge of the memory chart's band, which keeps 0 on its axis (smmd_train.dashboards.FROM_ZERO).
+
 The losses are the optimizer step's objective (the trainer passes the step's counts to the loss,
 :meth:`TrainingMonitor.record_step_counts`): ``loss/ce`` the mean CE over the step's valid targets,
 ``loss/numeric`` the numeric term, the mean over the step's numeric-target positions, and
@@ -229,6 +232,8 @@ class TrainingMonitor:
         if self.writer is not None and tensorboard:
             for name, value in items:
                 self.writer.add_scalar(name, float(value), step)
+                if name in dashboards.FROM_ZERO:  # the lower edge of the chart's band: its axis starts at 0
+                    self.writer.add_scalar(dashboards.FROM_ZERO[name], 0.0, step)
             # The layout charts what the run writes: rewritten when a tag appears (the first step, the
             # first evaluation); the fused head's backward bytes once they are not 0.
             charted = self._charted | {name for name, value in items

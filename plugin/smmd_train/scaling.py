@@ -60,10 +60,10 @@ from .tables import markdown_table
 SWEEP_OWNED = ("tensorboard_dir", "resume", "overwrite_output_dir", "local_rank")
 # What each scaling-<layout> TensorBoard run holds, as scaling/<name> at x = world size; the ideal_*
 # values are linear scaling from the baseline, baseline_peak_memory_gib the baseline's peak memory (the
-# upper edges of the bands of smmd_train.dashboards.SCALING_LAYOUT).
+# upper edges of the bands of smmd_train.dashboards.SCALING_LAYOUT), zero_gib 0 (the memory band's lower edge).
 SCALING_SCALARS = ("tokens_per_second", "ideal_tokens_per_second", "tokens_per_second_per_rank",
                    "ideal_tokens_per_second_per_rank", "efficiency", "ideal_efficiency", "speedup", "peak_memory_gib",
-                   "baseline_peak_memory_gib", "loss_bytes_per_step")
+                   "baseline_peak_memory_gib", "zero_gib", "loss_bytes_per_step")
 SUMMARY_KEYS = ("tokens_per_second", "tokens_per_second_per_rank", "tflops_per_rank", "peak_memory_gib",
                 "loss_bytes_per_step", "final_loss_total")
 
@@ -287,7 +287,7 @@ def write_scaling_view(tensorboard_dir: Path, rows: Sequence[dict], sweep) -> li
             linear = {"ideal_tokens_per_second_per_rank": row["ideal_tokens_per_second"] / row["world_size"],
                       "ideal_efficiency": 1.0}
             if "peak_memory_gib" in baseline:
-                linear["baseline_peak_memory_gib"] = baseline["peak_memory_gib"]
+                linear.update(baseline_peak_memory_gib=baseline["peak_memory_gib"], zero_gib=0.0)
             for key, value in {**row, **linear}.items():
                 if key in SCALING_SCALARS:
                     writer.add_scalar(f"scaling/{key}", float(value), row["world_size"])

@@ -102,6 +102,8 @@ def test_pointed_at_one_run_the_row_has_its_metrics(root, name):
 def test_the_layout_charts_what_the_run_writes_one_tag_per_chart(root, name):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from smmd_train.dashboards import FROM_ZERO
+
     run_dir = root / name / "tensorboard"
     tags = set()
     for event_file in run_dir.glob("events.out.tfevents.*"):
@@ -113,13 +115,19 @@ def test_the_layout_charts_what_the_run_writes_one_tag_per_chart(root, name):
     charted = []
     for charts in categories.values():
         for chart in charts:
+            if "margin" in chart:  # a band from 0 up to the value (FROM_ZERO)
+                (band, ) = chart["margin"]["series"]
+                assert band == {"value": band["value"], "lower": FROM_ZERO[band["value"]], "upper": band["value"]}
+                assert band["lower"] in tags
+                charted.append(band["value"])
+                continue
             (pattern, ) = chart["multiline"]["tag"]  # one tag: TensorBoard colours lines by run, not by tag
             (tag, ) = [tag for tag in tags if re.search(pattern, tag)]
             charted.append(tag)
     # Every scalar the run writes step by step has its chart, and no chart waits for a tag it never
-    # writes; the fused head's backward bytes, 0 in both runs, have none.
+    # writes; the fused head's backward bytes, 0 in both runs, have none; the zero tags are band edges.
     assert "comm/loss_backward_bytes" in tags and "comm/loss_backward_bytes" not in charted
-    assert sorted(charted) == sorted(tag for tag in tags - {"comm/loss_backward_bytes"}
+    assert sorted(charted) == sorted(tag for tag in tags - {"comm/loss_backward_bytes", *FROM_ZERO.values()}
                                      if not tag.startswith("summary/"))
     assert not any(title.startswith("scaling") for title in categories)
     assert ("held-out (x = step)" in categories) == RUNS[name]["evaluate"]
@@ -226,3 +234,52 @@ def test_trial_ids_fit_the_hparams_column_and_stay_apart(tmp_path):
     assert len(written) == 2 and len(set(written)) == 2, written
     assert all(len(trial) <= TRIAL_ID_CHARS and trial.startswith("numeracy-tierA-ntl_mse-weight1e-4") for trial in
                written), written
+
+
+def _chart_values(chart, series):
+    """The values a Custom Scalars chart draws (a Margin chart's band edges too) from ``series`` (tag -> values)."""
+    if "margin" in chart:
+        return [value for band in chart["margin"]["series"] for tag in band.values() for value in series[tag]]
+    return [value for pattern in chart["multiline"]["tag"] for tag in series if re.search(pattern, tag)
+            for value in series[tag]]
+
+
+def _series(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series = {}
+    for event_file in run_dir.glob("events.out.tfevents.*"):
+        events = EventAccumulator(str(event_file))
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            series.setdefault(tag, []).extend(event.value for event in events.Scalars(tag))
+    return series
+
+
+def test_the_memory_charts_start_at_zero(root, tmp_path):
+    """Custom Scalars fits the y axis to a chart's values (to their 5-95% quantiles with "ignore
+    outliers", on by default) and has no axis-minimum setting: peak memory of 0.64 and 0.66 GiB would
+    span the whole chart, a 3% difference drawn as a cliff. Each memory chart draws a band from 0, so
+    0 is on its axis and the heights compare as they are."""
+    from smmd_train.scaling import Config, scaling_table, write_scaling_view
+
+    configs = [Config(size, 1, 1, size) for size in (1, 2, 4)]
+    results = {config.name: {"status": "ok", "summary": {
+        "summary/tokens_per_second": 100.0 * config.world_size, "summary/tokens_per_second_per_rank": 100.0,
+        "summary/peak_memory_gib": 0.66 - 0.01 * config.world_size}} for config in configs}
+    (scaling_dir, ) = write_scaling_view(tmp_path, scaling_table(configs, results), SimpleNamespace(weak=True))
+    charts = {}
+    for run_dir in (root / "a" / "tensorboard", root / "b" / "tensorboard", scaling_dir):
+        layout = Dashboards(run_dir).layout()
+        charts[run_dir] = [chart for category in layout["category"] for chart in category["chart"]
+                           if chart["title"].startswith("peak memory GiB")]
+    for run_dir, memory_charts in charts.items():
+        (chart, ) = memory_charts
+        series = _series(run_dir)
+        (band, ) = chart["margin"]["series"]
+        assert band["value"] in ("memory/peak_gib", "scaling/peak_memory_gib"), chart["title"]
+        assert min(series[band["value"]]) > 0 and set(series[band["lower"]]) == {0.0}, chart["title"]
+        # 0 at every point of a third of the chart's values: inside the 5-95% quantiles.
+        assert _quantile(_chart_values(chart, series), 0.05) == 0.0, chart["title"]
+    (scaling_band, ) = charts[scaling_dir][0]["margin"]["series"]
+    assert _series(scaling_dir)[scaling_band["upper"]] == pytest.approx([0.65] * 3)  # the baseline's peak

@@ -116,10 +116,16 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     assert set(dashboards.RUN_METRICS) <= set(summary0) | scalars  # every column has its value in the run
 
     # The Custom Scalars layout: the last one written charts every per-step tag the run wrote (its
-    # evaluation's included), one tag per chart.
+    # evaluation's included), one tag per chart; peak memory as a band from its zero tag (TensorBoard
+    # only: not in metrics.jsonl), written at each step that has the peak.
     layout = layout_pb2.Layout.FromString(run.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
     charted = {tag[1:-1] for category in layout.category for chart in category.chart for tag in chart.multiline.tag}
+    charted |= {tag for category in layout.category for chart in category.chart for band in chart.margin.series
+                for tag in (band.value, band.lower, band.upper)}
     assert charted == {tag for tag in scalars if not tag.startswith("summary/")} - {"comm/loss_backward_bytes"}
+    assert [(event.step, event.value) for event in run.Scalars("memory/zero_gib")] == [(2, 0.0), (3, 0.0)]
+    assert [event.step for event in run.Scalars("memory/peak_gib")] == [2, 3]
+    assert not any("memory/zero_gib" in record for record in records)
     assert "held-out (x = step)" in [category.title for category in layout.category]
 
 
