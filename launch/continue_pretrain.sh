@@ -20,16 +20,7 @@ OUTPUT_DIR="${OUTPUT_DIR:-outputs/continue-$(basename "$MODEL_DIR")}"
 MAX_STEPS="${MAX_STEPS:-2000}"
 SAVE_STEPS="${SAVE_STEPS:-250}"
 
-rate=()
-if [ -z "${LR:-}" ] && "${PYTHON:-python}" - "${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}" \
-    2>/dev/null <<'PY'
-import json, sys
-lr = json.load(open(sys.argv[1])).get("optimizer", {}).get("params", {}).get("lr", "auto")
-sys.exit(0 if lr == "auto" else 1)
-PY
-then
-  rate=(--lr 2e-5)
-fi
+RECIPE_DEFAULTS="gradient_accumulation_steps=GRAD_ACCUM=gradient_accumulation_steps=8 lr=LR=optimizer.params.lr=2e-5"
 
 # shellcheck source=launch/deepspeed_train.sh
-. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "${rate[@]}" "$@"
+. "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL_DIR" --export_hf "${EXPORT_DIR:-$OUTPUT_DIR/hf}" "$@"

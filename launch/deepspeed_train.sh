@@ -10,8 +10,8 @@
 #   small runs), MAX_STEPS, SAVE_STEPS, DATA, OUTPUT_DIR.
 # Passed only when set, so that the DeepSpeed config, else train.py's default, decides otherwise:
 #   MICRO_BATCH (--micro_batch_size: the config's train_micro_batch_size_per_gpu, else 1), GRAD_ACCUM
-#   (--gradient_accumulation_steps: the config's, else 1), LR (--lr: the config's optimizer lr, else
-#   3e-4), WARMUP_STEPS (--warmup_steps: 100, at most 10% of MAX_STEPS), TP (--tp: the config's
+#   (--gradient_accumulation_steps: the config's, else the recipe's 8), LR (--lr: the config's optimizer
+#   lr, else train.py's 3e-4, continue_pretrain.sh's 2e-5), WARMUP_STEPS (--warmup_steps: 100, at most 10% of MAX_STEPS), TP (--tp: the config's
 #   tensor_parallel.autotp_size, else 1), SP (--sp, Ulysses sequence parallelism: 1; not with TP > 1),
 #   NUMERIC_LOSS (--numeric_loss: smmd). A variable that contradicts the config is refused by name:
 #   SMMD_FLAG_SOURCES tells train.py which flag each set variable gave (the ranks inherit it on one
@@ -35,8 +35,9 @@ fi
 [ -z "${MASTER_PORT:-}" ] || launcher+=(--master_port "$MASTER_PORT")
 [ -z "${DEEPSPEED:-}" ] || launcher+=(--deepspeed "$DEEPSPEED")
 
+config="${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}"
 # shellcheck disable=SC2086  # DATA may list several files
-flags=(--deepspeed_config "${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}" --data $DATA
+flags=(--deepspeed_config "$config" --data $DATA
        --seq_len "${SEQ_LEN:-4096}" --max_steps "$MAX_STEPS" --output_dir "$OUTPUT_DIR" --save_steps "$SAVE_STEPS"
        --resume)
 sources=()
@@ -49,5 +50,27 @@ for pair in micro_batch_size=MICRO_BATCH gradient_accumulation_steps=GRAD_ACCUM 
   sources+=("$pair")
 done
 export SMMD_FLAG_SOURCES="${sources[*]}"
+
+# The recipe's own values, where neither their variable nor the DeepSpeed config decides (the config
+# says "auto" or has no such key): RECIPE_DEFAULTS, "flag=variable=config.key=value ..." (the caller's;
+# both scripts: 8 accumulation steps, continue_pretrain.sh also lr 2e-5).
+if [ -n "${RECIPE_DEFAULTS:-}" ]; then
+  # shellcheck disable=SC2086  # one argument per default
+  auto=$("${PYTHON:-python}" - "$config" $RECIPE_DEFAULTS 2>/dev/null <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+for default in sys.argv[2:]:
+    value = config
+    for part in default.split("=")[2].split("."):
+        value = value.get(part, "auto") if isinstance(value, dict) else "auto"
+    if value == "auto":
+        print(default)
+PY
+  ) || auto=""  # an unreadable config: train.py names the problem
+  for default in $auto; do
+    IFS="=" read -r flag variable _ value <<< "$default"
+    [ -n "${!variable:-}" ] || flags+=("--$flag" "$value")
+  done
+fi
 
 exec "${launcher[@]}" "$LAUNCH_DIR/train.py" "${flags[@]}" "$@"

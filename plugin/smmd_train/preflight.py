@@ -123,16 +123,17 @@ def comm_build_wait(accelerator) -> Optional[str]:
     minutes while another environment or job builds into the same ``TORCH_EXTENSIONS_DIR``, forever
     when a killed build left the lock behind."""
     import deepspeed.ops
-    from torch.utils.cpp_extension import _get_build_directory
 
     builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    environment = BuildEnvironment.detect()
     if (builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME)
-            or BuildEnvironment.detect().installed_ops.get(builder.NAME)):
+            or environment.installed_ops.get(builder.NAME)):
         return None  # no build: no communication op here, or it cannot be built, or it is prebuilt
-    # torch's own choice of the op's build directory (TORCH_EXTENSIONS_DIR/<op>, or its default root's
-    # py<version>_<device>/<op>); torch creates it on the build anyway.
-    lock = Path(_get_build_directory(builder.NAME, verbose=False), "lock")
-    if not lock.exists():
+    # The op's build directory as torch chooses it: TORCH_EXTENSIONS_DIR/<op>, or under the default root
+    # <root>/py<version>_<device>/<op>.
+    locks = _build_locks(environment.extensions_dir, builder.NAME)
+    if not locks:
         return None
+    lock = locks[0]
     return (f"waiting for the build lock {lock} (another process is building DeepSpeed's {builder.NAME} op; if "
             "none is, a killed build left it: delete it)")

@@ -31,7 +31,7 @@ from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .experiment import check_resumed_experiment, experiment_record
 from .plan import RunPlan, plan_run
-from .sequence_parallel import forward_inputs, step_targets, target_counts
+from .sequence_parallel import micro_batch_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
 
@@ -253,14 +253,6 @@ def fused_linear_ran(installed) -> bool:
     """Whether the installed loss's last call ran the fused linear head (from the head's input, no
     logits), as the installed loss records it."""
     return installed.last_path == "fused_linear"
-
-
-def micro_batch_inputs(batch: dict, device, sp_rank: int = 0, sp_size: int = 1) -> dict:
-    """The forward inputs (``forward_inputs``) of a batch of ``smmd_train.data``: its ``input_ids``
-    and, for prompt/completion rows, its ``labels`` (-100 on the prompt and the padding), on ``device``."""
-    labels = batch.get("labels")
-    return forward_inputs(batch["input_ids"].to(device), sp_rank, sp_size,
-                          labels=None if labels is None else labels.to(device))
 
 
 def step_counts(run: PreparedRun, micro_batches: list) -> dict:

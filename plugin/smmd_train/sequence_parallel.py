@@ -175,3 +175,11 @@ def shard_loss_scale(engine, sp_size: int) -> float:
     divides by ``dp x sp`` when it reduce-scatters them (``zero_optimization.reduce_scatter``, on by
     default), by ``dp`` when it all-reduces them (it divides by ``sp`` less there)."""
     return float(sp_size) if engine.zero_reduce_scatter() else 1.0
+
+
+def micro_batch_inputs(batch: dict, device, sp_rank: int = 0, sp_size: int = 1) -> dict:
+    """The forward inputs (``forward_inputs``) of a batch of ``smmd_train.data``: its ``input_ids``
+    and, for prompt/completion rows, its ``labels`` (-100 on the prompt and the padding), on ``device``."""
+    labels = batch.get("labels")
+    return forward_inputs(batch["input_ids"].to(device), sp_rank, sp_size,
+                          labels=None if labels is None else labels.to(device))

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-# Only the parser at the top: cli() reads the command line before torch, DeepSpeed and transformers load
+# Only the parser at the top: cli() reads the command line before DeepSpeed and transformers load
 # (seconds, on every rank), so a mistyped flag is refused at once; main() imports the rest.
 from .arguments import parse_args
 

@@ -198,9 +198,11 @@ def test_a_flag_the_config_could_decide_is_passed_only_when_its_variable_is_set(
     flags the scripts decide themselves (sequence length, steps, checkpoints, --resume) stay."""
     completed, argv = launch(tmp_path, script, DATA="/d", **required)
     assert completed.returncode == 0, completed.stderr
+    # zero3.json leaves the accumulation and the lr "auto": there the recipe's values (RECIPE_DEFAULTS)
+    recipe = {"GRAD_ACCUM": "8", **({"LR": "2e-5"} if script == "continue_pretrain.sh" else {})}
     for variable, (name, _) in ONLY_WHEN_SET.items():
-        if (script, variable) == ("continue_pretrain.sh", "LR"):  # zero3.json's lr is "auto": the script's rate
-            assert flag(argv, "--lr") == "2e-5"
+        if variable in recipe:
+            assert argv.count(name) == 1 and flag(argv, name) == recipe[variable], variable
             continue
         assert name not in argv, f"{name} passed without {variable}"
     assert sources(tmp_path) == ""
@@ -272,12 +274,17 @@ def test_a_variable_that_contradicts_the_user_s_json_is_refused_by_name(tmp_path
         "agree, or set optimizer.params.lr to \"auto\""]
 
 
-def test_continue_pretrain_takes_a_small_rate_only_where_the_config_leaves_it_auto(tmp_path, user_config):
-    """2e-5 for continued pretraining when neither LR nor the DeepSpeed JSON says (zero3.json: "auto");
-    a JSON with its own lr keeps it (no flag to contradict it), LR wins over both."""
+def test_the_recipe_s_values_apply_only_where_the_config_leaves_them_auto(tmp_path, user_config):
+    """2e-5 for continued pretraining and 8 accumulation steps when neither the variable nor the
+    DeepSpeed JSON says (zero3.json: "auto"); a JSON with its own values keeps them (no flag to
+    contradict it), the variable wins over both."""
     completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d")
     assert completed.returncode == 0 and flag(argv, "--lr") == "2e-5"
+    assert flag(argv, "--gradient_accumulation_steps") == "8"
     completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d", DS_CONFIG=user_config)
-    assert completed.returncode == 0 and "--lr" not in argv
-    completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d", LR="1e-5")
+    assert completed.returncode == 0 and "--lr" not in argv and "--gradient_accumulation_steps" not in argv
+    completed, argv = launch(tmp_path, "continue_pretrain.sh", MODEL_DIR="/m", DATA="/d", LR="1e-5", GRAD_ACCUM=2)
     assert completed.returncode == 0 and argv.count("--lr") == 1 and flag(argv, "--lr") == "1e-5"
+    assert argv.count("--gradient_accumulation_steps") == 1 and flag(argv, "--gradient_accumulation_steps") == "2"
+    completed, argv = launch(tmp_path, "pretrain.sh", TOKENIZER="/t", DATA="/d", DS_CONFIG=tmp_path / "missing.json")
+    assert completed.returncode == 0 and "--gradient_accumulation_steps" not in argv  # train.py names the file

@@ -642,8 +642,7 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
     step's count of valid targets, which counts the completion tokens and EOS alone."""
     from helpers.models import tiny_llama
 
-    from smmd_train.run import micro_batch_inputs
-    from smmd_train.sequence_parallel import forward_inputs, step_targets, target_counts
+    from smmd_train.sequence_parallel import forward_inputs, micro_batch_inputs, step_targets, target_counts
 
     records = random_records(rng, rng.randint(3, 6))
     seq_len = 96

@@ -5,6 +5,7 @@ entry point, then checked against the model it came from and against transformer
 directly; and ``train.py --model <converted folder>`` training from it."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -122,6 +123,23 @@ def test_an_existing_folder_and_a_missing_source_are_refused(converted, tmp_path
         assert exited.value.code == 2 and message in error and error.count("\n") == 1, error
     with pytest.raises(ValueError, match=r"the installed package 'gguf' ships 0 .gguf files"):
         bundled_gguf("gguf")
+
+
+def test_without_a_usable_gguf_package_the_command_says_what_to_install(converted, tmp_path):
+    """transformers reads GGUF through the gguf package (>= 0.10): an older one, as a machine may have,
+    is one line naming the extra to install, not a traceback."""
+    import subprocess
+    import sys
+
+    _, _, gguf_path, _ = converted
+    old = tmp_path / "shadow" / "gguf-0.1.0.dist-info"  # found before the installed one on sys.path
+    old.mkdir(parents=True)
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: gguf\nVersion: 0.1.0\n")
+    env = environment(PYTHONPATH=os.pathsep.join(filter(None, [str(old.parent), os.environ.get("PYTHONPATH")])))
+    completed = subprocess.run([sys.executable, "-m", "smmd_train.gguf_convert", str(gguf_path), str(tmp_path / "out")],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    assert completed.stderr.count("\n") == 1 and "pip install 'smmd-scale[finetune]'" in completed.stderr
 
 
 @pytest.mark.slow

@@ -160,6 +160,18 @@ def test_a_resumed_run_s_metrics_hold_each_step_once(tmp_path):
     assert [(record["step"], record.get("loss/ce")) for record in restarted] == [(0, None), (1, 1.0)]
 
 
+def test_a_resume_drops_a_damaged_metrics_line_instead_of_failing(tmp_path):
+    """Rank 0 alone rewrites the file when it resumes: a line that is no record (damaged on disk) must
+    not raise there while the other ranks go on into the step's collectives."""
+    from smmd_train.metrics_file import keep_records_through
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce"\x00\n'
+                    '["not", "a record"]\n{"step": 3, "loss/ce": 2.3}\n')
+    assert keep_records_through(path, 2) == 3
+    assert read_metrics(tmp_path) == [{"step": 1, "loss/ce": 2.5}]
+
+
 def test_read_metrics_leaves_out_a_record_still_being_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce": 2.4}\n{"step": 3, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss/ce": 2.5}, {"step": 2, "loss/ce": 2.4}]

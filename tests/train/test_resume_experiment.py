@@ -164,3 +164,20 @@ def test_changes_are_compared_only_where_both_records_have_them():
     assert experiment_changes(old, new) == ["--numeric_loss smmd:1 -> ntl-mse:1"]
     assert experiment_changes({"step": 4, "world_size": 2}, new) == []  # a marker written before the record
     assert experiment_changes(old, old) == []
+
+
+def test_prompt_completion_rows_that_move_text_between_prompt_and_completion_are_other_data():
+    """The same token ids with other labels (a word moved from the completion into the prompt) are
+    another objective's data; rows without labels (packed text) hash their ids alone."""
+    import datasets
+
+    from smmd_train.experiment import blocks_fingerprint
+
+    ids = [[5, 6, 7, 8, 2, 0], [9, 10, 11, 2, 0, 0]]
+    labels = [[-100, -100, 7, 8, 2, -100], [-100, 10, 11, 2, -100, -100]]
+    moved = [[-100, -100, -100, 8, 2, -100], [-100, 10, 11, 2, -100, -100]]
+    rows = blocks_fingerprint(datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}))
+    assert rows.startswith("2 blocks x 6 tokens, sha256 ")
+    assert blocks_fingerprint(datasets.Dataset.from_dict({"input_ids": ids, "labels": moved})) != rows
+    assert blocks_fingerprint(datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})) == rows
+    assert blocks_fingerprint(datasets.Dataset.from_dict({"input_ids": ids})) != rows
