@@ -78,3 +78,17 @@ def tokenizer_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokenizer")
     llama3_style().save_pretrained(directory)
     return directory
+
+
+# Module-scoped fixtures that train (launches of tens of seconds to minutes), read by several tests.
+# Under pytest-xdist (`-n N --dist loadgroup`) the tests that read one of them run on one worker, so
+# it trains once; the others spread freely. In order: a test that reads two (resume_changes'
+# `continued` is made from its `trained`) joins the first one's group.
+SHARED_RUNS = ("trained", "families_trained", "zero3_run", "nan_run", "continued")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = next((name for name in SHARED_RUNS if name in item.fixturenames), None)
+        if shared is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared}"))

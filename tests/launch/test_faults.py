@@ -126,6 +126,7 @@ def test_consecutive_non_finite_steps_abort_with_an_intact_checkpoint(tmp_path, 
     skipped_before = metrics(output)[10]["train/skipped_steps"]
     # As many documents as the run's own data (a resume checks the data still packs into as many
     # blocks): clean ones, and the same documents with the token whose embedding is NaN in each.
+    # Other data than the checkpoint's: the resumes say so (--allow_objective_change).
     clean = write_corpus(tmp_path / "clean.jsonl", 600)
     poisoned = write_corpus(tmp_path / "poisoned.jsonl", 600, number_share=1.0, number=777)
     # Steps 11, 12, 13 are skipped; the checkpoint at step 12 still commits (a skipped step leaves
@@ -133,13 +134,14 @@ def test_consecutive_non_finite_steps_abort_with_an_intact_checkpoint(tmp_path, 
     with pytest.raises(AssertionError, match=r"(?s)exited 3.*3 consecutive optimizer steps had a NaN/inf loss.*"
                                               r"the last committed checkpoint is step00000012"):
         run(deepspeed_command(2, *train_command(None, poisoned, output, save_steps=2, resume=True,
-                                                max_skipped_steps=3, steps=16, model=model_dir)),
+                                                allow_objective_change=True, max_skipped_steps=3, steps=16,
+                                                model=model_dir)),
             timeout=600)
     assert (output / "latest").read_text() == "step00000012"
     assert metrics(output)[13]["train/skipped_steps"] == skipped_before + 3 and 14 not in metrics(output)
     # The checkpoint is intact: a run on clean data resumes from it and finishes.
     completed = run(deepspeed_command(2, *train_command(None, clean, output, save_steps=2, resume=True, steps=14,
-                                                        model=model_dir)), timeout=600)
+                                                        allow_objective_change=True, model=model_dir)), timeout=600)
     assert "resumed from step00000012 at step 12" in completed.stdout
     assert all(not torch.isnan(torch.tensor(metrics(output)[step]["loss/total"])) for step in (13, 14))
 
