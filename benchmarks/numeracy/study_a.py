@@ -131,7 +131,10 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     record_path = output_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if "eval" in record:
-        return add_first_token_scores(record, output_dir, data) if "eval_first_token" not in record else record
+        if "eval_first_token" not in record:
+            add_first_token_scores(output_dir, data)
+            record = json.loads(record_path.read_text())
+        return record
     if "train_seconds" not in record or not (output_dir / "hf" / "config.json").is_file():
         import shutil
 

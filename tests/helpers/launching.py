@@ -48,6 +48,17 @@ def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.Complet
     return completed
 
 
+def run_many(commands: dict, timeout: float, env=None, jobs: int = 3) -> dict:
+    """``run`` each of ``commands`` (name -> command), ``jobs`` at a time; name -> CompletedProcess.
+    Launches of tiny models spend much of their time starting up and waiting on each other's
+    collectives, so a few side by side finish well before the same one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {name: pool.submit(run, command, timeout, env) for name, command in commands.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def metrics(output_dir) -> dict:
     """train.py's metrics.jsonl as step -> merged metrics (the last record of each name wins, as after
     a resume re-logs steps)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
+from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, run_many, train_flags
 from helpers.models import tiny_llama
 
 from smmd_train.launcher import free_port
@@ -431,10 +431,9 @@ def test_sequence_parallel_sp2_trains_the_sp1_model(tmp_path, corpus):
 
     options = dict(steps=4, gradient_accumulation_steps=2, eval_steps=4)
     runs = {"sp1": (1, {}), "sp2": (2, {"sp": 2}), "sp2-fused": (2, {"sp": 2, "fused_linear": True})}
-    for name, (processes, flags) in runs.items():
-        output = tmp_path / name
-        run(deepspeed_command(processes, *train_args(corpus, output, export_hf=output / "hf", **options, **flags)),
-            timeout=600)
+    run_many({name: deepspeed_command(processes, *train_args(corpus, tmp_path / name, export_hf=tmp_path / name / "hf",
+                                                             **options, **flags))
+              for name, (processes, flags) in runs.items()}, timeout=900)
     reference = metrics(tmp_path / "sp1")
     weights = load_file(tmp_path / "sp1" / "hf" / "model.safetensors")
     # How far AdamW can move one element in these 4 steps: lr_t * |m_hat / sqrt(v_hat)| each step,

@@ -6,7 +6,7 @@ five carries numbers, so micro-batches hold very different numbers of numeric ta
 parts add up to loss/total at every step."""
 
 import pytest
-from helpers.launching import run
+from helpers.launching import run_many
 
 from benchmarks.bench_layouts import LAYOUTS, STEPS, layout_command, steps_of, table_rows, write_corpus
 
@@ -15,10 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_every_layout_of_the_global_batch_trains_the_same_objective(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
-    logged = {}
-    for index, (name, layout) in enumerate(LAYOUTS.items()):
-        run(layout_command(corpus, tmp_path / f"run{index}", *layout), timeout=600)
-        logged[name] = steps_of(tmp_path / f"run{index}")
+    outputs = {name: tmp_path / f"run{index}" for index, name in enumerate(LAYOUTS)}
+    run_many({name: layout_command(corpus, outputs[name], *layout) for name, layout in LAYOUTS.items()}, timeout=900)
+    logged = {name: steps_of(output) for name, output in outputs.items()}
     reference = logged["1 rank, micro-batch 4"]
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert max(reference[step]["numeric/positions"] for step in reference) > 0  # the steps hold numbers

@@ -115,6 +115,15 @@ def test_evaluate_model_scores_the_first_generated_token_beside_the_first_number
     assert result["metrics"] == tier_a.score(items, result["answers"])
     assert parse_number(loaded.decode(loaded("123")["input_ids"])) == 123
     assert joined > 0, "the test should see at least one continuation that joins two number tokens"
+    # A run scored before the post-hoc check: executing it again adds the check, trains nothing.
+    run_dir = tmp_path / "ce-seed0"
+    (run_dir / "hf").parent.mkdir()
+    (run_dir / "hf").symlink_to(tmp_path / "model")
+    (run_dir / "run.json").write_text(json.dumps({"arm": "ce", "seed": 0, "train_seconds": 1.0,
+                                                   "eval": result["metrics"]}))
+    (run_dir / "answers.json").write_text(json.dumps({"answers": result["answers"]}))
+    record = study_a.execute({}, data, "ce", {}, 0, run_dir, {}, study_a.evaluate_a)
+    assert record["eval_first_token"] == result["metrics_first_token"] and record["eval_reproduced"] is True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import sys
 
 import pytest
-from helpers.launching import REPO, environment, launch_command, run
+from helpers.launching import REPO, environment, launch_command, run_many
 from helpers.models import FAMILY_CONFIGS
 
 pytestmark = pytest.mark.slow
@@ -42,10 +42,12 @@ FAMILY_VARIANTS = [(family, embeddings, layout) for family in FAMILIES for embed
 def train(directory, launches: dict) -> dict:
     """Each launch's result; the script imports the tiny models of tests/helpers."""
     env = environment(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
+    commands = {}
     for layout, (processes, options) in launches.items():
         out = ("--out", directory / f"{layout}.json")
-        run([sys.executable, SCRIPT, *options, *out] if processes == 1 else
-            launch_command(SCRIPT, *options, *out, processes=processes), timeout=1200, env=env)
+        commands[layout] = ([sys.executable, SCRIPT, *options, *out] if processes == 1 else
+                            launch_command(SCRIPT, *options, *out, processes=processes))
+    run_many(commands, timeout=1200, env=env)
     return {layout: json.loads((directory / f"{layout}.json").read_text()) for layout in launches}
 
 
