@@ -9,8 +9,9 @@ from smmd_scale import NumericVocab
 
 # Reference values of the objective (docs/objective.md) computed in float64 with the paper's published code.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "smmd_reference_digits.pt"
-# Fresh random inputs every run; rerun one with SMMD_TEST_SEED=<seed printed in the header>.
-SESSION_SEED = int(os.environ.get("SMMD_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# Fresh random inputs every run; rerun one with SMMD_TEST_SEED=<seed printed in the header>. Set in
+# the environment here, so pytest-xdist's workers (started after this import) draw with the same seed.
+SESSION_SEED = int(os.environ.setdefault("SMMD_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 
 
 def pytest_report_header(config):
@@ -80,15 +81,6 @@ def tokenizer_dir(tmp_path_factory):
     return directory
 
 
-# Module-scoped fixtures that train (launches of tens of seconds to minutes), read by several tests.
-# Under pytest-xdist (`-n N --dist loadgroup`) the tests that read one of them run on one worker, so
-# it trains once; the others spread freely. In order: a test that reads two (resume_changes'
-# `continued` is made from its `trained`) joins the first one's group.
-SHARED_RUNS = ("trained", "families_trained", "zero3_run", "nan_run", "continued")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        shared = next((name for name in SHARED_RUNS if name in item.fixturenames), None)
-        if shared is not None:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared}"))
+# Under pytest-xdist the suite runs with --dist loadfile: a test module's tests run on one worker, so a
+# module-scoped fixture that trains (test_launch.py's ZeRO-3 run, test_deepspeed.py's layouts) trains
+# once. (xdist 3.8's --dist loadgroup did not keep a group on one worker here.)

@@ -19,7 +19,7 @@ def test_readme_commands_are_what_ci_runs():
     test_command = re.search(r"^    (python -m pytest -q tests.*)$", readme, re.MULTILINE).group(1)
     assert test_command in ci.splitlines()
     assert "ruff check ." in ci.splitlines() and "ruff check ." in readme
-    fast_loop = re.search(r'^    (python -m pytest -q -m "not slow")$', readme, re.MULTILINE)
+    fast_loop = re.search(r'^    (python -m pytest -q -m "not slow"( -n \d+ --dist loadfile)?)$', readme, re.MULTILINE)
     assert fast_loop is not None
 
 
