@@ -205,9 +205,12 @@ def score(items: list, parsed: list) -> dict:
 
     ``items`` are qa_eval rows ({"prompt", "answer", "task" = "<split>/<op>"}), ``parsed`` the number
     each greedy answer starts with (None when there is none). An unparseable answer counts as wrong
-    for exact match and within +-1 and is left out of MAE (its share is reported)."""
+    for exact match and within +-1 and is left out of ``mae`` (its share is reported); ``mae_capped``
+    counts every item, each error at most the split's cap (``mae_cap``: the span of the split's answers,
+    largest - smallest, at least 1) and an unparseable answer as the cap."""
     if len(items) != len(parsed):
         raise ValueError(f"one parsed answer per item needed; got {len(parsed)} for {len(items)} items")
+    caps = answer_spans(items)
     groups: dict = {}
     for item, value in zip(items, parsed):
         split = item["task"].split("/")[0]
@@ -221,8 +224,24 @@ def score(items: list, parsed: list) -> dict:
                        "within_1": sum(value is not None and abs(value - truth) <= 1 for truth, value in rows)
                        / len(rows),
                        "mae": sum(errors) / len(errors) if errors else None,
+                       "mae_capped": capped_mae(rows, caps[key.split("/")[0]]), "mae_cap": caps[key.split("/")[0]],
                        "unparseable": sum(value is None for _, value in rows) / len(rows)}
     return report
+
+
+def answer_spans(items: list) -> dict:
+    """{split: largest answer - smallest answer over the split's items, at least 1}: the cap of
+    ``capped_mae``, the largest error an answer inside the split's own range can have."""
+    answers: dict = {}
+    for item in items:
+        answers.setdefault(item["task"].split("/")[0], []).append(item["answer"])
+    return {split: max(1, max(values) - min(values)) for split, values in answers.items()}
+
+
+def capped_mae(rows: list, cap) -> float:
+    """Mean over all ``rows`` ((truth, parsed or None)) of min(|parsed - truth|, cap), an unparseable
+    answer counting as ``cap``: no answer is dropped."""
+    return sum(cap if value is None else min(abs(value - truth), cap) for truth, value in rows) / len(rows)
 
 
 def evaluate_model(model_dir, qa_path, batch_size: int = 200, max_new_tokens: int = 3, parse=None,
