@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.numeracy import analyze, analyze_a, study_a  # scipy comes with the test extras
 from smmd_numeracy import tier_a
@@ -340,3 +341,57 @@ def test_capped_mae_is_rescored_from_the_answers_of_a_run_scored_before_it(tmp_p
     assert rescored["oor"]["mae_capped"] == pytest.approx((2 + 1) / 2)   # span 2: the error 50 counts 2
     assert rescored["test"]["mae"] == old["test"]["mae"]
     assert analyze_a.with_capped_mae(old, None, items) == old  # no answers: nothing to rescore
+
+
+@pytest.mark.parametrize("sigma", tier_a.PRIME_SIGMAS)
+def test_shuffled_kernel_control_is_positive_semidefinite_and_the_random_kernel_is_not(sigma):
+    # SMMD's objective in the numeric distribution p is (p - e_y)^T K (p - e_y) + alpha p^T L p, L = D - K:
+    # its Hessian is 2 (K + alpha L). Tier A''s control (raw distances, values shuffled across the tokens)
+    # must leave that positive semi-definite, so descent still pulls p toward the target.
+    from smmd_scale.value_kernel import build_kernel
+
+    values = torch.arange(1000, dtype=torch.float64)
+
+    def smallest_and_largest(**options):
+        matrices = build_kernel(values, **options)
+        laplacian = torch.diag(matrices.degree) - matrices.kernel
+        eigenvalues = torch.linalg.eigvalsh(matrices.kernel + matrices.alpha * laplacian)
+        return float(eigenvalues[0]), float(eigenvalues[-1])
+
+    low, high = smallest_and_largest(kernel="shuffled", sigmas=(sigma, ), squash_factor=0.0)
+    # LAPACK's symmetric eigenvalues are exact to about N * eps * the largest (2e-13 relative): 1e-10 is rounding.
+    assert low >= -1e-10 * high, (sigma, low, high)
+    assert smallest_and_largest(kernel="gaussian", sigmas=(sigma, ), squash_factor=0.0)[0] >= -1e-10 * high
+    random_low, random_high = smallest_and_largest(kernel="random")
+    assert random_low < -1e-3 * random_high  # Tier A's random kernel: an indefinite objective
+
+
+def test_tier_a_prime_arms_flags_and_the_selection_chooses_on_validation(tmp_path):
+    from benchmarks.numeracy import study_aprime
+
+    grid_candidates = study_aprime.candidates(quick=False)
+    assert len(grid_candidates) == 9
+    assert grid_candidates["sigma10-w0.3"] == {"numeric_loss": ["smmd:0.3"], "smmd_squash_factor": 0.0,
+                                               "smmd_sigmas": [10.0]}
+    assert list(study_aprime.candidates(quick=True)) == ["sigma10-w1"]
+    assert tier_a.PRIME_SETTINGS["eval_per_split"] is None  # every validation and test pair is scored
+    # A selection whose runs finished (a resumed one) is decided from their validation scores alone.
+    grid = {"settings": tier_a.PRIME_SETTINGS, "data": {}, "work_dir": tmp_path, "env": {}, "began": 0.0,
+            "study": {}}
+    val = {"sigma3-w0.1": (0.30, 2.0), "sigma10-w1": (0.36, 1.5), "sigma30-w0.3": (0.36, 1.2), "reference": (0.33, 1.0)}
+    for label, (exact, capped) in val.items():
+        scores = {"count": 10, "exact_match": exact, "mae": capped, "mae_capped": capped, "within_1": 0.9,
+                  "unparseable": 0.0}
+        run_dir = tmp_path / "selection" / f"smmd_raw-{label}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(json.dumps({"eval": {"val": scores}, "eval_first_token": {},
+                                                      "train_seconds": 1.0, "train_cpu_seconds": 2.0}))
+    chosen = study_a.select_on_validation("smmd_raw", {label: grid_candidates.get(label, {}) for label in val
+                                                       if label != "reference"}, tier_a.ARMS["ce"], grid, 1000,
+                                          study_a.evaluate_a)
+    assert chosen["chosen"] == "sigma30-w0.3"  # tied exact match: the lower capped MAE
+    assert chosen["beats_reference"] is True and chosen["reference"]["val_exact_match"] == 0.33
+    assert json.loads((tmp_path / "selection-smmd_raw.json").read_text()) == chosen
+    assert study_aprime.flags_for("shuffled_kernel", dict(grid, smmd_raw=chosen["flags"]))["smmd_kernel"] == "shuffled"
+    summary = analyze_a.selections_section([chosen])
+    assert "sigma30-w0.3 beats CE (weight 0)" in summary[2]
