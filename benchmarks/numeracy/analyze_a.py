@@ -219,7 +219,8 @@ def load_runs(work_dir: Path) -> tuple:
         runs.append({"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
                      **{key: record[key] for key in ("eval_first_token", "eval_reproduced") if key in record},
                      "curve": curve, "train_seconds": record["train_seconds"],
-                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"]})
+                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"],
+                     "eval_cpu_seconds": record.get("eval_cpu_seconds")})
     return study, runs
 
 

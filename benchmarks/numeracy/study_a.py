@@ -133,7 +133,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     record_path = output_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if "eval" in record:
-        if "eval_first_token" not in record:
+        if "eval_first_token" not in record and evaluate is evaluate_a:  # Tier A's post-hoc check, once
             add_first_token_scores(output_dir, data)
             record = json.loads(record_path.read_text())
         return record
