@@ -9,11 +9,19 @@ accuracy over train.py's periodic evaluations (the area under the learning curve
 sooner), on the test pairs' documents.
 
 For each arm, metric and column: the per-seed differences arm - ce on the seeds both finished; their
-mean with a 95% percentile bootstrap interval (``BOOTSTRAP_RESAMPLES`` resamples of the seeds, a fixed
-generator); the paired t-test's p; Holm's correction over the tests of one metric (arms x columns).
+mean with the paired Student-t 95% interval (the primary interval: with fewer than 10 seeds a percentile
+bootstrap is too narrow) and, beside it, a 95% percentile bootstrap interval (``BOOTSTRAP_RESAMPLES``
+resamples of the seeds, a fixed generator); the paired t-test's p; Holm's correction over the tests of
+one metric (arms x columns) and, beside it, over every pre-registered test of the report (study-wide).
 The minimal detectable effect is the true mean difference a paired t-test at the seeds used detects
 with 80% power at alpha = 0.05 (and at Holm's strictest level), in SDs of the differences and, with
-the observed SD, in the metric's units.
+the observed SD, in the metric's units. The primary comparison of each arm gets the decision of the
+pre-registered rule (``preregistration.json``, ``decide``), written before the grid ran.
+
+MAE appears twice: over the answers that parse (``mae``, with the unparseable share beside it) and
+capped (``mae_capped``, ``tier_a.score``): every item counts, an unparseable answer and any error
+larger than the split's cap count as the cap, the span of the split's answers (largest - smallest),
+so an arm that answers less often cannot look better for it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from scipy import optimize
+from scipy import optimize, stats
 
 from benchmarks.numeracy.analyze import ALPHA, describe, holm, paired_power, paired_test, strict_json
 from smmd_train.metrics_file import read_metrics
@@ -39,6 +47,8 @@ POWER = 0.8
 METRICS = {
     "exact_match": ("exact match", True, 100.0, "%", ("test", "oor")),
     "mae": ("MAE", False, 1.0, "", ("test", "oor")),
+    "mae_capped": ("MAE, unparseable and larger errors capped at the split's answer span", False, 1.0, "",
+                   ("test", "oor")),
     "within_1": ("within +-1", True, 100.0, "%", ("test", "oor")),
     "curve_auc": ("learning-curve area (held-out numeric-token accuracy)", True, 100.0, "%", ("test",)),
 }
@@ -48,7 +58,7 @@ METRICS = {
 # Holm within each; the pre-registered metrics above are unchanged.
 POST_HOC_METRICS = {f"{metric}_first_token": (f"{METRICS[metric][0]}, first generated token (post hoc)",
                                               *METRICS[metric][1:])
-                    for metric in ("exact_match", "mae", "within_1")}
+                    for metric in ("exact_match", "mae", "mae_capped", "within_1")}
 TIER_A_METRICS = {**METRICS, **POST_HOC_METRICS}  # what Tier A's analysis tests; tables print each set apart
 
 
@@ -70,6 +80,47 @@ def bootstrap_interval(differences, resamples: int = BOOTSTRAP_RESAMPLES, seed: 
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
 
 
+def t_interval(differences, level: float = 0.95) -> tuple:
+    """The paired Student-t interval of the mean of ``differences``: mean +- t(1 - (1 - level) / 2, n - 1)
+    x sd / sqrt(n). Fewer than 2 values: (nan, nan); no spread: (mean, mean)."""
+    values = np.asarray([value for value in differences if value is not None and math.isfinite(value)], dtype=float)
+    if len(values) < 2:
+        return math.nan, math.nan
+    half = float(stats.t.ppf(1 - (1 - level) / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return float(values.mean()) - half, float(values.mean()) + half
+
+
+PREREGISTRATION = HERE / "preregistration.json"
+
+
+def load_rule(tier: str, path: Path = PREREGISTRATION) -> dict:
+    """The pre-registered decision rule of ``tier`` (``preregistration.json``: the primary metric and
+    split, the interval, the MDE, the words of each outcome), committed before the tier's grid ran."""
+    rules = json.loads(Path(path).read_text())
+    if tier not in rules["tiers"]:
+        raise KeyError(f"{path} has no pre-registered rule for tier {tier!r}; it has {sorted(rules['tiers'])}")
+    return {**rules["rule"], **rules["tiers"][tier]}
+
+
+def decide(row: dict, higher_is_better: bool, rule: dict) -> str:
+    """The pre-registered outcome of one comparison (``row`` from ``compare``): its t-interval, turned so
+    that positive is better, above 0 -> ``rule["above"]`` (recommend); below 0 -> ``rule["below"]``
+    (warn); inside +-MDE (the row's minimal detectable effect in the metric's units) ->
+    ``rule["within_mde"]``; otherwise (it straddles 0 and reaches past the MDE) ``rule["otherwise"]``."""
+    low, high, mde = row["t95_low"], row["t95_high"], row["mde"]
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return rule["untestable"]
+    if not higher_is_better:
+        low, high = -high, -low
+    if low > 0:
+        return rule["above"]
+    if high < 0:
+        return rule["below"]
+    if math.isfinite(mde) and -mde <= low and high <= mde:
+        return rule["within_mde"]
+    return rule["otherwise"]
+
+
 @functools.lru_cache(maxsize=None)
 def minimal_detectable_effect(n: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """The true mean difference, in SDs of the per-seed differences, that a two-sided paired t-test
@@ -83,8 +134,9 @@ def minimal_detectable_effect(n: int, alpha: float = ALPHA, power: float = POWER
 def compare(values: dict, seeds: list) -> dict:
     """Tests of every arm against ``ce`` for one metric: ``values`` is {column: {arm: [value per seed]}}
     (None where missing). Returns {"rows": [...], "mde_sd": ..., "mde_holm_sd": ...}; each row has
-    arm, column, n, mean_difference, ci95_low/high (bootstrap), sd_difference, p_value, p_holm,
-    mde (in the metric's units, from the observed SD)."""
+    arm, column, n, mean_difference, t95_low/high (paired Student t: the primary interval), ci95_low/high
+    (percentile bootstrap), sd_difference, p_value, p_holm (within this metric), mde (in the metric's
+    units, from the observed SD). ``analyze`` adds p_holm_study (over every pre-registered test)."""
     rows = []
     for column, by_arm in values.items():
         baseline = by_arm[BASELINE]
@@ -95,7 +147,9 @@ def compare(values: dict, seeds: list) -> dict:
             differences = [a - b for a, b in zip(arm_values, baseline)
                            if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
             low, high = bootstrap_interval(differences)
-            rows.append({"arm": arm, "column": column, **test, "ci95_low": low, "ci95_high": high,
+            t_low, t_high = t_interval(differences)
+            rows.append({"arm": arm, "column": column, **test, "t95_low": t_low, "t95_high": t_high,
+                         "ci95_low": low, "ci95_high": high,
                          "sd_difference": float(np.std(differences, ddof=1)) if len(differences) > 1 else math.nan,
                          "differences": differences})
     for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
@@ -121,20 +175,52 @@ def curve_auc(curve: list) -> float:
 # Runs -> statistics -> report
 # ----------------------------------------------------------------------------------------------
 
+def qa_items(work_dir: Path):
+    """The work dir's evaluation items (``data/data.json``'s ``qa_eval``), or None where it has none."""
+    record = work_dir / "data" / "data.json"
+    if not record.is_file():
+        return None
+    from smmd_numeracy import load_qa
+
+    return load_qa(json.loads(record.read_text())["qa_eval"])
+
+
+def with_capped_mae(evaluation: dict, answers, items) -> dict:
+    """``evaluation`` (a run's scores) with ``mae_capped`` and ``mae_cap`` added from its per-item
+    ``answers`` where it was scored before the capped MAE existed; unchanged without answers or items."""
+    if not evaluation or all("mae_capped" in scores for scores in evaluation.values()):
+        return evaluation
+    if answers is None or items is None or len(answers) != len(items):
+        return evaluation
+    from smmd_numeracy import tier_a
+
+    rescored = tier_a.score(items, answers)
+    return {key: {**scores, **{name: rescored[key][name] for name in ("mae_capped", "mae_cap") if key in rescored}}
+            for key, scores in evaluation.items()}
+
+
 def load_runs(work_dir: Path) -> tuple:
     study = json.loads((work_dir / "study.json").read_text())
     runs = []
+    items = qa_items(work_dir)
     for path in sorted(work_dir.glob("*-seed*/run.json")):
         record = json.loads(path.read_text())
         if "eval" not in record:
             continue
+        answers_path = path.parent / "answers.json"
+        answers = json.loads(answers_path.read_text()) if answers_path.is_file() else {}
+        record["eval"] = with_capped_mae(record["eval"], answers.get("answers"), items)
+        if "eval_first_token" in record:
+            record["eval_first_token"] = with_capped_mae(record["eval_first_token"],
+                                                         answers.get("answers_first_token"), items)
         metrics = read_metrics(path.parent)
         curve = [(entry["step"], entry["eval/numeric_accuracy"]) for entry in metrics
                  if "eval/numeric_accuracy" in entry]
         runs.append({"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
                      **{key: record[key] for key in ("eval_first_token", "eval_reproduced") if key in record},
                      "curve": curve, "train_seconds": record["train_seconds"],
-                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"]})
+                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"],
+                     "eval_cpu_seconds": record.get("eval_cpu_seconds")})
     return study, runs
 
 
@@ -156,9 +242,9 @@ def metric_values(runs: list, arms: list, seeds: list, metrics: dict = TIER_A_ME
                         per_seed.append(curve_auc(run["curve"]))
                     elif metric in POST_HOC_METRICS:  # None for a run scored before the check existed
                         scores = run.get("eval_first_token")
-                        per_seed.append(scores[column][metric.removesuffix("_first_token")] if scores else None)
-                    else:
-                        per_seed.append(run["eval"][column][metric])
+                        per_seed.append(scores[column].get(metric.removesuffix("_first_token")) if scores else None)
+                    else:  # None for a metric added after the run was scored, without its answers to rescore
+                        per_seed.append(run["eval"][column].get(metric))
                 values[metric][column][arm] = per_seed
     return values
 
@@ -175,7 +261,54 @@ def analyze(runs: list, metrics: dict = TIER_A_METRICS) -> dict:
     cells = {metric: {column: {arm: describe(per_arm[arm]) for arm in arms} for column, per_arm in columns.items()}
              for metric, columns in values.items()}
     tests = {metric: compare(columns, seeds) for metric, columns in values.items()} if BASELINE in arms else {}
+    study_holm(tests, [metric for metric in tests if metric not in POST_HOC_METRICS])
     return {"arms": arms, "seeds": seeds, "values": values, "cells": cells, "tests": tests}
+
+
+def study_holm(tests: dict, family: list) -> None:
+    """Holm's correction over every test of the metrics in ``family`` at once (the study-wide family, beside
+    the within-metric one): sets each row's ``p_holm_study`` (NaN for rows outside the family)."""
+    rows = [row for metric in family for row in tests[metric]["rows"]]
+    for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
+        row["p_holm_study"] = adjusted
+    for metric, result in tests.items():
+        if metric not in family:
+            for row in result["rows"]:
+                row["p_holm_study"] = math.nan
+    for result in tests.values():
+        result["tests_study"] = sum(math.isfinite(row["p_value"]) for row in rows)
+
+
+def decisions(analysis: dict, metrics: dict, rule: dict) -> list:
+    """The pre-registered outcome of every arm on the rule's primary metric and split (rows: arm,
+    difference, t-interval, MDE, decision)."""
+    metric, column = rule["metric"], rule["split"]
+    higher_is_better = metrics[metric][1]
+    return [{"arm": row["arm"], "row": row, "decision": decide(row, higher_is_better, rule)}
+            for row in analysis["tests"].get(metric, {"rows": []})["rows"] if row["column"] == column]
+
+
+def decisions_section(analysis: dict, metrics: dict, rule: dict) -> list:
+    """The summary's lines for ``decisions``: the rule in words, a table, and a plain sentence when no
+    numeric loss beat ce."""
+    header, _, scale, unit, _ = metrics[rule["metric"]]
+    unit = " pp" if unit == "%" else unit
+    made = decisions(analysis, metrics, rule)
+    rows = [{"arm": item["arm"], "arm - ce": f"{_fmt(item['row']['mean_difference'], scale, 2)}{unit}",
+             "95% t-interval": f"[{_fmt(item['row']['t95_low'], scale, 2)}, {_fmt(item['row']['t95_high'], scale, 2)}]",
+             "MDE (80%)": f"{_fmt(item['row']['mde'], scale, 2)}{unit}", "decision": item["decision"]}
+            for item in made]
+    lines = ["## Pre-registered decision", "",
+             f"Rule ({PREREGISTRATION.name}, written {rule['written']}), on {header} of the {rule['split']} split, "
+             f"per arm against ce: the paired 95% t-interval of the difference above 0 -> \"{rule['above']}\"; below "
+             f"0 -> \"{rule['below']}\"; inside +-MDE -> \"{rule['within_mde']}\"; otherwise \"{rule['otherwise']}\".",
+             ""]
+    if rows:
+        lines += [markdown_table(rows, [(key, key, "s") for key in rows[0]]), ""]
+    ablations = set(rule.get("ablations", ()))
+    if not any(item["decision"] == rule["above"] for item in made if item["arm"] not in ablations):
+        lines += [f"No numeric loss beat ce on {header} ({rule['split']}): none is recommended.", ""]
+    return lines
 
 
 def _fmt(value, scale: float, digits: int = 1) -> str:
@@ -201,19 +334,66 @@ def tables(analysis: dict, metrics: dict = METRICS) -> str:
             difference_unit = " pp" if unit == "%" else unit
             test_rows = [{"arm": row["arm"], "split": row["column"], "n": str(row["n"]),
                           "arm - ce": f"{_fmt(row['mean_difference'], scale, 2)}{difference_unit}",
-                          "95% bootstrap CI":
+                          "95% t-interval": f"[{_fmt(row['t95_low'], scale, 2)}, {_fmt(row['t95_high'], scale, 2)}]",
+                          "95% bootstrap":
                               f"[{_fmt(row['ci95_low'], scale, 2)}, {_fmt(row['ci95_high'], scale, 2)}]",
-                          "p": _p(row["p_value"]), "p (Holm)": _p(row["p_holm"]),
+                          "p": _p(row["p_value"]), "p (Holm, metric)": _p(row["p_holm"]),
+                          "p (Holm, study)": _p(row.get("p_holm_study", math.nan)),
                           "MDE (80%)": f"{_fmt(row['mde'], scale, 2)}{difference_unit}"}
                          for row in result["rows"]]
             columns_spec = [(key, key, "s") for key in test_rows[0]] if test_rows else []
-            parts.append(f"Paired differences against ce ({result['tests']} tests, Holm within this metric; MDE = "
-                         f"{result['mde_sd']:.2f} SD of the differences at alpha 0.05, {result['mde_holm_sd']:.2f} SD "
-                         f"at Holm's strictest level):\n\n" + markdown_table(test_rows, columns_spec))
+            parts.append(f"Paired differences against ce (the t-interval is primary; {result['tests']} tests, Holm "
+                         f"within this metric, and over all {result.get('tests_study', 0)} pre-registered tests of "
+                         f"the report; MDE = {result['mde_sd']:.2f} SD of the differences at alpha 0.05, "
+                         f"{result['mde_holm_sd']:.2f} SD at Holm's strictest level):\n\n"
+                         + markdown_table(test_rows, columns_spec))
     return "\n\n".join(parts)
 
 
-def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = None) -> str:
+INTERVALS_NOTE = ("The paired Student-t interval is the primary one; the percentile bootstrap beside it resamples the "
+                  "seeds and is too narrow with fewer than 10 of them. Holm (metric) corrects within one metric, Holm "
+                  "(study) over every pre-registered test of this report. A cell with n/a p had the same difference "
+                  "on every seed or too few seeds.")
+
+
+TITLES = {"a": "Tier A: one-token arithmetic", "aprime": "Tier A': SMMD on raw value distances, one-token arithmetic"}
+
+
+def load_selections(work_dir: Path) -> list:
+    """The validation selections of a work dir (``study_a.select_on_validation``'s selection-*.json)."""
+    return [json.loads(path.read_text()) for path in sorted(Path(work_dir).glob("selection-*.json"))]
+
+
+def selections_section(selections: list, scale: float = 100.0) -> list:
+    """The summary's lines for the validation selections: every candidate's validation exact match and
+    capped MAE, the chosen one, the CE reference on the same seed (weight 0) and whether it was beaten."""
+    if not selections:
+        return []
+    rows = []
+    for selection in selections:
+        for row in [*selection["candidates"], selection["reference"]]:
+            rows.append({"arm": selection["arm"], "candidate": row["candidate"],
+                         "val exact match (%)": _fmt(row["val_exact_match"], scale),
+                         "val capped MAE": _fmt(row["val_mae_capped"], 1.0, 2),
+                         "chosen": "yes" if row["candidate"] == selection["chosen"] else "",
+                         "CPU-h": f"{(row['train_cpu_seconds'] + row['eval_cpu_seconds']) / 3600:.2f}"})
+    beaten = "; ".join(f"{selection['arm']}: {selection['chosen']} "
+                       f"{'beats' if selection['beats_reference'] else 'does not beat'} CE (weight 0)"
+                       for selection in selections)
+    return ["## Selection on validation", "",
+            f"Seed {selections[0]['seed']} (no arm uses it); criterion: {selections[0]['criterion']}. {beaten}.", "",
+            markdown_table(rows, [(key, key, "s") for key in rows[0]]), ""]
+
+
+def scored_counts(runs: list) -> str:
+    """``val 2505, test 2505, oor 600``: how many items each split of the first run scored."""
+    evaluation = runs[0]["eval"]
+    return ", ".join(f"{split} {evaluation[split]['count']}" for split in ("val", "test", "oor")
+                     if "count" in evaluation.get(split, {})) or "n/a"
+
+
+def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = None, tier: str = "a",
+                     selections: tuple = ()) -> str:
     settings = study["settings"]
     train_seconds = sum(run["train_seconds"] for run in runs)
     cpu_seconds = sum(run["train_cpu_seconds"] or 0 for run in runs)
@@ -227,14 +407,15 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = 
                 row[f"{split}/{op}"] = _fmt(float(np.mean(values)) if values else math.nan, 100.0)
         by_op.append(row)
     lines = [
-        "# Tier A: one-token arithmetic (generated by analyze_a.py; do not edit)", "",
+        f"# {TITLES[tier]} (generated by analyze_a.py; do not edit)", "",
         f"Arms {', '.join(analysis['arms'])}; seeds {analysis['seeds']}; finished runs per arm: "
         + ", ".join(f"{arm} {sum(run['arm'] == arm for run in runs)}" for arm in analysis["arms"]) + "; "
         f"{len(runs)} runs reported. Model `{settings['model']}` ({study.get('parameters', 0) / 1e6:.2f}M "
         f"parameters), {settings['steps']} steps x {settings['micro_batch_size']} x {settings['seq_len']} tokens, "
         f"lr {settings['lr']}, operands 0..{settings['operand_range'] - 1} (out of range: up to "
         f"{settings['operand_range'] + settings['oor_band'] - 1}). "
-        f"NTL-MSE weight {study.get('ntl_mse_weight', 'n/a')} (chosen on validation). "
+        + (f"NTL-MSE weight {study['ntl_mse_weight']} (chosen on validation). " if "ntl_mse_weight" in study else "")
+        + f"Items scored per run: {scored_counts(runs)}. "
         f"Training time {train_seconds / 60:.1f} min wall, {cpu_seconds / 3600:.2f} CPU-hours (train.py processes)"
         + (f"; the NTL-MSE weight selection's {len(selection['candidates'])} runs "
            f"{sum(row['train_cpu_seconds'] for row in selection['candidates']) / 3600:.2f} CPU-hours more"
@@ -243,8 +424,9 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = 
         "**exact match per operation** (%, mean over the seeds above)", "",
         markdown_table(by_op, [(key, key, "s") for key in by_op[0]]) if by_op else "", "",
         *post_hoc_section(runs, analysis),
-        "Bootstrap intervals resample the seeds; with 5-10 seeds a percentile bootstrap is somewhat too narrow, "
-        "so read them with the t-test p and the MDE. A cell with n/a p had the same difference on every seed.",
+        *selections_section(list(selections)),
+        *decisions_section(analysis, METRICS, load_rule(tier)),
+        INTERVALS_NOTE,
     ]
     return "\n".join(lines) + "\n"
 
@@ -277,19 +459,24 @@ def statistics_record(analysis: dict) -> dict:
                       for metric, result in analysis["tests"].items()}}
 
 
-def write_report(work_dir, results_dir) -> dict:
+def write_report(work_dir, results_dir, tier: str = "a") -> dict:
+    """``results_dir``/tier_<tier>.json and tier_<tier>_summary.md from the runs of ``work_dir`` (Tier A,
+    or Tier A' with ``tier="aprime"``)."""
     work_dir, results_dir = Path(work_dir), Path(results_dir)
     study, runs = load_runs(work_dir)
     if not runs:
-        raise ValueError(f"{work_dir} holds no finished Tier A run")
+        raise ValueError(f"{work_dir} holds no finished {TITLES[tier].split(':')[0]} run")
     analysis = analyze(runs)
     results_dir.mkdir(parents=True, exist_ok=True)
     selection_path = work_dir / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
-    results = {"study": study, "selection": selection, "runs": runs, **statistics_record(analysis)}
-    (results_dir / "tier_a.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
-    summary = summary_markdown(study, runs, analysis, selection)
-    (results_dir / "tier_a_summary.md").write_text(summary)
+    selections = load_selections(work_dir)
+    results = {"study": study, "selection": selection, "selections": selections, "runs": runs,
+               **statistics_record(analysis)}
+    (results_dir / f"tier_{tier}.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False)
+                                                  + "\n")
+    summary = summary_markdown(study, runs, analysis, selection, tier, selections)
+    (results_dir / f"tier_{tier}_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis
 

@@ -30,6 +30,7 @@ SPLITS = tuple(TEST_SPLITS)
 METRICS = {
     "exact_match": ("exact match", True, 100.0, "%", SPLITS),
     "mae": ("MAE", False, 1.0, "", SPLITS),
+    "mae_capped": ("MAE, unparseable and larger errors capped at the split's answer span", False, 1.0, "", SPLITS),
     "curve_auc": ("learning-curve area (held-out digit-token accuracy)", True, 100.0, "%", ("interpolate",)),
 }
 
@@ -105,9 +106,9 @@ def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -
         f"**every run** (distinct answers: over all {sum(data.get(f'{split}_problems', 0) for split in SPLITS)} "
         "test problems)", "",
         markdown_table(per_run, [(key, key, "s") for key in per_run[0]]) if per_run else "", "",
-        "Bootstrap intervals resample the seeds; with 2-3 seeds they are far too narrow and the t-test has 1-2 "
-        "degrees of freedom: read them with the MDE. A cell with n/a p had the same difference on every seed "
-        "or too few seeds.",
+        *analyze_a.decisions_section(analysis, METRICS, analyze_a.load_rule("b")),
+        analyze_a.INTERVALS_NOTE + " With 2-3 seeds the t-test has 1-2 degrees of freedom: read every interval with "
+        "the MDE.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,8 @@ and CE + NTL on a generated numeric task suite, evaluated on held-out operands, 
     python -m benchmarks.numeracy.run_study --smoke   # the same pipeline in miniature (~2 min), never -> results/
     python -m benchmarks.numeracy.run_study --tier a [--quick]   # Tier A, one-token arithmetic (study_a.py)
     python -m benchmarks.numeracy.run_study --tier b [--quick]   # Tier B, NTL's add_sub_multiple (study_b.py)
+    python -m benchmarks.numeracy.run_study --tier aprime [--quick]  # Tier A', raw-distance SMMD (study_aprime.py)
+    python -m benchmarks.numeracy.run_study --tier c [--quick]   # Tier C, fine-tuning SmolLM2 (study_c.py)
 
 1. Data (once per work dir): ``smmd_numeracy.build_corpus`` with the tasks ``arithmetic``,
    ``clock`` and ``word_problems`` (held-out operand tuples never trained), a Llama-3-style
@@ -44,6 +46,7 @@ from benchmarks.numeracy import analyze
 from smmd_train.arguments import REPO, train_command
 
 HERE = Path(__file__).resolve().parent
+TIERS = ["suite", "a", "b", "aprime", "c"]
 
 TASKS = ("arithmetic", "clock", "word_problems")
 # Name shown in the tables -> train.py options. "smmd" is the paper's defaults (gaussian kernel,
@@ -106,9 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         size.add_argument(f"--{name}", dest="preset", action="store_const", const=name,
                           help=f"{PRESETS[name].model} model, {len(PRESETS[name].methods)} methods x "
                           f"{len(PRESETS[name].seeds)} seeds, {PRESETS[name].steps} steps per run")
-    parser.add_argument("--tier", choices=["suite", "a", "b"], default="suite", help="suite (this help): the task "
+    parser.add_argument("--tier", choices=TIERS, default="suite", help="suite (this help): the task "
                         "suite; a: Tier A, one-token arithmetic (--tier a --help); b: Tier B, DeepMind "
-                        "add_sub_multiple (--tier b --help)")
+                        "add_sub_multiple (--tier b --help); aprime: Tier A', SMMD on raw value distances "
+                        "(--tier aprime --help); c: Tier C, fine-tuning pretrained SmolLM2 (--tier c --help)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="override the preset's methods")
     parser.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds (the same for every method)")
     parser.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
@@ -275,9 +279,10 @@ def is_finished(output_dir: Path) -> bool:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     tier = argparse.ArgumentParser(add_help=False)
-    tier.add_argument("--tier", choices=["suite", "a", "b"], default="suite", help="suite: the task suite below; a: "
+    tier.add_argument("--tier", choices=TIERS, default="suite", help="suite: the task suite below; a: "
                       "Tier A, one-token arithmetic (benchmarks/numeracy/study_a.py); b: Tier B, DeepMind "
-                      "add_sub_multiple with digit tokens (study_b.py)")
+                      "add_sub_multiple with digit tokens (study_b.py); aprime: Tier A', SMMD on raw value "
+                      "distances (study_aprime.py); c: Tier C, fine-tuning pretrained SmolLM2 (study_c.py)")
     known, rest = tier.parse_known_args(argv)
     if known.tier == "a":
         from benchmarks.numeracy import study_a
@@ -287,6 +292,14 @@ def main(argv=None) -> None:
         from benchmarks.numeracy import study_b
 
         return study_b.main(rest)
+    if known.tier == "aprime":
+        from benchmarks.numeracy import study_aprime
+
+        return study_aprime.main(rest)
+    if known.tier == "c":
+        from benchmarks.numeracy import study_c
+
+        return study_c.main(rest)
     args = parse_args(rest)
     import torch
 

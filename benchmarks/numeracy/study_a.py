@@ -82,7 +82,8 @@ def build_data(data_dir: Path, settings: dict) -> dict:
     return tier_a.build_data(data_dir, operand_range=settings["operand_range"],
                              held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
                              eval_per_split=settings["eval_per_split"],
-                             counting_share=settings["counting_share"], seed=settings["data_seed"])
+                             counting_share=settings["counting_share"], seed=settings["data_seed"],
+                             **({"oor_per_split": settings["oor_per_split"]} if "oor_per_split" in settings else {}))
 
 
 def prepare(work_dir: Path, settings: dict, build=build_data) -> dict:
@@ -125,13 +126,14 @@ def train_run(settings: dict, data: dict, flags: dict, seed: int, output_dir: Pa
 
 
 def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, output_dir: Path, env: dict,
-            evaluate=tier_a.evaluate_model) -> dict:
-    """Train (unless recorded as trained) and evaluate one run (``evaluate(hf_dir, qa_path)``, a
-    report of metrics and the per-item answers); returns its run.json."""
+            evaluate=tier_a.evaluate_model, train=train_run) -> dict:
+    """Train (unless recorded as trained) with ``train(settings, data, flags, seed, output_dir)``'s
+    command and evaluate one run (``evaluate(hf_dir, qa_path)``, a report of metrics and the per-item
+    answers); returns its run.json, with the wall and CPU seconds of both."""
     record_path = output_dir / "run.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if "eval" in record:
-        if "eval_first_token" not in record:
+        if "eval_first_token" not in record and evaluate is evaluate_a:  # Tier A's post-hoc check, once
             add_first_token_scores(output_dir, data)
             record = json.loads(record_path.read_text())
         return record
@@ -140,7 +142,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
 
         shutil.rmtree(output_dir, ignore_errors=True)
         output_dir.mkdir(parents=True)
-        command = train_run(settings, data, flags, seed, output_dir)
+        command = train(settings, data, flags, seed, output_dir)
         record = {"arm": name, "seed": seed, "flags": flags, "train_command": command}
         cpu_before = os.times()
         record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
@@ -148,7 +150,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
         record["train_cpu_seconds"] = (cpu_after.children_user + cpu_after.children_system
                                        - cpu_before.children_user - cpu_before.children_system)
         write_json(record_path, record)
-    began = time.monotonic()
+    began, cpu_began = time.monotonic(), os.times()
     evaluation = evaluate(output_dir / "hf", data["qa_eval"])
     write_json(output_dir / "answers.json",
                {key: value for key, value in evaluation.items() if key.startswith("answers")})
@@ -156,6 +158,8 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     if "metrics_first_token" in evaluation:  # Tier A's post-hoc check (tier_a.evaluate_model)
         record["eval_first_token"] = evaluation["metrics_first_token"]
     record["eval_seconds"] = time.monotonic() - began
+    cpu_now = os.times()
+    record["eval_cpu_seconds"] = cpu_now.user + cpu_now.system - cpu_began.user - cpu_began.system
     write_json(record_path, record)
     return record
 
@@ -209,6 +213,36 @@ def select_ntl_mse_weight(settings: dict, data: dict, work_dir: Path, env: dict,
                                                                  else float("inf"))))
     selection = {"criterion": "validation exact match, then lower validation MAE", "seed": SELECTION_SEED,
                  "candidates": rows, "weight": best["weight"]}
+    write_json(path, selection)
+    return selection
+
+
+def select_on_validation(name: str, candidates: dict, reference: dict, grid: dict, seed: int, evaluate,
+                         train=train_run, split: str = "val") -> dict:
+    """Choose ``name``'s options on the validation split: one run per candidate ({label: train.py
+    options}) on ``seed``, a seed no arm uses, and one ``reference`` run (CE alone: the weight 0); the
+    higher ``split`` exact match wins, then the lower capped MAE; the test split plays no part.
+    Recorded once in ``selection-<name>.json`` (candidates, chosen label and options, the reference,
+    whether the chosen candidate beat it, the runs' CPU seconds); an interrupted selection resumes."""
+    path = grid["work_dir"] / f"selection-{name}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+
+    def run(label: str, flags: dict) -> dict:
+        record = execute(grid["settings"], grid["data"], f"{name}@{label}", flags, seed,
+                         grid["work_dir"] / "selection" / f"{name}-{label}", grid["env"], evaluate, train)
+        _progress(f"selection {name} {label}", record, grid["began"], split=split, tier=grid.get("tier", "a"))
+        scores = record["eval"][split]
+        return {"candidate": label, "flags": flags, f"{split}_exact_match": scores["exact_match"],
+                f"{split}_mae_capped": scores["mae_capped"], "train_cpu_seconds": record["train_cpu_seconds"],
+                "eval_cpu_seconds": record.get("eval_cpu_seconds", 0.0)}
+
+    rows = [run(label, flags) for label, flags in candidates.items()]
+    baseline = run("reference", reference)
+    best = max(rows, key=lambda row: (row[f"{split}_exact_match"], -row[f"{split}_mae_capped"]))
+    selection = {"arm": name, "criterion": f"{split} exact match, then lower {split} capped MAE", "seed": seed,
+                 "candidates": rows, "chosen": best["candidate"], "flags": best["flags"], "reference": baseline,
+                 "beats_reference": best[f"{split}_exact_match"] > baseline[f"{split}_exact_match"]}
     write_json(path, selection)
     return selection
 
@@ -284,12 +318,13 @@ def flags_for(arm: str, grid: dict) -> dict:
 
 
 def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, flags_for_arm, evaluate,
-             split: str, backfill=None) -> None:
+             split: str, backfill=None, train=train_run) -> None:
     """The runs of a tier, shared by Tier A and B: the work dir's data (``prepare_data(work_dir,
     settings)``), then every (arm, seed) of ``run_order`` not finished yet, one at a time, with
     ``flags_for_arm(arm, grid)`` and ``evaluate``; ``study.json`` records the settings, the data sizes
     and every invocation's wall and CPU time. Progress lines show ``split``. ``backfill(output_dir, data)``
-    runs on every finished run (Tier A: ``add_first_token_scores``)."""
+    runs on every finished run (Tier A: ``add_first_token_scores``); ``train`` builds the train.py command
+    (``train_run``: a model preset trained from scratch)."""
     env = child_environment(settings["threads"], on_gpu=False)
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
     import torch
@@ -317,7 +352,8 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
     save()
     print(f"[tier {tier}] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
           f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
-    grid = {"settings": settings, "data": data, "work_dir": work_dir, "env": env, "began": began, "study": study}
+    grid = {"settings": settings, "data": data, "work_dir": work_dir, "env": env, "began": began, "study": study,
+            "tier": tier}
     failures = []
     for arm, seed in run_order(args.arms, args.seeds):
         output_dir = work_dir / f"{arm}-seed{seed}"
@@ -327,7 +363,7 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
             continue
         flags = flags_for_arm(arm, grid)
         try:
-            record = execute(settings, data, arm, flags, seed, output_dir, env, evaluate)
+            record = execute(settings, data, arm, flags, seed, output_dir, env, evaluate, train)
         except RunFailed as error:
             failures.append(f"{arm} seed {seed}: {error}")
             print(f"[tier {tier}] {arm} seed {seed} FAILED", flush=True)

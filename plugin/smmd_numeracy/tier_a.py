@@ -52,6 +52,23 @@ ARMS = {
 }
 ABLATIONS = ("random_kernel",)  # arms that test a mechanism, never offered as a numeric loss to use
 
+# Tier A' (benchmarks/numeracy/study_aprime.py): SMMD on raw value distances (no squashing), its bandwidth
+# sigma (value units) and weight chosen on validation; the control is the same kernel on values shuffled
+# across the tokens (a gaussian Gram matrix of permuted points: positive semi-definite, value-agnostic).
+# Every validation and test pair is scored; out of range, 200 per operation as in Tier A.
+PRIME_SETTINGS = dict(SETTINGS, eval_per_split=None, oor_per_split=600)
+PRIME_ARMS = ("ce", "smmd_raw", "shuffled_kernel")
+PRIME_ABLATIONS = ("shuffled_kernel",)
+PRIME_SIGMAS = (3.0, 10.0, 30.0)
+PRIME_WEIGHTS = (0.1, 0.3, 1.0)
+
+
+def raw_smmd_flags(sigma: float, weight: float, shuffled: bool = False) -> dict:
+    """train.py options of SMMD on raw value distances with bandwidth ``sigma`` (value units) at
+    ``weight``; ``shuffled``: the same kernel on values permuted across the tokens (the control)."""
+    flags = {"numeric_loss": [f"smmd:{weight:g}"], "smmd_squash_factor": 0.0, "smmd_sigmas": [sigma]}
+    return {**flags, "smmd_kernel": "shuffled"} if shuffled else flags
+
 
 def arm_flags(arm: str, ntl_mse_weight=None) -> dict:
     """train.py's loss options of study arm ``arm``; ``ntl_mse`` needs the weight chosen on validation."""
@@ -147,23 +164,26 @@ def write_jsonl(rows: list, path: Path) -> None:
             handle.write(json.dumps(row) + "\n")
 
 
-def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split: int,
-               counting_share: float = 0.0, seed: int = 0) -> dict:
+def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split,
+               counting_share: float = 0.0, seed: int = 0, oor_per_split="eval_per_split") -> dict:
     """Write the Tier A files under ``out_dir``; returns their paths and the split sizes.
 
     ``train.jsonl``  {"text"}: every training pair once, shuffled, in documents (one epoch = all pairs),
                      with counting lines (``counting_lines``) making up ``counting_share`` of the documents;
     ``eval.jsonl``   {"text"}: test pairs in documents, for train.py's periodic held-out CE/accuracy;
-    ``qa_eval.jsonl`` {"prompt", "answer", "task"}: up to ``eval_per_split`` problems of each of val,
-                     test and oor (task = "<split>/<op>", sampled evenly over the operations);
+    ``qa_eval.jsonl`` {"prompt", "answer", "task"}: up to ``eval_per_split`` problems of each of val and
+                     test (None: every pair of the split) and up to ``oor_per_split`` of oor (by default
+                     ``eval_per_split``), task = "<split>/<op>", sampled evenly over the operations;
     """
     if not 0 <= counting_share < 1:
         raise ValueError(f"counting_share must be in [0, 1); got {counting_share!r}")
     if not 0 < held_out_share < 1:
         raise ValueError(f"held_out_share must be in (0, 1); got {held_out_share!r}")
-    if operand_range < 2 or oor_band < 1 or eval_per_split < len(OPERATIONS):
-        raise ValueError(f"need operand_range >= 2, oor_band >= 1, eval_per_split >= {len(OPERATIONS)}; got "
-                         f"{operand_range}, {oor_band}, {eval_per_split}")
+    oor_per_split = eval_per_split if oor_per_split == "eval_per_split" else oor_per_split
+    if operand_range < 2 or oor_band < 1 or any(count is not None and count < len(OPERATIONS)
+                                                 for count in (eval_per_split, oor_per_split)):
+        raise ValueError(f"need operand_range >= 2, oor_band >= 1, eval_per_split and oor_per_split None or >= "
+                         f"{len(OPERATIONS)}; got {operand_range}, {oor_band}, {eval_per_split}, {oor_per_split}")
     splits = split_pairs(operand_range, held_out_share, oor_band, seed)
     rng = random.Random(f"tier_a/files/{seed}")
     train = list(splits["train"])
@@ -181,7 +201,8 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
         for op in OPERATIONS:
             chosen = [problem for problem in splits[split] if problem[0] == op]
             rng.shuffle(chosen)
-            chosen = chosen[:eval_per_split // len(OPERATIONS)]
+            count = oor_per_split if split == "oor" else eval_per_split
+            chosen = chosen if count is None else chosen[:count // len(OPERATIONS)]
             qa += [{"prompt": prompt(*problem), "answer": answer(*problem), "task": f"{split}/{op}"}
                    for problem in chosen]
             if split == "test":
@@ -205,9 +226,12 @@ def score(items: list, parsed: list) -> dict:
 
     ``items`` are qa_eval rows ({"prompt", "answer", "task" = "<split>/<op>"}), ``parsed`` the number
     each greedy answer starts with (None when there is none). An unparseable answer counts as wrong
-    for exact match and within +-1 and is left out of MAE (its share is reported)."""
+    for exact match and within +-1 and is left out of ``mae`` (its share is reported); ``mae_capped``
+    counts every item, each error at most the split's cap (``mae_cap``: the span of the split's answers,
+    largest - smallest, at least 1) and an unparseable answer as the cap."""
     if len(items) != len(parsed):
         raise ValueError(f"one parsed answer per item needed; got {len(parsed)} for {len(items)} items")
+    caps = answer_spans(items)
     groups: dict = {}
     for item, value in zip(items, parsed):
         split = item["task"].split("/")[0]
@@ -221,8 +245,24 @@ def score(items: list, parsed: list) -> dict:
                        "within_1": sum(value is not None and abs(value - truth) <= 1 for truth, value in rows)
                        / len(rows),
                        "mae": sum(errors) / len(errors) if errors else None,
+                       "mae_capped": capped_mae(rows, caps[key.split("/")[0]]), "mae_cap": caps[key.split("/")[0]],
                        "unparseable": sum(value is None for _, value in rows) / len(rows)}
     return report
+
+
+def answer_spans(items: list) -> dict:
+    """{split: largest answer - smallest answer over the split's items, at least 1}: the cap of
+    ``capped_mae``, the largest error an answer inside the split's own range can have."""
+    answers: dict = {}
+    for item in items:
+        answers.setdefault(item["task"].split("/")[0], []).append(item["answer"])
+    return {split: max(1, max(values) - min(values)) for split, values in answers.items()}
+
+
+def capped_mae(rows: list, cap) -> float:
+    """Mean over all ``rows`` ((truth, parsed or None)) of min(|parsed - truth|, cap), an unparseable
+    answer counting as ``cap``: no answer is dropped."""
+    return sum(cap if value is None else min(abs(value - truth), cap) for truth, value in rows) / len(rows)
 
 
 def evaluate_model(model_dir, qa_path, batch_size: int = 200, max_new_tokens: int = 3, parse=None,

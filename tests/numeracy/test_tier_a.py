@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.numeracy import analyze, analyze_a, study_a  # scipy comes with the test extras
 from smmd_numeracy import tier_a
@@ -70,7 +71,12 @@ def test_score_counts_exact_within_one_and_unparseable():
     assert report["test"]["within_1"] == pytest.approx(2 / 3)
     assert report["test"]["mae"] == pytest.approx(0.5)            # the unparseable answer is left out
     assert report["test"]["unparseable"] == pytest.approx(1 / 3)
-    assert report["oor/add"] == {"count": 1, "exact_match": 0.0, "within_1": 0.0, "mae": 8.0, "unparseable": 0.0}
+    # Capped: the test answers span 9 - 2 = 7, so the unparseable answer counts 7: (0 + 1 + 7) / 3.
+    assert report["test"]["mae_cap"] == 7 and report["test"]["mae_capped"] == pytest.approx(8 / 3)
+    assert report["test/sub"]["mae_capped"] == pytest.approx(1.0) and report["test/mul"]["mae_capped"] == 7
+    # One oor answer: a span of 0 becomes the cap's floor of 1, so the error 8 counts 1.
+    assert report["oor/add"] == {"count": 1, "exact_match": 0.0, "within_1": 0.0, "mae": 8.0, "unparseable": 0.0,
+                                 "mae_capped": 1.0, "mae_cap": 1}
     with pytest.raises(ValueError, match="one parsed answer per item"):
         tier_a.score(items, [1])
 
@@ -268,3 +274,124 @@ def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
     assert order[8:] == [("ntl_mse", 0), ("ntl_mse", 1)]
     assert sorted(order) == sorted((arm, seed) for arm in ["ce", "smmd", "ntl_was", "ntl_mse", "random_kernel"]
                                    for seed in [0, 1])
+
+
+def test_t_interval_is_the_paired_student_interval_and_wider_than_the_bootstrap():
+    differences = [-0.14, -0.02, 0.01, -0.09, -0.06]
+    low, high = analyze_a.t_interval(differences)
+    mean, sd = np.mean(differences), np.std(differences, ddof=1)
+    half = 2.7764451051977987 * sd / math.sqrt(5)  # t(0.975, 4)
+    assert (low, high) == pytest.approx((mean - half, mean + half), abs=1e-12)
+    boot_low, boot_high = analyze_a.bootstrap_interval(differences)
+    assert low < boot_low and high > boot_high  # 5 seeds: the percentile bootstrap is too narrow
+    assert analyze_a.t_interval([0.2, 0.2]) == pytest.approx((0.2, 0.2))
+    assert all(math.isnan(bound) for bound in analyze_a.t_interval([0.1, None]))
+
+
+def test_decision_rule_reads_the_preregistered_words_and_turns_lower_is_better():
+    rule = analyze_a.load_rule("c")
+    assert rule["metric"] == "exact_match" and rule["split"] == "test" and "before" in rule["written"]
+
+    def row(low, high, mde=0.05):
+        return {"t95_low": low, "t95_high": high, "mde": mde}
+
+    assert analyze_a.decide(row(0.01, 0.09), True, rule) == "recommend"
+    assert analyze_a.decide(row(-0.09, -0.01), True, rule) == "warn"
+    assert analyze_a.decide(row(-0.03, 0.04), True, rule) == "no effect of MDE or more"
+    assert analyze_a.decide(row(-0.03, 0.08), True, rule) == "inconclusive"
+    assert analyze_a.decide(row(-2.0, -1.0), False, rule) == "recommend"  # MAE lower: better
+    assert analyze_a.decide(row(math.nan, math.nan), True, rule).startswith("untestable")
+    with pytest.raises(KeyError, match="no pre-registered rule for tier 'z'"):
+        analyze_a.load_rule("z")
+
+
+def test_study_wide_holm_counts_every_preregistered_test_and_leaves_post_hoc_out(tmp_path, rng):
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    (work / "study.json").write_text(json.dumps({"tier": "a", "settings": study_a.SETTINGS, "parameters": 1e6}))
+    for seed in range(5):
+        base = rng.uniform(0.3, 0.5)
+        _synthetic_run(work / f"ce-seed{seed}", "ce", seed, base, [(100, 0.1)], first_token_mae=2.0)
+        _synthetic_run(work / f"smmd-seed{seed}", "smmd", seed, base + rng.normal(0.05, 0.02), [(100, 0.1)],
+                       first_token_mae=1.5)
+    analysis = analyze_a.write_report(work, results)
+    family = [row for metric in analyze_a.METRICS for row in analysis["tests"][metric]["rows"]]
+    finite = [row for row in family if math.isfinite(row["p_value"])]
+    assert analysis["tests"]["exact_match"]["tests_study"] == len(finite) > analysis["tests"]["exact_match"]["tests"]
+    for row in finite:
+        assert row["p_holm"] <= row["p_holm_study"] + 1e-15  # a larger family never lowers an adjusted p
+    smallest = min(finite, key=lambda row: row["p_value"])
+    assert smallest["p_holm_study"] == pytest.approx(min(1.0, len(finite) * smallest["p_value"]))
+    assert all(math.isnan(row["p_holm_study"]) for metric in analyze_a.POST_HOC_METRICS
+               for row in analysis["tests"][metric]["rows"])
+    summary = (results / "tier_a_summary.md").read_text()
+    assert "95% t-interval" in summary and "p (Holm, study)" in summary and "## Pre-registered decision" in summary
+
+
+def test_capped_mae_is_rescored_from_the_answers_of_a_run_scored_before_it(tmp_path):
+    items = [{"prompt": "1+1=", "answer": 2, "task": "test/add"},
+             {"prompt": "5+5=", "answer": 10, "task": "test/add"},
+             {"prompt": "99+1=", "answer": 100, "task": "oor/add"},
+             {"prompt": "99+3=", "answer": 102, "task": "oor/add"}]
+    answers = [2, None, 150, 101]
+    old = {key: {name: value for name, value in scores.items() if name not in ("mae_capped", "mae_cap")}
+           for key, scores in tier_a.score(items, answers).items()}
+    rescored = analyze_a.with_capped_mae(old, answers, items)
+    assert rescored["test"]["mae_capped"] == pytest.approx((0 + 8) / 2)  # span 8: the unparseable answer counts 8
+    assert rescored["oor"]["mae_capped"] == pytest.approx((2 + 1) / 2)   # span 2: the error 50 counts 2
+    assert rescored["test"]["mae"] == old["test"]["mae"]
+    assert analyze_a.with_capped_mae(old, None, items) == old  # no answers: nothing to rescore
+
+
+@pytest.mark.parametrize("sigma", tier_a.PRIME_SIGMAS)
+def test_shuffled_kernel_control_is_positive_semidefinite_and_the_random_kernel_is_not(sigma):
+    # SMMD's objective in the numeric distribution p is (p - e_y)^T K (p - e_y) + alpha p^T L p, L = D - K:
+    # its Hessian is 2 (K + alpha L). Tier A''s control (raw distances, values shuffled across the tokens)
+    # must leave that positive semi-definite, so descent still pulls p toward the target.
+    from smmd_scale.value_kernel import build_kernel
+
+    values = torch.arange(1000, dtype=torch.float64)
+
+    def smallest_and_largest(**options):
+        matrices = build_kernel(values, **options)
+        laplacian = torch.diag(matrices.degree) - matrices.kernel
+        eigenvalues = torch.linalg.eigvalsh(matrices.kernel + matrices.alpha * laplacian)
+        return float(eigenvalues[0]), float(eigenvalues[-1])
+
+    low, high = smallest_and_largest(kernel="shuffled", sigmas=(sigma, ), squash_factor=0.0)
+    # LAPACK's symmetric eigenvalues are exact to about N * eps * the largest (2e-13 relative): 1e-10 is rounding.
+    assert low >= -1e-10 * high, (sigma, low, high)
+    assert smallest_and_largest(kernel="gaussian", sigmas=(sigma, ), squash_factor=0.0)[0] >= -1e-10 * high
+    random_low, random_high = smallest_and_largest(kernel="random")
+    assert random_low < -1e-3 * random_high  # Tier A's random kernel: an indefinite objective
+
+
+def test_tier_a_prime_arms_flags_and_the_selection_chooses_on_validation(tmp_path):
+    from benchmarks.numeracy import study_aprime
+
+    grid_candidates = study_aprime.candidates(quick=False)
+    assert len(grid_candidates) == 9
+    assert grid_candidates["sigma10-w0.3"] == {"numeric_loss": ["smmd:0.3"], "smmd_squash_factor": 0.0,
+                                               "smmd_sigmas": [10.0]}
+    assert list(study_aprime.candidates(quick=True)) == ["sigma10-w1"]
+    assert tier_a.PRIME_SETTINGS["eval_per_split"] is None  # every validation and test pair is scored
+    # A selection whose runs finished (a resumed one) is decided from their validation scores alone.
+    grid = {"settings": tier_a.PRIME_SETTINGS, "data": {}, "work_dir": tmp_path, "env": {}, "began": 0.0,
+            "study": {}}
+    val = {"sigma3-w0.1": (0.30, 2.0), "sigma10-w1": (0.36, 1.5), "sigma30-w0.3": (0.36, 1.2), "reference": (0.33, 1.0)}
+    for label, (exact, capped) in val.items():
+        scores = {"count": 10, "exact_match": exact, "mae": capped, "mae_capped": capped, "within_1": 0.9,
+                  "unparseable": 0.0}
+        run_dir = tmp_path / "selection" / f"smmd_raw-{label}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(json.dumps({"eval": {"val": scores}, "eval_first_token": {},
+                                                      "train_seconds": 1.0, "train_cpu_seconds": 2.0}))
+    chosen = study_a.select_on_validation("smmd_raw", {label: grid_candidates.get(label, {}) for label in val
+                                                       if label != "reference"}, tier_a.ARMS["ce"], grid, 1000,
+                                          study_a.evaluate_a)
+    assert chosen["chosen"] == "sigma30-w0.3"  # tied exact match: the lower capped MAE
+    assert chosen["beats_reference"] is True and chosen["reference"]["val_exact_match"] == 0.33
+    assert json.loads((tmp_path / "selection-smmd_raw.json").read_text()) == chosen
+    assert study_aprime.flags_for("shuffled_kernel", dict(grid, smmd_raw=chosen["flags"]))["smmd_kernel"] == "shuffled"
+    summary = analyze_a.selections_section([chosen])
+    assert "sigma30-w0.3 beats CE (weight 0)" in summary[2]

@@ -127,7 +127,9 @@ def test_scoring_known_answers():
     assert report["interpolate"]["mae"] == pytest.approx(4.5)            # |21 - 12| / 2, the unparseable left out
     assert report["interpolate"]["unparseable"] == pytest.approx(1 / 3)
     assert report["extrapolate"] == {"count": 1, "exact_match": 0.0, "within_1": 0.0, "mae": 2000.0,
-                                     "unparseable": 0.0}
+                                     "unparseable": 0.0, "mae_capped": 1.0, "mae_cap": 1}  # one answer: cap 1
+    # Capped: the interpolate answers span 12 - (-36) = 48; errors 0, 9 and the unparseable one at 48.
+    assert report["interpolate"]["mae_capped"] == pytest.approx((0 + 9 + 48) / 3)
     # Room for the longest answer: "-1000" is Ġ- 1 0 0 0, then EOS.
     assert tier_b.max_new_tokens(items) == 7
 

