@@ -34,6 +34,8 @@ def _problem(generator, tp_size, placement, dtype):
     numeric_size = int(torch.randint(2, min(len(pool), 30) + 1, (1, ), generator=generator))
     token_ids = pool[torch.randperm(len(pool), generator=generator)[:numeric_size]]
     values = torch.randint(0, 40, (numeric_size, ), generator=generator).double()
+    if values.unique().numel() < 2:  # SMMD refuses a vocabulary of one value (about 1 draw in 1,000)
+        values[1] = values[0] + 1
     shape = (int(torch.randint(1, 4, (1, ), generator=generator)), int(torch.randint(1, 14, (1, ),
                                                                                        generator=generator)))
     logits = (torch.randn(*shape, vocab_size, generator=generator, dtype=torch.float64) * 3).to(dtype)
