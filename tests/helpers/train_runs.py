@@ -23,6 +23,16 @@ SEQ_LEN, EVAL_BATCHES = 48, 3
 
 
 
+def corpus_fixture():
+    """A module-scoped ``corpus`` fixture for a test module (``corpus = corpus_fixture()``): a
+    Llama-3-style tokenizer and small numeric corpora on disk, as a user would have them."""
+    @pytest.fixture(scope="module")
+    def corpus(tmp_path_factory):
+        return write_launch_corpus(tmp_path_factory.mktemp("corpus"))
+
+    return corpus
+
+
 def write_launch_corpus(root: Path) -> Path:
     """A Llama-3-style tokenizer and small numeric corpora written into ``root``, as a user would have."""
     import random

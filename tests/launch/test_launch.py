@@ -18,24 +18,19 @@ from helpers.launching import REPO, environment, metrics, run
 from helpers.train_runs import (
     CONTRACT_SCALARS,
     assert_steps_5_and_6_continue,
+    corpus_fixture,
     cut_back_to_step_4,
     deepspeed_command,
     eval_ce_of_hf_model,
     tensorboard_run,
     train_args,
-    write_launch_corpus,
 )
 
 from smmd_train.launcher import free_port
 from smmd_train.metrics_file import read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A Llama-3-style tokenizer and small numeric corpora on disk, as a user would have them."""
-    return write_launch_corpus(tmp_path_factory.mktemp("corpus"))
+corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
 
 
 @pytest.fixture(scope="module")

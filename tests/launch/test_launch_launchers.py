@@ -11,20 +11,15 @@ from pathlib import Path
 import pytest
 from helpers.launching import REPO, environment, metrics, run
 from helpers.train_runs import (
+    corpus_fixture,
     deepspeed_command,
     train_args,
-    write_launch_corpus,
 )
 
 from smmd_train.launcher import free_port
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A Llama-3-style tokenizer and small numeric corpora on disk, as a user would have them."""
-    return write_launch_corpus(tmp_path_factory.mktemp("corpus"))
+corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
 
 
 def test_z_loss_and_label_smoothing_train_and_are_logged(tmp_path, corpus):

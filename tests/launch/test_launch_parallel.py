@@ -14,23 +14,18 @@ from helpers.train_runs import (
     EXPORT,
     adam_step_bound,
     assert_steps_5_and_6_continue,
+    corpus_fixture,
     cut_back_to_step_4,
     deepspeed_command,
     eval_ce_of_hf_model,
     local_hf_checkpoint,
     train_args,
-    write_launch_corpus,
 )
 
 from smmd_train.launcher import free_port
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A Llama-3-style tokenizer and small numeric corpora on disk, as a user would have them."""
-    return write_launch_corpus(tmp_path_factory.mktemp("corpus"))
+corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
 
 
 def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_trips(tmp_path, corpus):
