@@ -84,3 +84,13 @@ def tokenizer_dir(tmp_path_factory):
 # Under pytest-xdist the suite runs with --dist loadfile: a test module's tests run on one worker, so a
 # module-scoped fixture that trains (test_launch.py's ZeRO-3 run, test_deepspeed.py's layouts) trains
 # once. (xdist 3.8's --dist loadgroup did not keep a group on one worker here.)
+# The longest modules first (each a few minutes of a worker), so that under xdist no worker starts one
+# of them while the others are nearly done: the measured order of their durations on 2 cores.
+LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py", "tests/launch/test_launch.py",
+                 "tests/numeracy/test_numeracy_study.py", "tests/launch/test_demo.py",
+                 "tests/launch/test_benchmarks.py", "tests/launch/test_launch_parallel.py", "tests/train/test_scaling.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
