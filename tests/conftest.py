@@ -88,7 +88,8 @@ def tokenizer_dir(tmp_path_factory):
 # of them while the others are nearly done: the measured order of their durations on 2 cores.
 LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py", "tests/launch/test_launch.py",
                  "tests/numeracy/test_numeracy_study.py", "tests/launch/test_demo.py",
-                 "tests/launch/test_benchmarks.py", "tests/launch/test_launch_parallel.py", "tests/train/test_scaling.py")
+                 "tests/launch/test_benchmarks.py", "tests/launch/test_launch_parallel.py",
+                 "tests/train/test_scaling.py")
 
 
 def pytest_collection_modifyitems(config, items):
