@@ -5,7 +5,12 @@ nothing downloaded.
     bash launch/demo.sh --arm ntl_was   # another of the study's arms beside CE
     python launch/demo.py --help        # this text; needs nothing installed
 
-Time: 546 s after set-up on 2 cores shared with other jobs (load average 4-15; pilot, 2026-11-27).
+Time after set-up, measured 2026-11-27 on 2 cores that other jobs' test runs shared (the demo at
+nice 5; no idle window came): 381 s at a load average of 3.8-9.1 (median 5.2) and 408 s at 1.4-6.5.
+Of the 381 s: data and tokenizer 0 s, the two 1-process runs side by side 337 s (0.12 s per step
+each), the TP=2 segment 41 s (its 50 steps 14 s, the rest the launcher, the universal conversion
+and the export), evaluation 3 s. A 1-process ZeRO-3 step took 0.081 s on 2 idle cores (2026-11-25),
+which puts the demo near 200 s on an idle machine (not measured: the machine never was idle).
 
 The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):
 
