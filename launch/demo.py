@@ -5,12 +5,12 @@ nothing downloaded.
     bash launch/demo.sh --arm ntl_was   # another of the study's arms beside CE
     python launch/demo.py --help        # this text; needs nothing installed
 
-Time after set-up, measured 2026-11-27 on 2 cores that other jobs' test runs shared (the demo at
-nice 5; no idle window came): 381 s at a load average of 3.8-9.1 (median 5.2) and 408 s at 1.4-6.5.
-Of the 381 s: data and tokenizer 0 s, the two 1-process runs side by side 337 s (0.12 s per step
-each), the TP=2 segment 41 s (its 50 steps 14 s, the rest the launcher, the universal conversion
-and the export), evaluation 3 s. A 1-process ZeRO-3 step took 0.081 s on 2 idle cores (2026-11-25),
-which puts the demo near 200 s on an idle machine (not measured: the machine never was idle).
+Time after set-up, measured 2026-11-27 on this project's 2-core machine (the demo at nice 5):
+296 s with no other job running (load average 0.9 at the start, 0.9-2.3 during: the demo's own two
+processes): data and tokenizer 0 s, the two 1-process runs side by side 267 s (0.11 s per step
+each: two processes on the 2 cores are slower than one alone, 0.081 s), the TP=2 segment 25 s (its
+50 steps 10 s, the rest the launcher, the universal conversion and the export), evaluation 4 s.
+On cores shared with other jobs' test runs it took 381 s (load average 3.8-9.1) and 408 s (1.4-6.5).
 
 The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):
 
