@@ -50,7 +50,6 @@ ARMS = {
     "smmd_ntl_was": {"numeric_loss": ["smmd:1", "ntl-was:0.3"], "ntl_squash_factor": 9.0},
     "random_kernel": {"numeric_loss": ["smmd:1"], "smmd_kernel": "random"},
 }
-ABLATIONS = ("random_kernel",)  # arms that test a mechanism, never offered as a numeric loss to use
 
 # Tier A' (benchmarks/numeracy/study_aprime.py): SMMD on raw value distances (no squashing), its bandwidth
 # sigma (value units) and weight chosen on validation; the control is the same kernel on values shuffled
@@ -80,16 +79,6 @@ def arm_flags(arm: str, ntl_mse_weight=None) -> dict:
         raise ValueError("arm ntl_mse needs the NTL-MSE weight the study chose on validation (results/tier_a.json "
                          "has it once the study has run)")
     return {"numeric_loss": [f"ntl-mse:{ntl_mse_weight:g}"]}
-
-
-def best_arm(results: dict) -> str:
-    """The study's best numeric loss in ``results`` (analyze_a's tier_a.json): the arm, not an ablation,
-    with the largest mean paired difference from CE in test exact match, the pre-registered primary metric."""
-    rows = [row for row in results["tests"]["exact_match"]
-            if row["column"] == "test" and row["arm"] in ARMS and row["arm"] not in ("ce", *ABLATIONS)]
-    if not rows:
-        raise ValueError("the results hold no test exact-match comparison of a numeric loss against ce")
-    return max(rows, key=lambda row: row["mean_difference"])["arm"]
 
 
 SYMBOL = {"add": "+", "sub": "-", "dist": "~"}
