@@ -172,13 +172,9 @@ def _raise_on_broken_json(path: Path, error: Exception) -> None:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as broken:
-                raise ValueError(f"{_json_error(path, number, broken)}; each line of a JSON-lines file must be "
-                                 "one JSON object") from error
-            if not isinstance(value, dict):
-                raise ValueError(f"{path}:{number}: a JSON {type(value).__name__}, not an object; each line of a "
-                                 "JSON-lines file must be one JSON object") from error
+                _json_object_line(path, number, line, "each line of a JSON-lines file must be one JSON object")
+            except ValueError as refusal:
+                raise refusal from error
 
 
 def _load_saved_dataset(path: Path) -> datasets.Dataset:
@@ -355,16 +351,22 @@ def load_prompt_completion(paths: Sequence[str | os.PathLike], text_field: str =
                             fingerprint=Hasher.hash((_CACHE_FORMAT_VERSION, "prompt_completion", records)))
 
 
-def _prompt_completion_record(path: Path, number: int, line: str, text_field: str) -> tuple[str, str]:
-    where = f"{path}:{number}"
+def _json_object_line(path: Path, number: int, line: str, expected: str) -> dict:
+    """Line ``number`` of a JSON-lines file as the object it must be; else one line naming ``path:number``
+    (json's own message for broken JSON) and what each line must be (``expected``)."""
     try:
-        record = json.loads(line.rstrip("\r\n"))
+        value = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as broken:
         raise ValueError(f"{_json_error(path, number, broken)}; each line of a JSON-lines file must be one JSON "
                          "object") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
-                         '{"prompt": ..., "completion": ...} object')
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}:{number}: a JSON {type(value).__name__}, not an object; {expected}")
+    return value
+
+
+def _prompt_completion_record(path: Path, number: int, line: str, text_field: str) -> tuple[str, str]:
+    where = f"{path}:{number}"
+    record = _json_object_line(path, number, line, 'each line must be one {"prompt": ..., "completion": ...} object')
     missing = [key for key in PROMPT_COMPLETION_KEYS if key not in record]
     if missing:
         mixed = f"a text record ({text_field!r}) in a prompt/completion file: one format per run; " \
