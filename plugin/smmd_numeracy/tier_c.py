@@ -34,7 +34,7 @@ SETTINGS = {
     "data_seed": 0, "val_items": 300, "test_items": 1002, "oor_items": 300, "nll_items": 300,
     "plain_sequences": 16, "plain_seq_len": 64, "micro_batch_size": 8, "warmup_fraction": 0.1,
     "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 10, "eval_batch_size": 64,
-    "probe_steps": 20, "max_step_seconds": 4.5, "train_seconds_per_run": 240.0, "min_steps": 40, "max_steps": 400,
+    "probe_steps": 20, "max_step_seconds": 4.5, "train_seconds_per_run": 150.0, "min_steps": 40, "max_steps": 400,
 }
 # The pilot: CE alone on the pilot seed, starting at 3-digit operands and lr 1e-4; too easy -> one digit
 # more, too hard -> a larger lr first, then one digit less (``pilot_next``). The band is CE's validation
