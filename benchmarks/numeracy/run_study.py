@@ -243,15 +243,29 @@ class RunFailed(Exception):
     pass
 
 
-def _run_logged(command: list, log: Path, env: dict) -> float:
-    """Run ``command`` with its output in ``log``; its wall seconds, or ``RunFailed`` with the log's tail."""
+def run_measured(command: list, log: Path, env: dict) -> tuple:
+    """Run ``command`` with its output in ``log``: (wall seconds, CPU seconds of the child and everything it
+    waited for), or ``RunFailed`` with the log's tail. The CPU is the child's own rusage (``os.wait4``), so
+    runs side by side (``--jobs``) each count their own, which ``os.times`` deltas would mix."""
     began = time.monotonic()
     with open(log, "w") as handle:
-        returncode = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
-    if returncode != 0:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
         tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
-        raise RunFailed(f"{' '.join(command[:3])} ... exited {returncode}; {log}:\n{tail}")
-    return time.monotonic() - began
+        raise RunFailed(f"{' '.join(command[:3])} ... exited {process.returncode}; {log}:\n{tail}")
+    return time.monotonic() - began, usage.ru_utime + usage.ru_stime
+
+
+def _run_logged(command: list, log: Path, env: dict) -> float:
+    """``run_measured``'s wall seconds."""
+    return run_measured(command, log, env)[0]
 
 
 def execute(settings: dict, data: dict, method: str, seed: int, output_dir: Path, env: dict) -> dict:

@@ -21,14 +21,16 @@ Resumable like the first study: a run whose ``run.json`` records its evaluation 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze_a
-from benchmarks.numeracy.run_study import RunFailed, _run_logged, child_environment, write_json
+from benchmarks.numeracy.run_study import RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
 from smmd_train.arguments import REPO, train_command
 
@@ -58,7 +60,11 @@ def parse_tier_args(tier: str, argv, doc: str, arms, quick_arms, quick_seeds, fu
     parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
     parser.add_argument("--work_dir", help=f"default benchmarks/numeracy/runs/tier_{tier}[_quick]")
     parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each one process at the tier's "
+                        "threads; default 1): the runs and their scores do not depend on it, their wall times do")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more")
     name = f"tier_{tier}_quick" if args.quick else f"tier_{tier}"
     args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
     args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
@@ -144,13 +150,11 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
         output_dir.mkdir(parents=True)
         command = train(settings, data, flags, seed, output_dir)
         record = {"arm": name, "seed": seed, "flags": flags, "train_command": command}
-        cpu_before = os.times()
-        record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
-        cpu_after = os.times()
-        record["train_cpu_seconds"] = (cpu_after.children_user + cpu_after.children_system
-                                       - cpu_before.children_user - cpu_before.children_system)
+        record["train_seconds"], record["train_cpu_seconds"] = run_measured(command, output_dir / "train.log", env)
         write_json(record_path, record)
-    began, cpu_began = time.monotonic(), os.times()
+    # this thread's CPU: the evaluation runs in the calling thread (torch at one intra-op thread), and
+    # with --jobs another thread may be evaluating beside it
+    began, cpu_began = time.monotonic(), time.thread_time()
     evaluation = evaluate(output_dir / "hf", data["qa_eval"])
     write_json(output_dir / "answers.json",
                {key: value for key, value in evaluation.items() if key.startswith("answers")})
@@ -158,8 +162,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     if "metrics_first_token" in evaluation:  # Tier A's post-hoc check (tier_a.evaluate_model)
         record["eval_first_token"] = evaluation["metrics_first_token"]
     record["eval_seconds"] = time.monotonic() - began
-    cpu_now = os.times()
-    record["eval_cpu_seconds"] = cpu_now.user + cpu_now.system - cpu_began.user - cpu_began.system
+    record["eval_cpu_seconds"] = time.thread_time() - cpu_began
     write_json(record_path, record)
     return record
 
@@ -229,22 +232,40 @@ def select_on_validation(name: str, candidates: dict, reference: dict, grid: dic
         return json.loads(path.read_text())
 
     def run(label: str, flags: dict) -> dict:
-        record = execute(grid["settings"], grid["data"], f"{name}@{label}", flags, seed,
-                         grid["work_dir"] / "selection" / f"{name}-{label}", grid["env"], evaluate, train)
+        # the reference (CE on the selection seed) is one run shared by every arm's selection
+        folder = "reference" if label == "reference" else f"{name}-{label}"
+        output_dir = grid["work_dir"] / "selection" / folder
+        if label == "reference" and (output_dir / "run.json").is_file():
+            made_with = json.loads((output_dir / "run.json").read_text())["flags"]
+            if made_with != flags:
+                raise SystemExit(f"{output_dir} is a reference run made with {made_with}, not {flags}; delete it")
+        record = execute(grid["settings"], grid["data"], f"{name}@{label}", flags, seed, output_dir, grid["env"],
+                         evaluate, train)
         _progress(f"selection {name} {label}", record, grid["began"], split=split, tier=grid.get("tier", "a"))
         scores = record["eval"][split]
         return {"candidate": label, "flags": flags, f"{split}_exact_match": scores["exact_match"],
                 f"{split}_mae_capped": scores["mae_capped"], "train_cpu_seconds": record["train_cpu_seconds"],
                 "eval_cpu_seconds": record.get("eval_cpu_seconds", 0.0)}
 
-    rows = [run(label, flags) for label, flags in candidates.items()]
-    baseline = run("reference", reference)
+    labelled = [*candidates.items(), ("reference", reference)]
+    *rows, baseline = in_parallel(grid.get("jobs", 1), [lambda item=item: run(*item) for item in labelled])
     best = max(rows, key=lambda row: (row[f"{split}_exact_match"], -row[f"{split}_mae_capped"]))
     selection = {"arm": name, "criterion": f"{split} exact match, then lower {split} capped MAE", "seed": seed,
                  "candidates": rows, "chosen": best["candidate"], "flags": best["flags"], "reference": baseline,
                  "beats_reference": best[f"{split}_exact_match"] > baseline[f"{split}_exact_match"]}
     write_json(path, selection)
     return selection
+
+
+def in_parallel(jobs: int, tasks: list) -> list:
+    """The results of ``tasks`` (callables), ``jobs`` at a time in threads (each task waits on a train.py
+    process or runs a one-thread evaluation), in the tasks' order; every task runs, and the first
+    exception is raised once all have finished."""
+    if jobs <= 1:
+        return [task() for task in tasks]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(task) for task in tasks]
+        return [future.result() for future in futures]
 
 
 def run_order(arms: list, seeds: list) -> list:
@@ -334,8 +355,8 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
     work_dir.mkdir(parents=True, exist_ok=True)
     study = open_study(work_dir, settings, args.arms, args.seeds, tier)
     began, cpu_began = time.monotonic(), os.times()
-    invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "wall_seconds": 0.0,
-                  "cpu_seconds": 0.0, "runs_completed": 0}
+    invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "jobs": args.jobs,
+                  "wall_seconds": 0.0, "cpu_seconds": 0.0, "runs_completed": 0}
     study["invocations"].append(invocation)
     data = prepare_data(work_dir, settings)
     study["parameters"] = data["parameters"]
@@ -353,24 +374,35 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
     print(f"[tier {tier}] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
           f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
     grid = {"settings": settings, "data": data, "work_dir": work_dir, "env": env, "began": began, "study": study,
-            "tier": tier}
-    failures = []
+            "tier": tier, "jobs": args.jobs}
+    failures, lock = [], threading.Lock()
+    pending = []
     for arm, seed in run_order(args.arms, args.seeds):
         output_dir = work_dir / f"{arm}-seed{seed}"
-        if is_finished(output_dir):
-            if backfill is not None:  # e.g. a check added after the run was scored
-                backfill(output_dir, data)
-            continue
-        flags = flags_for_arm(arm, grid)
+        if not is_finished(output_dir):
+            pending.append((arm, seed, output_dir))
+        elif backfill is not None:  # e.g. a check added after the run was scored
+            backfill(output_dir, data)
+    # side by side, every arm's options (and so its selection on validation) are fixed before the grid;
+    # one at a time, an arm's selection runs just before its first grid run
+    chosen = {arm: flags_for_arm(arm, grid) for arm in dict.fromkeys(arm for arm, _, _ in pending)} \
+        if args.jobs > 1 else {}
+
+    def one_run(arm: str, seed: int, output_dir: Path) -> None:
+        flags = chosen[arm] if arm in chosen else flags_for_arm(arm, grid)
         try:
             record = execute(settings, data, arm, flags, seed, output_dir, env, evaluate, train)
         except RunFailed as error:
-            failures.append(f"{arm} seed {seed}: {error}")
-            print(f"[tier {tier}] {arm} seed {seed} FAILED", flush=True)
-            continue
-        invocation["runs_completed"] += 1
-        save()
-        _progress(f"{arm} seed {seed}", record, began, split, tier)
+            with lock:
+                failures.append(f"{arm} seed {seed}: {error}")
+                print(f"[tier {tier}] {arm} seed {seed} FAILED", flush=True)
+            return
+        with lock:
+            invocation["runs_completed"] += 1
+            save()
+            _progress(f"{arm} seed {seed}", record, began, split, tier)
+
+    in_parallel(args.jobs, [lambda item=item: one_run(*item) for item in pending])
     save()
     if failures:
         raise SystemExit(f"[tier {tier}] some runs failed (finished runs are kept; rerun to retry):\n\n"

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.numeracy import analyze_c, study_a
-from benchmarks.numeracy.run_study import _run_logged, child_environment, write_json
+from benchmarks.numeracy.run_study import child_environment, run_measured, write_json
 from smmd_numeracy import tier_c
 from smmd_train.arguments import REPO, train_command
 from smmd_train.metrics_file import read_metrics
@@ -130,15 +130,12 @@ def probe(work_dir: Path, settings: dict, data: dict, env: dict) -> dict:
     command = train_c(dict(settings, steps=settings["probe_steps"]), data, tier_c.arm_flags("ce"), PILOT_SEED,
                       output_dir)
     command = [part for part in command if part not in ("--export_hf", str(output_dir / "hf"))]
-    cpu_before = os.times()
-    wall = _run_logged(command, output_dir / "train.log", env)
-    cpu_after = os.times()
+    wall, cpu_seconds = run_measured(command, output_dir / "train.log", env)
     seconds = [entry["perf/step_seconds"] for entry in read_metrics(output_dir) if "perf/step_seconds" in entry]
     result = {"steps": settings["probe_steps"], "step_seconds": statistics.median(seconds[1:] or seconds),
               "per_step": seconds, "wall_seconds": wall, "micro_batch_size": settings["micro_batch_size"],
               "seq_len": data["seq_len"], "load_average": os.getloadavg(),
-              "cpu_seconds": cpu_after.children_user + cpu_after.children_system - cpu_before.children_user
-              - cpu_before.children_system}
+              "cpu_seconds": cpu_seconds}
     write_json(path, result)
     return result
 

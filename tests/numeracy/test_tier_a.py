@@ -372,9 +372,11 @@ def test_tier_a_prime_arms_flags_and_the_selection_chooses_on_validation(tmp_pat
     for label, (exact, capped) in val.items():
         scores = {"count": 10, "exact_match": exact, "mae": capped, "mae_capped": capped, "within_1": 0.9,
                   "unparseable": 0.0}
-        run_dir = tmp_path / "selection" / f"smmd_raw-{label}"
+        # the reference (CE on the selection seed) is one run that every arm's selection shares
+        run_dir = tmp_path / "selection" / ("reference" if label == "reference" else f"smmd_raw-{label}")
         run_dir.mkdir(parents=True)
-        (run_dir / "run.json").write_text(json.dumps({"eval": {"val": scores}, "eval_first_token": {},
+        flags = tier_a.ARMS["ce"] if label == "reference" else grid_candidates[label]
+        (run_dir / "run.json").write_text(json.dumps({"eval": {"val": scores}, "eval_first_token": {}, "flags": flags,
                                                       "train_seconds": 1.0, "train_cpu_seconds": 2.0}))
     chosen = study_a.select_on_validation("smmd_raw", {label: grid_candidates.get(label, {}) for label in val
                                                        if label != "reference"}, tier_a.ARMS["ce"], grid, 1000,
