@@ -14,6 +14,7 @@ Checks, each a row (ok / FAILED / skipped, with the measured number and its limi
 * one bf16 forward + backward of CE + SMMD at ``--tokens`` x ``--vocab`` (8,192 x 128,256 on a GPU):
   time, peak memory against the memory planner's estimate, and the host syncs it made (CUDA's
   sync debug mode; not measurable on CPU);
+* the fused LM heads against DeepSpeed's fused linear CE and torch's CE (time, peak memory): measured;
 * train.py on the tiny preset under ZeRO-3 (bf16 where the device supports it): 4 steps with a
   checkpoint, a resumed run that repeats the last steps' losses, ``--fused_linear``, the HF export
   and its evaluation.
@@ -22,6 +23,7 @@ Checks, each a row (ok / FAILED / skipped, with the measured number and its limi
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -170,6 +172,55 @@ def large_step(device: torch.device, tokens: int, vocab_size: int, seed: int) ->
     return rows
 
 
+def fused_heads(device: torch.device, quick: bool, repeats: int = 5) -> list:
+    """The LM head + loss, forward + backward, on the device: bench_fused_linear's contenders (ours fused
+    with and without z-loss + soft-cap, DeepSpeed's fused linear CE, torch's CE on materialized logits) at
+    4,096 x 1,024 x 32,000 in fp32 and bf16 (--quick: 512 x 128 x 4,000 fp32). Time: the median of
+    ``repeats`` after two warm-ups, synchronized; peak: the allocator's high-water mark above the inputs
+    (CUDA only). Measurements, not checks: a speed target lives in the table's ratios, not in a test."""
+    from benchmarks import bench_fused_linear as bench
+
+    shapes = [bench.Shape(512, 128, 4000, "fp32")] if quick else [
+        bench.Shape(4096, 1024, 32000, "fp32"), bench.Shape(4096, 1024, 32000, "bf16")]
+    names = ("torch_ce", "ours_fused_w0", "ours_fused", "ours_fused_zcap", "deepspeed_fused", "torch_linear_ce")
+    rows = []
+    for shape in shapes:
+        measured = {}
+        for name in names:
+            try:
+                loss = bench.build(name, shape, bench.numeric_token_ids(shape))
+            except (bench.Unavailable, ImportError) as error:
+                rows.append(row(f"head {name}, {shape}", None, note=str(error)[:80]))
+                continue
+            hidden, weight, targets = (tensor.detach().to(device) for tensor in bench.make_inputs(shape, shape.tokens))
+            hidden.requires_grad_(True)
+            weight.requires_grad_(True)
+            times, peak = [], None
+            for attempt in range(repeats + 2):
+                hidden.grad = weight.grad = None
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                began = time.perf_counter()
+                loss(hidden, weight, targets).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() - base
+                if attempt >= 2:
+                    times.append(time.perf_counter() - began)
+            measured[name] = (statistics.median(times), peak)
+            del hidden, weight, targets
+        reference = measured.get("deepspeed_fused")
+        for name, (seconds, peak) in measured.items():
+            ratio = "" if reference is None else f"{seconds / reference[0]:.2f}x DeepSpeed's time"
+            if peak is not None and reference is not None and reference[1]:
+                ratio += f", {peak / reference[1]:.2f}x its peak"
+            rows.append(row(f"head {name}, {shape}", True, f"{seconds * 1e3:.2f} ms"
+                            + (f", {peak / 2**20:.0f} MiB" if peak is not None else ""), note=ratio))
+    return rows
+
+
 def training(device: torch.device, work: Path, quick: bool) -> list:
     """train.py on the tiny preset: 4 steps with checkpoints, a resume that repeats steps 3-4, the
     fused head, the export and its evaluation."""
@@ -192,8 +243,14 @@ def training(device: torch.device, work: Path, quick: bool) -> list:
                             max_steps=steps, warmup_steps=1, lr=3e-3, output_dir=work / name, **options)
         import os
 
-        completed = subprocess.run(launch_command(TRAIN_SCRIPT, *flags, processes=1), capture_output=True,
-                                   text=True, cwd=REPO, env={**os.environ, **environment_variables})
+        command = launch_command(TRAIN_SCRIPT, *flags, processes=1)
+        try:  # a hung run becomes a failed row, not a lost table (a first CUDA run may build DeepSpeed's Adam)
+            completed = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300,
+                                       env={**os.environ, **environment_variables})
+        except subprocess.TimeoutExpired as expired:
+            text = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                    for part in (expired.stdout, expired.stderr)]
+            completed = subprocess.CompletedProcess(command, -9, text[0], text[1] + "\ntimed out after 300 s")
         records = {record["step"]: record for record in read_metrics(work / name) if "loss/total" in record} \
             if (work / name / "metrics.jsonl").exists() else {}
         return completed, records
@@ -239,8 +296,15 @@ def main(argv=None) -> int:
     tokens = args.tokens or (512 if args.quick else 8192)
     vocab_size = args.vocab or (8192 if args.quick else 128256)
     began = time.perf_counter()
-    rows = environment(device) + accuracy(device, args.seed) + large_step(device, tokens, vocab_size, args.seed)
-    rows += training(device, Path(args.work_dir), args.quick)
+    rows = []
+    sections = (lambda: environment(device), lambda: accuracy(device, args.seed),
+                lambda: large_step(device, tokens, vocab_size, args.seed), lambda: fused_heads(device, args.quick),
+                lambda: training(device, Path(args.work_dir), args.quick))
+    for section in sections:  # each section's rows as it ends, so a run stopped by a time limit still tells
+        done = section()
+        rows += done
+        for entry in done:
+            print(f"[smoke] {entry['check']}: {entry['status']} {entry['measured']} {entry['note']}", flush=True)
     print(markdown_table(rows, [("check", "check", ""), ("status", "status", ""), ("measured", "measured", ""),
                                 ("limit", "limit", ""), ("note", "note", "")]))
     failed = [r["check"] for r in rows if r["status"] == "FAILED"]

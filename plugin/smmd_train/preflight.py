@@ -42,6 +42,7 @@ class BuildEnvironment:
     nvcc: Optional[str]  # path, None when there is none
     cxx: Optional[str]  # C++ compiler path, None when there is none
     extensions_dir: Path  # where JIT builds go (TORCH_EXTENSIONS_DIR or torch's default)
+    cuda_arch_list: Optional[str] = None  # TORCH_CUDA_ARCH_LIST, which a JIT build of a CUDA op reads
 
     @classmethod
     def detect(cls, environ=os.environ) -> "BuildEnvironment":
@@ -51,7 +52,21 @@ class BuildEnvironment:
         nvcc = Path(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
         return cls(installed_ops=dict(installed_ops), nvcc=str(nvcc) if nvcc and nvcc.is_file() else None,
                    cxx=shutil.which(environ.get("CXX", "c++")),
-                   extensions_dir=Path(environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()))
+                   extensions_dir=Path(environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()),
+                   cuda_arch_list=environ.get("TORCH_CUDA_ARCH_LIST"))
+
+
+def arch_entries_deepspeed_cannot_read(arch_list: Optional[str]) -> list:
+    """The entries of a TORCH_CUDA_ARCH_LIST that DeepSpeed's JIT op builder cannot sort: it reads each
+    entry (split on ';' and spaces) as dot-separated integers, each allowed a '+...' suffix
+    (``OpBuilder.compute_capability_args``), so an architecture-specific entry such as "9.0a" (which
+    CUDA images for Hopper set) fails with ``ValueError: invalid literal for int()`` on every rank, after
+    the model is built (seen with DeepSpeed 0.19.8 on an H200 whose image set 9.0a)."""
+    def readable(entry: str) -> bool:
+        return all(part.split("+")[0].isdigit() for part in entry.split("."))
+
+    return [entry for entry in (arch_list or "").replace(" ", ";").split(";") if entry.strip()
+            and not readable(entry.strip())]
 
 
 def _offload_device(zero: dict, key: str) -> str:
@@ -106,6 +121,17 @@ def check_ops(ops: list, environment: BuildEnvironment) -> tuple:
             problems.append(f"{op.why} is compiled at start-up because this DeepSpeed install has no prebuilt "
                             f"{op.name}, and that needs {missing}; install DeepSpeed with {op.build_flag}=1, or "
                             f"make the compiler available on every node, {TORCH_ADAM_HINT}")
+            continue
+        unreadable = arch_entries_deepspeed_cannot_read(environment.cuda_arch_list) if op.needs_nvcc else []
+        if unreadable:
+            plain = ";".join(dict.fromkeys(entry.rstrip("abcdefghijklmnopqrstuvwxyz").split("+")[0]
+                                           for entry in environment.cuda_arch_list.replace(" ", ";").split(";")
+                                           if entry.strip()))
+            problems.append(f"{op.why} is compiled at start-up, and DeepSpeed's op builder cannot read "
+                            f"TORCH_CUDA_ARCH_LIST={environment.cuda_arch_list} (entries {', '.join(unreadable)}: it "
+                            f"reads each as numbers, and every rank would stop with 'invalid literal for int()' after "
+                            f"the model is built); set TORCH_CUDA_ARCH_LIST={plain} for the job, install DeepSpeed "
+                            f"with {op.build_flag}=1, {TORCH_ADAM_HINT}")
             continue
         notes.append(f"DeepSpeed compiles {op.name} for {op.why} at start-up with {tool} into "
                      f"{environment.extensions_dir} (minutes, once per node and environment; the ranks of a node "

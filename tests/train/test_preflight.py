@@ -77,3 +77,42 @@ def test_the_plan_refuses_a_gpu_run_that_cannot_build_its_optimizer(tmp_path, to
     (tmp_path / "torch_adam.json").write_text(json.dumps(torch_adam))
     plan = plan_run(parse_args(train_flags(deepspeed_config=tmp_path / "torch_adam.json", **flags)), 8, "cuda", True)
     assert plan.ds_config["optimizer"]["params"]["torch_adam"] is True
+
+
+@pytest.mark.parametrize("arch_list", ["9.0a", "8.0;9.0a", "9.0 10.0f", "9.0", "8.6+PTX", "7.5;8.0 9.0", None])
+def test_an_arch_list_deepspeeds_builder_cannot_read_is_refused_as_deepspeed_would_fail(tmp_path, monkeypatch,
+                                                                                         arch_list):
+    """Our reading of TORCH_CUDA_ARCH_LIST agrees with DeepSpeed's own JIT builder: the same list makes
+    ``compute_capability_args`` raise exactly when the plan refuses the run (an H200 image set "9.0a"
+    and every train.py run there died after the model was built)."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list) if arch_list else monkeypatch.delenv(
+        "TORCH_CUDA_ARCH_LIST", raising=False)
+    import os
+
+    detected = BuildEnvironment.detect(os.environ)  # before DeepSpeed's builder, which rewrites the variable
+    assert detected.cuda_arch_list == arch_list
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    builder._jit_arch_list = None
+    try:
+        builder.compute_capability_args()
+        deepspeed_fails = False
+    except ValueError:
+        deepspeed_fails = True
+    except RuntimeError as error:  # no list and no GPU here: DeepSpeed asks for a list; we have nothing to say
+        assert arch_list is None and "TORCH_CUDA_ARCH_LIST" in str(error)
+        deepspeed_fails = False
+    ops = ops_to_compile(resolved("zero3.json"), "cuda")
+    notes, problems = check_ops(ops, BuildEnvironment(NOTHING_PREBUILT, "/cuda/bin/nvcc", "/usr/bin/c++",
+                                                      Path(tmp_path), detected.cuda_arch_list))
+    assert bool(problems) == deepspeed_fails, (problems, notes)
+    if deepspeed_fails:
+        assert f"cannot read TORCH_CUDA_ARCH_LIST={arch_list}" in problems[0]
+        fixed = problems[0].split("set TORCH_CUDA_ARCH_LIST=")[1].split(" ")[0]
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", fixed)
+        builder.compute_capability_args()  # the list the refusal suggests is one DeepSpeed reads
+    # a prebuilt op reads no list
+    assert check_ops(ops, BuildEnvironment({**NOTHING_PREBUILT, "fused_adam": True}, None, None, Path(tmp_path),
+                                           arch_list)) == ([], [])
