@@ -73,6 +73,10 @@ def summary_markdown(work_dir: Path, study: dict, runs: list, analysis: dict, se
         f"more). Weights chosen on validation: "
         + (", ".join(f"{arm} {weight:g}" for arm, weight in study.get("weights", {}).items()) or "none") + ". "
         f"Items scored per run: {analyze_a.scored_counts(runs)}.", "",
+        *([f"**Exploratory, outside the pre-registered plan**: {pilot['exploratory']['why']} (operands below "
+           f"{pilot['exploratory']['operand_range']}, lr {pilot['exploratory']['lr']:g}). Exact match sits near "
+           "the floor here; read the verdicts below as exploratory, not as the pre-registered rule's.", ""]
+          if pilot.get("exploratory") else []),
         f"Timing probe: {probe.get('step_seconds', float('nan')):.2f} s per step (median of {probe.get('steps', 0)} "
         f"steps at micro-batch {probe.get('micro_batch_size', 'n/a')}, seq_len {probe.get('seq_len', 'n/a')}; load "
         f"average {', '.join(f'{value:.1f}' for value in probe.get('load_average', ()))}).", "",

@@ -51,12 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", default=DEFAULT_MODEL)
     model.add_argument("--pilot_only", action="store_true")
+    model.add_argument("--exploratory_at", nargs=2, metavar=("RANGE", "LR"), type=float)
     known, rest = model.parse_known_args(argv)
     args = study_a.parse_tier_args("c", rest, __doc__ + "\n--model DIR: the pretrained Hugging Face folder; "
-                                   "--pilot_only: stop after the probe and the pilot", tier_c.ARMS, QUICK_ARMS,
+                                   "--pilot_only: stop after the probe and the pilot; --exploratory_at RANGE LR: "
+                                   "when no pilot run reached the band, run the grid at this pilot point anyway, "
+                                   "labelled exploratory", tier_c.ARMS, QUICK_ARMS,
                                    QUICK_SEEDS, FULL_SEEDS, f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}, 8 steps",
                                    reserved_seeds={SELECTION_SEED: "the selection seed", PILOT_SEED: "the pilot seed"})
     args.model, args.pilot_only = str(Path(known.model).resolve()), known.pilot_only
+    args.exploratory_at = (int(known.exploratory_at[0]), known.exploratory_at[1]) if known.exploratory_at else None
     return args
 
 
@@ -176,6 +180,16 @@ def plan(args: argparse.Namespace, base: dict, env: dict) -> dict:
         print(f"[tier c] pilot: operands < {operand_range}, lr {lr:g}: CE validation exact match "
               f"{history[-1][2]:.1%}", flush=True)
     choice = (history[-1][0], history[-1][1]) if args.quick else tier_c.pilot_choice(history)
+    if choice is None and args.exploratory_at is not None:
+        if args.exploratory_at not in {(run[0], run[1]) for run in history}:
+            raise SystemExit(f"[tier c] --exploratory_at {args.exploratory_at[0]} {args.exploratory_at[1]:g} is no "
+                             f"pilot point; the pilot ran {[(run[0], run[1]) for run in history]}")
+        choice = args.exploratory_at
+        pilot["exploratory"] = {
+            "operand_range": choice[0], "lr": choice[1],
+            "why": f"no pilot run reached CE validation exact match {tier_c.PILOT_BAND[0]:.0%}-"
+                   f"{tier_c.PILOT_BAND[1]:.0%}, so the pre-registered study stops at the pilot; the grid ran at this "
+                   "pilot point anyway, and its verdicts are exploratory"}
     if choice is None:
         raise SystemExit(f"[tier c] the pilot found no operand range and lr where CE's validation exact match is "
                          f"{tier_c.PILOT_BAND[0]:.0%}-{tier_c.PILOT_BAND[1]:.0%} after {steps} steps: {history} "
