@@ -43,8 +43,9 @@ SELECTION_SEED = 1000
 SETTINGS = tier_a.SETTINGS
 FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4), (0, 1), ("ce", "smmd")
 # --quick checks the pipeline within 20 minutes on 2 cores: the same data and model, a quarter of the steps.
+# --quick runs at the caller's priority (nice 0), as a pipeline check inside a test suite
 QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTINGS["warmup_steps"] // 4,
-                      eval_every=SETTINGS["eval_every"] // 4)
+                      eval_every=SETTINGS["eval_every"] // 4, nice=0)
 
 
 def parse_tier_args(tier: str, argv, doc: str, arms, quick_arms, quick_seeds, full_seeds, quick_help: str,

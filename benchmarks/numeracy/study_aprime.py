@@ -36,7 +36,7 @@ SELECTION_SEED = study_a.SELECTION_SEED
 FULL_SEEDS, QUICK_SEEDS = (0, 1, 2, 3, 4), (0, 1)
 # --quick checks the pipeline within 20 minutes on 2 cores: a quarter of the steps, one candidate.
 QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTINGS["warmup_steps"] // 4,
-                      eval_every=SETTINGS["eval_every"] // 4)
+                      eval_every=SETTINGS["eval_every"] // 4, nice=0)
 QUICK_CANDIDATES = ((10.0, ), (1.0, ))
 
 

@@ -43,7 +43,7 @@ SETTINGS = tier_c.SETTINGS
 # --quick: the same model and code paths at sizes that take minutes; its pilot runs one candidate and
 # takes it whatever CE scores, and one weight is "selected".
 QUICK_SETTINGS = dict(SETTINGS, val_items=30, test_items=60, oor_items=30, nll_items=30, plain_sequences=4,
-                      probe_steps=4, train_seconds_per_run=0.0, min_steps=8, max_steps=8)
+                      probe_steps=4, train_seconds_per_run=0.0, min_steps=8, max_steps=8, nice=0)
 QUICK_WEIGHTS = (1.0, )
 
 

@@ -214,9 +214,17 @@ def test_arms_use_the_digit_vocabulary_and_ntls_default_distances():
 
 @pytest.mark.slow
 def test_quick_pipeline_runs_and_checks_itself(tmp_path):
-    # About 2-3 minutes on one core: 6 tiny runs of 120 steps, their evaluation and the report.
+    # About 2-3 minutes on one core: 6 tiny runs of 120 steps, two at a time (--jobs 2: the path a grid
+    # takes side by side), their evaluation and the report.
     from benchmarks.numeracy import run_study
 
-    run_study.main(["--tier", "b", "--quick", "--work_dir", str(tmp_path / "work")])
+    run_study.main(["--tier", "b", "--quick", "--jobs", "2", "--work_dir", str(tmp_path / "work")])
     results = json.loads((tmp_path / "work" / "results" / "tier_b.json").read_text())
     assert len(results["runs"]) == 6
+    study = json.loads((tmp_path / "work" / "study.json").read_text())
+    assert study["invocations"][-1]["jobs"] == 2 and study["invocations"][-1]["runs_completed"] == 6
+    assert study["settings"]["nice"] == 0  # a pipeline check runs at the suite's priority
+    # each run's training CPU is its own process's: positive, and at most its wall time x its one thread
+    # plus the interpreter's helper threads (bounded well under 2x)
+    for run in results["runs"]:
+        assert 0 < run["train_cpu_seconds"] < 2 * run["train_seconds"] + 5
