@@ -4,6 +4,7 @@ come back in order, and a failing run does not stop the others."""
 import os
 import sys
 import threading
+
 import pytest
 
 from benchmarks.numeracy import study_a
