@@ -20,6 +20,7 @@ import torch
 
 from . import checks
 from .parallel import ExchangeResult, ExchangeState, RankContribution, exchange, group_size_and_rank
+from .sequence_shard import SequenceShard, numeric_positions
 from .vocab import NumericVocab
 
 
@@ -169,6 +170,8 @@ class CallPlan:
     token_ids, values: ``[N]`` the numeric vocabulary on the logits' device (values in the compute dtype)
     exchange_state: the group's :class:`ExchangeState`, None on one device
     options: the call's :class:`CrossEntropyOptions`
+    sequence_shard: the whole sequence's targets when the call holds a slice of each sequence
+        (:class:`~smmd_scale.sequence_shard.SequenceShard`), None when it holds whole sequences
     """
 
     loss: NumericLossLike
@@ -189,6 +192,7 @@ class CallPlan:
     compute_dtype: torch.dtype
     with_ce: bool
     options: CrossEntropyOptions = DEFAULT_OPTIONS
+    sequence_shard: Optional[SequenceShard] = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -252,13 +256,15 @@ def run_exchange(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
 def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_start_index, with_ce: bool,
               num_items_in_batch=None, weight: Optional[float] = None, num_numeric_in_batch=None,
               failed_check: Optional[checks.FailedCheck] = None,
-              options: CrossEntropyOptions = DEFAULT_OPTIONS) -> CallPlan:
+              options: CrossEntropyOptions = DEFAULT_OPTIONS,
+              sequence_shard: Optional[SequenceShard] = None) -> CallPlan:
     """Validate (all ranks reach the same verdict) and plan one call.
 
     No collective runs unless the input is bad under tensor parallelism: then this rank joins the
     exchange with its verdict, so that every rank of the group raises the same error together.
     ``failed_check``: a verdict the caller already reached (the fused linear path checks its own
-    inputs first).
+    inputs first). ``sequence_shard``: see :class:`CallPlan`; checked to hold ``targets`` as its
+    slice (an error on the rank whose slice differs, as for the inputs on one device).
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
@@ -285,6 +291,11 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                                                   failed_check))
         exchange(contribution, tp_group, exchange_state(tp_group, loss))
         raise AssertionError("unreachable: the exchange raises the shared verdict")
+    if sequence_shard is not None:
+        if not isinstance(sequence_shard, SequenceShard):
+            raise TypeError(f"sequence_shard must be a smmd_scale.sequence_shard.SequenceShard or None, got "
+                            f"{type(sequence_shard).__name__}")
+        sequence_shard.check_call(targets)
 
     width = spec.width
     compute_dtype = compute_dtype_for(spec.dtype, options.accum_dtype)
@@ -293,14 +304,13 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     valid = flat_targets != loss.ignore_index
     owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
     local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
-    index = torch.searchsorted(token_ids, flat_targets).clamp(max=len(vocab) - 1)
     # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
-    positions = ((token_ids[index] == flat_targets) & valid).nonzero().squeeze(1)
+    positions, numeric_targets = numeric_positions(flat_targets, token_ids, loss.ignore_index)
     lo = bisect.bisect_left(vocab.token_id_list, vocab_start_index)
     hi = bisect.bisect_left(vocab.token_id_list, vocab_start_index + width)
     return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,
-                    owned=owned, local_targets=local_targets, positions=positions, numeric_targets=index[positions],
+                    owned=owned, local_targets=local_targets, positions=positions, numeric_targets=numeric_targets,
                     numeric_columns=(lo, hi), local_numeric_columns=token_ids[lo:hi] - vocab_start_index,
                     vocab_start_index=vocab_start_index, tp_group=tp_group,
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
-                    compute_dtype=compute_dtype, with_ce=with_ce, options=options)
+                    compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard)

@@ -17,7 +17,9 @@ digit's place in the run, ``n`` the run's length and ``d`` the place of its firs
 
 The value needs the digit logits themselves (not only their softmax): they are the numeric slice the
 one exchange carries, so DEL runs on full logits, vocabulary-parallel shards and the fused linear
-head with no further collective. Its gradient comes from autograd (``numeric_value``).
+head with no further collective. Its gradient comes from autograd (``numeric_value``). On a
+sequence shard (``smmd_scale.sequence_shard``) the runs are found in the whole sequence's targets,
+which the call carries: exact with no collective.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from .call_plan import NumericSlice
 from .number_level import runs_along
 from .numeric_loss import NumericLoss
+from .sequence_shard import run_context
 from .vocab import NumericVocab
 
 
@@ -79,16 +82,17 @@ class DigitEntropyLoss(NumericLoss):
 
     def place_weights(self, plan) -> torch.Tensor:
         """``[P]`` the place weight of each digit position of ``plan`` (float64)."""
-        targets = plan.targets
+        context = run_context(plan, self.sequence_dim)
+        targets = context.targets.reshape(-1)
         digit = torch.zeros(targets.numel(), dtype=torch.bool, device=targets.device)
-        digit[plan.positions] = True
-        dot = torch.isin(targets, self._dots.to(targets.device)) & plan.valid
-        runs = runs_along((digit | dot).view(plan.spec.shape[:-1]), self.sequence_dim)
+        digit[context.positions] = True
+        dot = torch.isin(targets, self._dots.to(targets.device)) & (targets != self.ignore_index)
+        runs = runs_along((digit | dot).view(context.targets.shape), self.sequence_dim)
         # the first dot's place in each run (past the run's end where it has none)
         first_dot = torch.full_like(runs.run, targets.numel()).scatter_reduce_(0, runs.run[dot], runs.index[dot],
                                                                               reduce="amin")[runs.run]
-        index, length, first_dot = (tensor[plan.positions].to(torch.float64)
-                                    for tensor in (runs.index, runs.length, first_dot))
+        cells = context.positions[context.of_call]
+        index, length, first_dot = (tensor[cells].to(torch.float64) for tensor in (runs.index, runs.length, first_dot))
         has_dot = (first_dot > 0) & (first_dot < length)
         integer_places = torch.where(has_dot, first_dot - index, length - index)
         decimal = has_dot & (index > first_dot)

@@ -44,6 +44,7 @@ from .call_plan import (
 from .deprecation import renamed
 from .loss import NumericOutput, PerTokenLosses, check_reduction, reduce_losses
 from .parallel import group_size_and_rank, reduce_input_gradient
+from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
     cross_entropy_per_token,
@@ -220,7 +221,8 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                             vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
                             weight: Optional[float] = None, chunk_size: Optional[int] = None,
                             num_numeric_in_batch=None,
-                            options: CrossEntropyOptions = DEFAULT_OPTIONS) -> PerTokenLosses:
+                            options: CrossEntropyOptions = DEFAULT_OPTIONS,
+                            sequence_shard: Optional[SequenceShard] = None) -> PerTokenLosses:
     """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
     :func:`linear_numeric_cross_entropy`."""
     check_numeric_loss(numeric_loss)
@@ -240,7 +242,7 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                       logits_dtype or hidden.dtype, hidden.device)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     failed_check=failed_check, options=options)
+                     failed_check=failed_check, options=options, sequence_shard=sequence_shard)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
     ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
@@ -254,7 +256,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                                  chunk_size: Optional[int] = None, num_numeric_in_batch=None, reduction: str = "mean",
                                  logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
                                  z_loss: float = 0.0, label_smoothing: float = 0.0,
-                                 accum_dtype: Optional[torch.dtype] = None) -> NumericOutput:
+                                 accum_dtype: Optional[torch.dtype] = None,
+                                 sequence_shard: Optional[SequenceShard] = None) -> NumericOutput:
     """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
     making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
@@ -265,7 +268,7 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     chunk_size:  head rows per block of logits (default: a block as large as ``hidden``)
     num_items_in_batch, num_numeric_in_batch: the optimizer step's counts (see
                  :func:`smmd_scale.loss.reduce_losses`)
-    reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype: as in
+    reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype, sequence_shard: as in
                  :func:`smmd_scale.numeric_cross_entropy`, applied to each block of logits (soft-capping
                  and scaling in both passes; their derivative from the recomputed block)
 
@@ -279,7 +282,7 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     losses = linear_per_token_losses(hidden, head_weight, targets, numeric_loss, bias=bias, tp_group=tp_group,
                                      vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
                                      weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch,
-                                     options=options)
+                                     options=options, sequence_shard=sequence_shard)
     output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
     reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)

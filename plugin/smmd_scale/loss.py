@@ -31,6 +31,7 @@ from .call_plan import (
     plan_call,
 )
 from .deprecation import renamed, renamed_class, warn_renamed
+from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
     claim_single_backward,
@@ -221,7 +222,8 @@ def numeric_loss_mean(numeric_loss: NumericLossLike, logits: torch.Tensor, targe
 def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike, tp_group=None,
                      vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
                      weight: Optional[float] = None, num_numeric_in_batch=None,
-                     options: CrossEntropyOptions = DEFAULT_OPTIONS) -> PerTokenLosses:
+                     options: CrossEntropyOptions = DEFAULT_OPTIONS,
+                     sequence_shard: Optional[SequenceShard] = None) -> PerTokenLosses:
     """CE, the numeric loss and the z-loss per position of ``logits [..., V_local]``, unreduced (the
     building block of :func:`numeric_cross_entropy` and of the Megatron entry point, which applies its
     own mask)."""
@@ -229,7 +231,7 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
     spec = logits_spec(logits, targets)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     options=options)
+                     options=options, sequence_shard=sequence_shard)
     ce, numeric, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
     return PerTokenLosses(ce, numeric, plan, sums, z)
 
@@ -303,7 +305,8 @@ def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_l
                           num_items_in_batch=None, num_numeric_in_batch=None, *, reduction: str = "mean",
                           logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
                           z_loss: float = 0.0, label_smoothing: float = 0.0,
-                          accum_dtype: Optional[torch.dtype] = None) -> NumericOutput:
+                          accum_dtype: Optional[torch.dtype] = None,
+                          sequence_shard: Optional[SequenceShard] = None) -> NumericOutput:
     """CE + weight * a numeric loss (SMMD, NTL or a weighted sum) in one pass over ``logits [..., V]``
     or a vocab-parallel shard (``tp_group``, ``vocab_start_index``). ``targets [...]`` are aligned
     with the logits (no shift). The reductions are :func:`reduce_losses`': given the optimizer
@@ -318,12 +321,16 @@ def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_l
     reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-token values in the targets' shape)
     accum_dtype: the softmax statistics, CE and the gradient buffer's dtype; None = float32
         (float64 for float64 logits), e.g. ``torch.bfloat16`` to follow bf16 logits
+    sequence_shard: under sequence parallelism, the whole sequence's targets and this call's slice
+        (:class:`smmd_scale.sequence_shard.SequenceShard`), so that the losses that read whole
+        numbers (DEL, DIST2's place weights, number-level NTL) see the numbers that cross the slice's
+        ends; the others ignore it
     """
     weight = check_weight(weight)
     reduction = check_reduction(reduction, num_items_in_batch, num_numeric_in_batch)
     options = CrossEntropyOptions.checked(logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype)
     losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index, num_items_in_batch, weight,
-                              num_numeric_in_batch, options)
+                              num_numeric_in_batch, options, sequence_shard)
     return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
 
 

@@ -20,7 +20,11 @@ the standalone call ``loss(logits, targets)`` takes ntloss's mean over numbers.
 
 It reads only the numeric slice at the digit positions (the exchange's), plus the call's targets
 (which positions are consecutive, where the dots are): full logits, vocabulary-parallel shards
-(still one collective) and the fused linear head alike.
+(still one collective) and the fused linear head alike. On a sequence shard
+(``smmd_scale.sequence_shard``) the numbers are found in the whole sequence's targets, and the
+expected values (and first-digit masses) of the numbers that cross a shard boundary are summed
+over the group in one small all-reduce; the value sits on the rank of the number's first digit,
+and every rank holding one of its digits gets that digit's gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .numeric_loss import NumericLoss, NumericTerms
+from .parallel import sum_across
+from .sequence_shard import run_context
 from .vocab import NumericVocab
 
 # ntloss computes the target numbers in float32 and takes float32's epsilon in the denominator.
@@ -90,6 +96,25 @@ def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: in
     exponent = digits_in[number] - (count - count_before[number])
     first = torch.searchsorted(positions, order.reshape(-1)[first_digit])
     return DigitSpans(number=number, exponent=exponent.clamp(0, max_number_length - 1), first=first)
+
+
+class CallNumbers(NamedTuple):
+    """The numbers one call's P digit positions belong to, M numbers in all (on a sequence shard:
+    every number of the whole sequence, also those with no digit in the call).
+
+    number:   ``[P]`` which number (0..M-1) each digit position belongs to
+    exponent: ``[P]`` the power of ten of the digit in its number
+    first:    ``[M]`` the digit position (index into the P) of each number's first digit; -1 where
+              it lies on another shard
+    target:   ``[M]`` the number's value (float64), from the targets
+    crossing: ``[M]`` bool, the number has digits on more than one shard; None without a shard
+    """
+
+    number: torch.Tensor
+    exponent: torch.Tensor
+    first: torch.Tensor
+    target: torch.Tensor
+    crossing: Optional[torch.Tensor]
 
 
 class Runs(NamedTuple):
@@ -169,7 +194,7 @@ class NumberLevelNTLoss(NumericLoss):
         self.dot_token_ids = tuple(dots) if float_level else ()
         self.max_number_length, self.sequence_dim = max_number_length, sequence_dim
         self._dots = torch.tensor(self.dot_token_ids, dtype=torch.int64)
-        self._last_spans = None
+        self._last_numbers = None
 
     name = "ntl_number"
 
@@ -185,31 +210,47 @@ class NumberLevelNTLoss(NumericLoss):
     def options(self) -> tuple:
         return self.reweigh, self.float_level, self.dot_token_ids, self.max_number_length, self.sequence_dim
 
-    def spans(self, plan) -> DigitSpans:
+    def numbers(self, plan) -> CallNumbers:
         """The numbers of the call ``plan`` (``smmd_scale.call_plan.CallPlan``); the last call's are
         kept (weakly) for the next question about the same plan."""
-        last = self._last_spans
+        last = self._last_numbers
         if last is not None and last[0]() is plan:
             return last[1]
-        spans = self._spans(plan)
-        self._last_spans = (weakref.ref(plan), spans)
-        return spans
+        numbers = self._numbers(plan)
+        self._last_numbers = (weakref.ref(plan), numbers)
+        return numbers
 
-    def _spans(self, plan) -> DigitSpans:
-        targets = plan.targets.view(plan.spec.shape[:-1])
-        if targets.dim() and not -targets.dim() <= self.sequence_dim < targets.dim():
-            raise ValueError(f"sequence_dim={self.sequence_dim} is not a dim of targets of shape "
-                             f"{tuple(targets.shape)}")
-        return digit_spans(targets, plan.positions, self.sequence_dim if targets.dim() else -1,
-                           self._dots if self.float_level else None, self.max_number_length)
+    def _numbers(self, plan) -> CallNumbers:
+        shape = plan.spec.shape[:-1]
+        if len(shape) and not -len(shape) <= self.sequence_dim < len(shape):
+            raise ValueError(f"sequence_dim={self.sequence_dim} is not a dim of targets of shape {tuple(shape)}")
+        sequence_dim = self.sequence_dim if len(shape) else -1
+        context = run_context(plan, sequence_dim)
+        spans = digit_spans(context.targets, context.positions, sequence_dim,
+                            self._dots if self.float_level else None, self.max_number_length)
+        count = spans.first.numel()
+        values = self.vocab.on(plan.positions.device, torch.float64)[1]
+        target = torch.zeros(count, dtype=torch.float64, device=values.device).index_add_(
+            0, spans.number, values[context.numeric_targets] * torch.pow(10.0, spans.exponent.to(torch.float64)))
+        number, exponent = spans.number[context.of_call], spans.exponent[context.of_call]
+        is_first = spans.first[number] == context.of_call
+        first = torch.full((count, ), -1, dtype=torch.int64, device=number.device).index_put_(
+            (number[is_first], ), is_first.nonzero().squeeze(1))
+        crossing = None
+        if context.shard is not None:
+            shard_of_digit = context.shard.shard_of_cells(context.positions)
+            lowest, highest = (torch.zeros(count, dtype=torch.int64, device=number.device).scatter_reduce_(
+                0, spans.number, shard_of_digit, reduce=reduce, include_self=False) for reduce in ("amin", "amax"))
+            crossing = lowest != highest
+        return CallNumbers(number, exponent, first, target, crossing)
 
     def value_owners(self, plan) -> torch.Tensor:
-        spans = self.spans(plan)
-        return spans.first[spans.number]
+        numbers = self.numbers(plan)
+        return numbers.first[numbers.number]
 
     def mass_rows(self, plan) -> Optional[torch.Tensor]:
         # the mass reweighs a number at its first digit only
-        return self.spans(plan).first if self.reweigh else None
+        return self.numbers(plan).first if self.reweigh else None
 
     def numeric_terms(self, q, numeric_targets, mass, compute_dtype) -> NumericTerms:
         raise NotImplementedError("number-level NTL needs the call's positions: the ops call terms_for_call")
@@ -217,24 +258,34 @@ class NumberLevelNTLoss(NumericLoss):
     def terms_for_call(self, plan, numeric) -> NumericTerms:
         # O(P N) and O(P): float64 throughout.
         q, mass = numeric.q, numeric.mass
-        spans = self.spans(plan)
+        numbers = self.numbers(plan)
         values = self.vocab.on(q.device, torch.float64)[1]
-        scale = torch.pow(10.0, spans.exponent.to(torch.float64))
-        numbers = spans.first.numel()
-        target = torch.zeros(numbers, dtype=torch.float64, device=q.device).index_add_(
-            0, spans.number, values[plan.numeric_targets] * scale)
-        expected = torch.zeros_like(target).index_add_(0, spans.number, (q @ values) * scale)
-        error = expected - target
-        denominator = expected.abs() + target.abs() + EPS
+        scale = torch.pow(10.0, numbers.exponent.to(torch.float64))
+        here = numbers.first >= 0  # the numbers whose first digit (and value) is in this call
+        owners = numbers.first[here]
+        expected = torch.zeros_like(numbers.target).index_add_(0, numbers.number, (q @ values) * scale)
+        first_mass = None
+        if self.reweigh:
+            first_mass = torch.zeros_like(expected)
+            first_mass[here] = mass[owners]
+        comm_calls = comm_bytes = 0
+        crossing = None if numbers.crossing is None else numbers.crossing.nonzero().squeeze(1)
+        if crossing is not None and crossing.numel():  # the same numbers on every rank of the group
+            partial = torch.stack([expected[crossing]] + ([] if first_mass is None else [first_mass[crossing]]))
+            comm_bytes, comm_calls = sum_across(partial, plan.sequence_shard.group), 1
+            expected[crossing] = partial[0]
+            if first_mass is not None:
+                first_mass[crossing] = partial[1]
+        error = expected - numbers.target
+        denominator = expected.abs() + numbers.target.abs() + EPS
         loss = error.abs() / denominator
         grad_expected = error.sign() / denominator - error.abs() * expected.sign() / denominator.square()
-        row_factor = grad_expected[spans.number] * scale
+        row_factor = grad_expected[numbers.number] * scale
         grad_mass = None
-        if self.reweigh:
-            first_mass = mass[spans.first]
-            row_factor = row_factor * first_mass[spans.number]
-            grad_mass = torch.zeros_like(mass).index_put_((spans.first, ), loss - REWEIGH_MARGIN)
+        if first_mass is not None:
+            row_factor = row_factor * first_mass[numbers.number]
+            grad_mass = torch.zeros_like(mass).index_put_((owners, ), (loss - REWEIGH_MARGIN)[here])
             loss = loss * first_mass + REWEIGH_MARGIN * (1.0 - first_mass)
-        value = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device).index_put_((spans.first, ), loss)
+        value = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device).index_put_((owners, ), loss[here])
         return NumericTerms(value=value, grad_q=row_factor[:, None] * values[None, :], grad_mass=grad_mass,
-                            parts={self.name: value})
+                            parts={self.name: value}, comm_calls=comm_calls, comm_bytes=comm_bytes)

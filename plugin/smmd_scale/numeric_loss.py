@@ -53,6 +53,8 @@ class NumericTerms:
     grad_logits:   ``[P, N]`` d value / d numeric logits beyond what ``grad_q`` carries (q and the
                    mass held fixed), or None
     grad_log_mass: ``[P]`` d value / d log(mass), or None (a loss gives it or ``grad_mass``)
+    comm_calls, comm_bytes: collectives the loss ran itself and their payload bytes (number-level
+                   NTL on a sequence shard, ``smmd_scale.sequence_shard``); 0 for the others
     """
 
     value: torch.Tensor
@@ -61,6 +63,8 @@ class NumericTerms:
     parts: dict = field(default_factory=dict)
     grad_logits: Optional[torch.Tensor] = None
     grad_log_mass: Optional[torch.Tensor] = None
+    comm_calls: int = 0
+    comm_bytes: int = 0
 
 
 class NumericLoss:
@@ -281,7 +285,9 @@ class WeightedNumericLosses(NumericLoss):
             parts.update(terms.parts)
         return NumericTerms(value=weighted_sum("value"), grad_q=weighted_sum("grad_q"),
                             grad_mass=weighted_sum("grad_mass"), parts=parts, grad_logits=weighted_sum("grad_logits"),
-                            grad_log_mass=weighted_sum("grad_log_mass"))
+                            grad_log_mass=weighted_sum("grad_log_mass"),
+                            comm_calls=sum(terms.comm_calls for terms in all_terms),
+                            comm_bytes=sum(terms.comm_bytes for terms in all_terms))
 
 
 def autograd_terms(loss: NumericLoss, plan, numeric: NumericSlice) -> NumericTerms:

@@ -1,5 +1,6 @@
 """The one collective of the vocab-parallel loss (docs/vocab_parallel.md). The only module that talks to
-``torch.distributed`` for the loss.
+``torch.distributed`` for the loss (also for the sum a number-level loss runs over a sequence-parallel
+group, :func:`sum_across`).
 
 Tensor-parallel rank k holds ``logits[..., s_k:e_k]``; targets are replicated in the group. Per
 forward, every rank packs what the others need into **one SUM all-reduce**:
@@ -63,6 +64,14 @@ def group_size_and_rank(tp_group) -> tuple:
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def sum_across(tensor: torch.Tensor, group) -> int:
+    """Sum ``tensor`` over the ranks of ``group`` in place (one all-reduce) and return its payload
+    bytes: the exchange of a number-level loss's partial sums over a sequence-parallel group
+    (``smmd_scale.sequence_shard``), which the vocab-parallel exchange does not carry."""
+    dist.all_reduce(tensor, group=group)
+    return tensor.numel() * tensor.element_size()
 
 
 def targets_fingerprint(targets: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from .call_plan import NumericSlice
 from .number_level import runs_along
 from .numeric_loss import NumericLoss, NumericTerms
+from .sequence_shard import run_context
 from .vocab import NumericVocab
 
 
@@ -129,10 +130,11 @@ class DIST2Loss(SoftTargetLoss):
     def position_weights(self, plan) -> Optional[torch.Tensor]:
         if not self.place_weighted:
             return None
-        member = torch.zeros(plan.targets.numel(), dtype=torch.bool, device=plan.targets.device)
-        member[plan.positions] = True
-        runs = runs_along(member.view(plan.spec.shape[:-1]), self.sequence_dim)
-        return (runs.length - runs.index)[plan.positions].to(torch.float64)
+        context = run_context(plan, self.sequence_dim)
+        member = torch.zeros(context.targets.numel(), dtype=torch.bool, device=context.targets.device)
+        member[context.positions] = True
+        runs = runs_along(member.view(context.targets.shape), self.sequence_dim)
+        return (runs.length - runs.index)[context.positions[context.of_call]].to(torch.float64)
 
 
 class GaussianLabelSmoothingLoss(SoftTargetLoss):

@@ -77,6 +77,7 @@ class NumericGradient:
                      the numeric tokens' probability mass)
     correct:         ``[P]`` bool, argmax over the numeric tokens is the target
     abs_error:       ``[P]`` |E_q[value] - target value|
+    comm:            the collectives the loss ran itself (a number-level loss on a sequence shard)
     """
 
     value: torch.Tensor
@@ -85,6 +86,7 @@ class NumericGradient:
     row_coefficient: Optional[torch.Tensor]
     correct: torch.Tensor
     abs_error: torch.Tensor
+    comm: CommCount = CommCount(0, 0)
 
 
 def transform_logits_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
@@ -267,7 +269,8 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     values = plan.values.double()
     return NumericGradient(value=terms.value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
-                           abs_error=(q @ values - values[plan.numeric_targets]).abs())
+                           abs_error=(q @ values - values[plan.numeric_targets]).abs(),
+                           comm=CommCount(terms.comm_calls, terms.comm_bytes))
 
 
 def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:
@@ -307,11 +310,13 @@ STAT_FIELDS = ("correct", "abs_error", "tokens", "comm_calls", "comm_bytes")
 def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torch.Tensor:
     """The call's statistics as one detached float64 tensor: the sum over the numeric positions of
     each of the loss's ``stat_names``, then :data:`STAT_FIELDS` (read on the host once, by
-    :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output."""
+    :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output. ``comm``:
+    the call's exchange; the loss's own collectives (``numeric.comm``) are added to it."""
     sums = [numeric.parts[name].detach().double().sum() for name in plan.loss.stat_names]
     sums += [numeric.correct.double().sum(), numeric.abs_error.detach().double().sum(),
              plan.valid.double().sum()]
-    counts = torch.tensor([comm.calls, comm.bytes], dtype=torch.float64, device=plan.valid.device)
+    counts = torch.tensor([comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes], dtype=torch.float64,
+                          device=plan.valid.device)
     return torch.cat([torch.stack(sums), counts])
 
 

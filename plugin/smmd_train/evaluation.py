@@ -16,14 +16,14 @@ from .sequence_parallel import micro_batch_inputs
 
 @torch.no_grad()
 def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batches: int, dp_rank: int,
-                     dp_size: int, dp_group, sp_rank: int = 0, sp_size: int = 1) -> dict:
+                     dp_size: int, dp_group, sp_rank: int = 0, sp_size: int = 1, sp_group=None) -> dict:
     """CE and numeric metrics on held-out blocks, split across the data-parallel replicas; with
     sequence parallelism each rank of an SP group evaluates its shard of the same blocks, and
     ``dp_group`` (then the dp x sp ranks) sums the shards."""
     engine.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # ce*tokens, tokens, correct, abs err, numeric
     for batch in itertools.islice(eval_batches(dataset, micro_batch_size, max_batches), dp_rank, None, dp_size):
-        engine(**micro_batch_inputs(batch, engine.device, sp_rank, sp_size))
+        engine(**micro_batch_inputs(batch, engine.device, sp_rank, sp_size, sp_group))
         stats, (_, ce, _) = installed.last_stats, installed.hook.last_losses
         numeric = stats["numeric_tokens"]
         sums += torch.tensor([float(ce) * stats["tokens"], stats["tokens"], stats["numeric_accuracy"] * numeric,
@@ -58,7 +58,7 @@ class Evaluator:
         run = self.run
         metrics = held_out_metrics(run.engine, run.installed, run.eval_blocks, run.micro_batch_size,
                                    self.max_batches, run.dp_rank, run.plan.topology.dp_size, run.dp_group,
-                                   run.sp_rank, run.sp_size)
+                                   run.sp_rank, run.sp_size, run.sp_group)
         self.monitor.write_eval(step, metrics)
         self.last = (step, metrics)
         return metrics

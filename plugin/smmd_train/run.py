@@ -282,7 +282,7 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
     reduce-scatter path); the share is multiplied back so that the gradient is the objective's."""
     engine, installed = run.engine, run.installed
     began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
-    micro_batches = [micro_batch_inputs(next(run.batches), engine.device, run.sp_rank, run.sp_size)
+    micro_batches = [micro_batch_inputs(next(run.batches), engine.device, run.sp_rank, run.sp_size, run.sp_group)
                      for _ in range(run.accumulation)]
     counts = {}
     # The model's own loss under AutoTP (DeepSpeed's vocabulary-parallel CE) takes no counts: its

@@ -7,7 +7,7 @@ sequence, ``heads / sp`` heads), then swaps it back; everything else (embeddings
 head and the loss) runs on the rank's shard only, so the activations per rank shrink ``sp``-fold.
 
     ulysses = UlyssesAttention(model, sp_size, micro_batch_size, seq_len)  # then deepspeed.initialize(mpu=ulysses.mpu)
-    inputs = forward_inputs(input_ids, sp_rank, sp_size)   # this rank's shard: input_ids, position_ids, labels
+    inputs = forward_inputs(input_ids, sp_rank, sp_size, group=group)  # this rank's shard: ids, positions, labels
     inputs.update(target_counts(inputs["shift_labels"], numeric_token_ids, group))  # the step's counts
     loss = engine(**inputs).loss                           # this shard's share of the step's loss
     engine.backward(loss * shard_loss_scale(engine, sp_size))
@@ -31,7 +31,9 @@ of an SP group reads the same blocks and keeps its slice, so no data crosses the
 group and trains them one after the other, which would change what a micro-batch is. Its label
 transform is kept exactly (:func:`shard_sequence`): pad with -100 and shift over the *whole*
 sequence, then slice, so the target of a shard's last token (the next shard's first token) is
-not lost.
+not lost. The whole sequence's shifted labels also go to the loss (``sequence_shard``, a
+``smmd_scale.sequence_shard.SequenceShard``): a number whose digits cross a shard boundary is found
+whole there, so DEL's place weights and number-level NTL are the ones of the whole sequence.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Te
 
 
 def forward_inputs(input_ids: torch.Tensor, sp_rank: int = 0, sp_size: int = 1,
-                   labels: Optional[torch.Tensor] = None) -> dict:
+                   labels: Optional[torch.Tensor] = None, group=None) -> dict:
     """The model's training-forward inputs for ``input_ids [B, S]`` (the whole micro-batch, the same
     on every rank of the SP group) and its ``labels [B, S]`` (default: ``input_ids``; -100 where a
     token is no target, e.g. a prompt: ``smmd_train.data``).
@@ -135,7 +137,12 @@ def forward_inputs(input_ids: torch.Tensor, sp_rank: int = 0, sp_size: int = 1,
     shard: ``input_ids``, ``position_ids`` (global positions: Ulysses gathers them for the causal
     attention) and ``shift_labels`` ``[B, S/sp]`` — the targets shifted over the whole sequence (the
     next token, -100 after the last), then sliced — also given as ``labels`` (HF computes a loss
-    only when ``labels`` is set; the loss uses ``shift_labels`` as given)."""
+    only when ``labels`` is set; the loss uses ``shift_labels`` as given), and ``sequence_shard``:
+    the whole shifted labels and this shard's place in them, on the SP ``group`` (None: the
+    default group), for the numeric losses that read whole numbers (the installed loss hook takes
+    it; a model's own loss ignores it)."""
+    from smmd_scale.sequence_shard import SequenceShard
+
     labels = input_ids if labels is None else labels
     if sp_size == 1:
         return {"input_ids": input_ids, "labels": labels}
@@ -144,7 +151,8 @@ def forward_inputs(input_ids: torch.Tensor, sp_rank: int = 0, sp_size: int = 1,
     shift_labels = shard_sequence(shifted, sp_rank, sp_size).contiguous()
     return {"input_ids": shard_sequence(input_ids, sp_rank, sp_size).contiguous(),
             "position_ids": shard_sequence(positions, sp_rank, sp_size).contiguous(),
-            "shift_labels": shift_labels, "labels": shift_labels}
+            "shift_labels": shift_labels, "labels": shift_labels,
+            "sequence_shard": SequenceShard.even(shifted, sp_rank, sp_size, group)}
 
 
 def step_targets(inputs: dict) -> torch.Tensor:
@@ -177,9 +185,10 @@ def shard_loss_scale(engine, sp_size: int) -> float:
     return float(sp_size) if engine.zero_reduce_scatter() else 1.0
 
 
-def micro_batch_inputs(batch: dict, device, sp_rank: int = 0, sp_size: int = 1) -> dict:
+def micro_batch_inputs(batch: dict, device, sp_rank: int = 0, sp_size: int = 1, group=None) -> dict:
     """The forward inputs (``forward_inputs``) of a batch of ``smmd_train.data``: its ``input_ids``
-    and, for prompt/completion rows, its ``labels`` (-100 on the prompt and the padding), on ``device``."""
+    and, for prompt/completion rows, its ``labels`` (-100 on the prompt and the padding), on ``device``;
+    ``group``: the SP group."""
     labels = batch.get("labels")
     return forward_inputs(batch["input_ids"].to(device), sp_rank, sp_size,
-                          labels=None if labels is None else labels.to(device))
+                          labels=None if labels is None else labels.to(device), group=group)

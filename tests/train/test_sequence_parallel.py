@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (smmd_train.sequence_parallel): the shards and their labels against
 the whole sequence and against DeepSpeed's own data-loader adapter, the refusals, and on 2 gloo
 ranks a tiny Llama whose two shards' loss shares and gradients add up to the whole sequence's
-(float64), with the numbers all in one shard, with and without the fused linear head."""
+(float64), with and without the fused linear head: with the numbers all in one shard, and with
+DEL + number-level NTL on digit numbers that cross the shard boundary."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from helpers.distributed import run_ranks, values_or_raise
 from helpers.models import saved_activation_bytes, tiny_llama
 
-from smmd_scale import NumericVocab
+from smmd_scale import DigitEntropyLoss, NumberLevelNTLoss, NumericVocab
 from smmd_train.presets import preset_config
 from smmd_train.sequence_parallel import IGNORE_INDEX, check_sequence_parallel, forward_inputs
 
@@ -95,21 +96,42 @@ def test_shards_equal_deepspeeds_adapter_and_counts_cover_the_group():
         assert counts == expected and expected[1] > 0
 
 
-def _shares_add_up(rank, world_size, fused_linear, seed):
+DIGIT_IDS, DOT_ID = list(range(40, 50)), 50
+
+
+def crossing_digits(seed: int, batch: int, seq_len: int) -> torch.Tensor:
+    """Ids with digit numbers across the middle of each sequence (where 2 shards meet): an integer in
+    the first row, a decimal whose dot is the first target of the second shard in the second."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (batch, seq_len), generator=generator)
+    middle = seq_len // 2
+    ids[:, middle - 2:middle + 3] = torch.randint(40, 50, (batch, 5), generator=generator)
+    ids[1, middle + 1] = DOT_ID  # the target of position middle (the second shard's first) is the dot
+    return ids
+
+
+def _shares_add_up(rank, world_size, fused_linear, seed, digits=False):
     """Loss and gradients of the whole micro-batch on this process (reference), then the rank's shard
-    through Ulysses with the micro-batch's counts: the shares, summed over the ranks, must match."""
+    through Ulysses with the micro-batch's counts: the shares, summed over the ranks, must match.
+    ``digits``: DEL + number-level NTL on numbers that cross the shard boundary, else SMMD."""
     torch.set_default_dtype(torch.float64)
     import torch.distributed as dist
 
     import smmd_scale
     from smmd_train.sequence_parallel import UlyssesAttention, target_counts
 
-    vocab = NumericVocab(NUMERIC_IDS, list(range(len(NUMERIC_IDS))), VOCAB_SIZE)
-    input_ids = random_ids(seed, batch=2, seq_len=16)
+    if digits:
+        vocab = NumericVocab(DIGIT_IDS, list(range(10)), VOCAB_SIZE)
+        numeric_loss = (DigitEntropyLoss(vocab, dot_token_ids=[DOT_ID])
+                        + 0.5 * NumberLevelNTLoss(vocab, float_level=True, dot_token_ids=[DOT_ID]))
+        input_ids = crossing_digits(seed, batch=2, seq_len=16)
+    else:
+        vocab = NumericVocab(NUMERIC_IDS, list(range(len(NUMERIC_IDS))), VOCAB_SIZE)
+        numeric_loss, input_ids = None, random_ids(seed, batch=2, seq_len=16)
 
     def model_and_loss():
         model = tiny_llama(VOCAB_SIZE, hidden_size=32, heads=4, kv_heads=2, seed=seed, attn_implementation="sdpa")
-        return model.train(), smmd_scale.install(model, vocab, fused_linear=fused_linear)
+        return model.train(), smmd_scale.install(model, vocab, fused_linear=fused_linear, numeric_loss=numeric_loss)
 
     reference, _ = model_and_loss()
     whole = reference(input_ids=input_ids, labels=input_ids).loss
@@ -117,11 +139,11 @@ def _shares_add_up(rank, world_size, fused_linear, seed):
     model, installed = model_and_loss()
     ulysses = UlyssesAttention(model, world_size, micro_batch_size=2, seq_len=16)
     try:
-        inputs = forward_inputs(input_ids, rank, world_size)
+        inputs = forward_inputs(input_ids, rank, world_size, group=ulysses.group)
         inputs.update(target_counts(inputs["shift_labels"], vocab.token_ids, ulysses.group))
         share = model(**inputs).loss
         share.backward()
-        path = installed.last_path
+        path, comm_calls = installed.last_path, installed.last_stats["comm_calls"]
     finally:
         ulysses.destroy()
     total = share.detach().clone()
@@ -131,20 +153,24 @@ def _shares_add_up(rank, world_size, fused_linear, seed):
         gradient = parameter.grad.clone()
         dist.all_reduce(gradient)
         errors.append(float((gradient - expected.grad).abs().max() / expected.grad.abs().max().clamp_min(1e-30)))
-    return float(abs(total - whole) / whole), max(errors), path
+    return float(abs(total - whole) / whole), max(errors), path, comm_calls
 
 
 def _shares_add_up_with_and_without_the_fused_head(rank, world_size, seed):
     _deepspeed_comm()
-    return [_shares_add_up(rank, world_size, fused_linear, seed) for fused_linear in (False, True)]
+    return [_shares_add_up(rank, world_size, fused_linear, seed, digits)
+            for digits in (False, True) for fused_linear in (False, True)]
 
 
 @pytest.mark.gloo
 def test_two_shards_add_up_to_the_whole_sequence():
     for outcomes in values_or_raise(run_ranks(_shares_add_up_with_and_without_the_fused_head, 2, 3, fresh=True)):
-        for fused_linear, (loss_error, gradient_error, path) in zip((False, True), outcomes):
-            assert loss_error < 1e-10 and gradient_error < 1e-10, (fused_linear, loss_error, gradient_error)
-            assert (path == "fused_linear") == fused_linear
+        cases = [(digits, fused_linear) for digits in (False, True) for fused_linear in (False, True)]
+        for case, (loss_error, gradient_error, path, comm_calls) in zip(cases, outcomes):
+            # float64 model and loss; the shares regroup the whole sequence's sums (rounding ~1e-15)
+            assert loss_error < 1e-10 and gradient_error < 1e-10, (case, loss_error, gradient_error)
+            assert (path == "fused_linear") == case[1]
+            assert comm_calls == int(case[0])  # number-level NTL's sum of the crossing numbers
 
 
 def test_shift_reference_is_hfs():

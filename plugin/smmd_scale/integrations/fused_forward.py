@@ -163,7 +163,7 @@ def fused_forward(model, original_forward, hook, head_finder, head: FusedHead):
                                shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
                                ignore_index=extra.get("ignore_index", -100),
                                num_numeric_in_batch=extra.get("num_numeric_in_batch"),
-                               op_options=head.op_options(model))
+                               op_options=head.op_options(model), sequence_shard=extra.get("sequence_shard"))
         from transformers import modeling_outputs
 
         if head.router_loss is None:

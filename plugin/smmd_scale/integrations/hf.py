@@ -35,7 +35,9 @@ class NumericCausalLMLoss:
     first), or ``shift_labels`` are used as given. ``num_items_in_batch`` divides CE as in HF;
     ``num_numeric_in_batch`` (pass it to the model's forward like ``num_items_in_batch``) divides
     the numeric term, so that the step's micro-batches add up to the step's objective (see
-    :func:`smmd_scale.loss.reduce_losses`).
+    :func:`smmd_scale.loss.reduce_losses`). ``sequence_shard`` (passed to the forward the same way;
+    :class:`smmd_scale.sequence_shard.SequenceShard`): under sequence parallelism, the whole
+    sequence's targets and this rank's slice of them, for the losses that read whole numbers.
     ``ce_options``: keyword options both ops take (``logit_scale``, ``logit_softcap``, ``z_loss``,
     ``label_smoothing``, ``accum_dtype``; docs/objective.md), passed to every call.
     After each call: ``last_stats`` its statistics (floats), ``last_losses`` its
@@ -82,10 +84,11 @@ class NumericCausalLMLoss:
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
                  num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
-                 num_numeric_in_batch=None, **kwargs) -> torch.Tensor:
+                 num_numeric_in_batch=None, sequence_shard=None, **kwargs) -> torch.Tensor:
         shift_labels = self.shifted(labels, shift_labels, ignore_index)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
-        output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch, num_numeric_in_batch)
+        output = self.compute(logits, shift_labels.to(logits.device), num_items_in_batch, num_numeric_in_batch,
+                              sequence_shard)
         return output.total
 
     def numeric_count_for(self, num_items_in_batch, num_numeric_in_batch):
@@ -98,18 +101,19 @@ class NumericCausalLMLoss:
         return num_numeric_in_batch
 
     def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None,
-                num_numeric_in_batch=None) -> NumericOutput:
+                num_numeric_in_batch=None, sequence_shard=None) -> NumericOutput:
         """The full :class:`NumericOutput` for already-shifted labels (records ``last_*``)."""
         output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
                                        num_items_in_batch=num_items_in_batch,
-                                       num_numeric_in_batch=num_numeric_in_batch, **self.ce_options)
+                                       num_numeric_in_batch=num_numeric_in_batch, sequence_shard=sequence_shard,
+                                       **self.ce_options)
         self._record(output, "logits", (num_items_in_batch, num_numeric_in_batch))
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
                    num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None,
-                   op_options: Optional[dict] = None) -> torch.Tensor:
+                   op_options: Optional[dict] = None, sequence_shard=None) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through
         ``call_through_module`` so that its weight is gathered and released like the head's own.
@@ -125,7 +129,8 @@ class NumericCausalLMLoss:
                                                   bias=getattr(head, "bias", None), tp_group=self.tp_group,
                                                   vocab_start_index=self.vocab_start_index,
                                                   num_items_in_batch=num_items_in_batch,
-                                                  num_numeric_in_batch=num_numeric_in_batch, **options)
+                                                  num_numeric_in_batch=num_numeric_in_batch,
+                                                  sequence_shard=sequence_shard, **options)
             outputs.append(output)
             return output.total
 
