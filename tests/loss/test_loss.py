@@ -293,7 +293,9 @@ def test_tokens_sharing_a_value_have_zero_distance():
 def test_no_numeric_targets_gives_exact_zero_that_backpropagates(generator):
     vocab, logits, _ = random_problem(generator)
     non_numeric = [i for i in range(vocab.vocab_size) if i not in set(vocab.token_ids.tolist())]
-    targets = torch.tensor(non_numeric[:3] + [-100]).reshape(1, 4)
+    # random_problem keeps at least one non-numeric id (numeric_size < vocab_size); repeat it if it has fewer
+    # than three
+    targets = torch.tensor((non_numeric * 3)[:3] + [-100]).reshape(1, 4)
     logits = logits[:1, :1].expand(1, 4, -1).clone().requires_grad_(True)
     loss = SMMDLoss(vocab)(logits, targets)
     loss.backward()
