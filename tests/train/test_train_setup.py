@@ -72,7 +72,7 @@ def test_train_command_launchers(tmp_path):
 
 def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
     import smmd_scale
-    from smmd_train.plan import numeric_loss
+    from smmd_train.loss_reporter import numeric_loss
 
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 20)
     base = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path)
@@ -169,13 +169,13 @@ def test_bad_ce_options_are_named(tmp_path, capsys, options, message):
 
 
 def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir):
-    from smmd_train.run import ce_options
+    from smmd_train.loss_reporter import ce_options
 
     corpus = write_corpus(tmp_path / "data.jsonl", 20)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
                           until="plan")
     assert ce_options(args) == {"z_loss": 1e-4, "label_smoothing": 0.1}
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
     args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
     assert ce_options(args) == {}
@@ -424,7 +424,7 @@ def test_the_config_s_numbers_rule_when_no_flag_contradicts_them(tmp_path, token
     assert plan.ds_config["train_micro_batch_size_per_gpu"] == 3 and plan.ds_config["train_batch_size"] == 6
     assert plan.tensorboard_dir == str(tmp_path / "tb" / "first") and plan.warnings == []
     # HParams record what the run uses: the resolved config's numbers, not the flags' defaults.
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert (hparams["micro_batch"], hparams["grad_accum"], hparams["lr"]) == (3, 2, 1e-3)
     assert args.micro_batch_size == 1  # the flag's default, which the config overrode without a word
 
@@ -486,7 +486,7 @@ def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, to
     assert len(plan.warnings) == 3 and all("\n" not in warning for warning in plan.warnings)
     assert [warning.split()[0] for warning in plan.warnings] == ["--smmd_policy", "--smmd_max_value", "--smmd_weight"]
     assert "use --numeric_policy" in plan.warnings[0] and "--numeric_loss" in plan.warnings[2]
-    assert run_hparams(args, plan, "single", framework_loss=False)["numeric_weight"] == 0.5
+    assert run_hparams(args, plan, "single")["numeric_weight"] == 0.5
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -547,7 +547,7 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     assert plan.tensorboard is True and "tensorboard" not in plan.ds_config and "scheduler" not in plan.ds_config
     assert plan.warmup_steps == 1  # the default 100, capped at 10% of --max_steps 2 (rounded up), silently
     # What the run records for TensorBoard's HParams view: the experiment's columns, from the plan.
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert tuple(hparams) == RUN_HPARAMS and hparams["numeric_loss"] == "1 smmd"
     assert (hparams["world_size"], hparams["tp_size"], hparams["global_batch"], hparams["warmup_steps"]) == (4, 2, 4, 1)
 
