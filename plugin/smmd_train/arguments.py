@@ -182,7 +182,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                        "--z_loss, --label_smoothing, --framework_loss) or training data differ from its own, saying "
                        "each change in a warning; without it such a resume is refused, one line per change")
     train.add_argument("--export_hf", help="write a Hugging Face model dir here at the end")
-    train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
+    train.add_argument("--tensorboard_dir", help="default: the DeepSpeed config's tensorboard output_path/job_name, "
+                       "else <output_dir>/tensorboard")
     train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,
                        help="how long a collective waits for a lost rank before the job fails")
     train.add_argument("--max_skipped_steps", type=int, default=10,
@@ -249,6 +250,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    # The deprecated --smmd_weight multiplies the weights: from here on the weights say it all.
+    args.numeric_loss = [(name, weight * args.smmd_weight) for name, weight in args.numeric_loss]
     for option in all_options():
         problem = option.problem(getattr(args, option.column))
         if problem:
@@ -265,7 +268,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error("--resume continues the run in --output_dir and --overwrite_output_dir removes it: pass one")
     if args.fused_linear and args.framework_loss:
         parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with --framework_loss")
-    args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
 

@@ -120,11 +120,11 @@ def open_writer(log_dir: str):
 # shows five columns at first: those flagged ``differs``, then the rest by name. A log root's
 # experiment flags the settings that vary; a run's own flags RUN_SHOWN.
 LOSS_OPTION_COLUMNS = tuple(option.column for option in all_options())
-RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", "numeric_weight",
-               *LOSS_OPTION_COLUMNS, "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum",
-               "global_batch", "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
+RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", *LOSS_OPTION_COLUMNS,
+               "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
+               "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
 UNUSED_OPTION = "unused"
-RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "numeric_weight", "lr")
+RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "fused_linear", "lr")
 
 
 def run_hparams(args, plan, launcher: str) -> dict:
@@ -138,7 +138,7 @@ def run_hparams(args, plan, launcher: str) -> dict:
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
         "sp_size": topology.sp_size, **plan.loss.hparams(),
-        "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
+        "fused_linear": bool(args.fused_linear),
         **loss_option_hparams(args, plan.loss.terms()), "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": ds_config["train_micro_batch_size_per_gpu"],

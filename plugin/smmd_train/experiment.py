@@ -9,8 +9,8 @@ log then names.
     record = experiment_record(args, plan.loss, plan.numeric_vocab, train_blocks)   # {"objective", "data"}
     experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
 
-The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights), the
-deprecated ``--smmd_weight`` that multiplies them, ``--numeric_policy`` and ``--numeric_max_value``
+The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights; the deprecated
+``--smmd_weight`` multiplies the weights), ``--numeric_policy`` and ``--numeric_max_value``
 (the latter where the policy reads it), the numeric vocabulary itself (its size and a hash of its
 ids and values: another tokenizer changes it too), the options of the losses in use
 (:data:`LOSS_FLAGS`), and CE's ``--z_loss`` and ``--label_smoothing``. ``--fused_linear`` is not
@@ -74,7 +74,7 @@ def objective_record(args, vocab) -> dict:
     own loss records ``{"--framework_loss": True}`` instead (``smmd_train.loss_reporter``)."""
     record = {"--framework_loss": False,
               "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in args.numeric_loss),
-              "--smmd_weight": args.smmd_weight, "--numeric_policy": args.numeric_policy}
+              "--numeric_policy": args.numeric_policy}
     if args.numeric_policy != "digits":  # the digits policy has no bound
         record["--numeric_max_value"] = args.numeric_max_value
     record["numeric vocabulary"] = vocab_fingerprint(vocab)

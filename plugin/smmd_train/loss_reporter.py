@@ -93,7 +93,7 @@ class NumericLossReporter(LossReporter):
 
     @property
     def label(self) -> str:
-        if self.args.smmd_weight == 0 or all(weight == 0 for _, weight in self.args.numeric_loss):
+        if all(weight == 0 for _, weight in self.args.numeric_loss):
             return "ce"
         return "+".join(name for name, _ in self.args.numeric_loss)
 
@@ -110,13 +110,12 @@ class NumericLossReporter(LossReporter):
 
     def plan(self, vocab, dot_token_ids, vocab_size: int) -> list:
         self.numeric_loss = numeric_loss(self.args, vocab, dot_token_ids)
-        return numeric_scale_warnings(self.numeric_loss, self.args.smmd_weight, vocab_size)
+        return numeric_scale_warnings(self.numeric_loss, vocab_size)
 
     def install(self, engine) -> str:
         import smmd_scale
 
-        self.installed = smmd_scale.install(engine, self.numeric_loss.vocab, weight=self.args.smmd_weight,
-                                            fused_linear=self.args.fused_linear, numeric_loss=self.numeric_loss,
+        self.installed = smmd_scale.install(engine, self.numeric_loss, fused_linear=self.args.fused_linear,
                                             ce_options=ce_options(self.args))
         return f"{self.installed!r} ({'vocab-parallel' if self.installed.vocab_parallel else 'full logits'})"
 
@@ -192,8 +191,8 @@ def numeric_loss(args, vocab, dot_token_ids=()):
         raise ValueError(in_flag_words(str(error), flags)) from None
 
 
-def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
-    """One warning per term of ``loss`` (times ``weight``) whose size follows the numeric values
+def numeric_scale_warnings(loss, vocab_size: int) -> list:
+    """One warning per term of ``loss`` whose size follows the numeric values
     (``NumericLoss.value_scale``: NTL-MSE, raw NTL-WAS) and can, at its weight, exceed CE's value for a
     uniform prediction, ln(vocab_size): where CE starts on a fresh model. The warning gives the term's
     possible size and the setting the numeracy study used. SMMD, NTL-WAS on squashed distances and
@@ -202,14 +201,14 @@ def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
 
     ce_scale, values = math.log(vocab_size), loss.vocab.values
     warnings = []
-    for term, term_weight in loss.weighted_terms():
-        scale, effective = term.value_scale, term_weight * weight
-        if scale is None or effective * scale <= ce_scale:
+    for term, weight in loss.weighted_terms():
+        scale = term.value_scale
+        if scale is None or weight * scale <= ce_scale:
             continue
         entry = entry_of(term)
-        warnings.append(f"--numeric_loss {entry.name}:{term_weight:g}: {entry.name} grows with the numeric values "
+        warnings.append(f"--numeric_loss {entry.name}:{weight:g}: {entry.name} grows with the numeric values "
                         f"({float(values.min()):g}..{float(values.max()):g} here): up to {scale:.3g} per position, "
-                        f"{effective * scale:.3g} at weight {effective:g}, against CE's ln(vocab_size) = "
+                        f"{weight * scale:.3g} at weight {weight:g}, against CE's ln(vocab_size) = "
                         f"{ce_scale:.1f} for a uniform prediction, so it can drown CE; the numeracy study "
                         f"(benchmarks/numeracy) used {entry.study_setting}")
     return warnings

@@ -48,7 +48,6 @@ class RunPlan:
     schedule: Schedule  # the learning-rate schedule (a resumed run's: its checkpoint's, smmd_train.run)
     numeric_vocab: object  # smmd_scale.NumericVocab for the model's (padded) vocabulary
     loss: LossReporter  # the loss the run trains on (smmd_train.loss_reporter), its numeric loss built
-    numeric_weight: float  # multiplies the numeric loss (1; the deprecated --smmd_weight changes it)
     warnings: list = field(default_factory=list)
 
     @property
@@ -134,4 +133,4 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
                    tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
                    schedule=Schedule(ds_config.get("optimizer", {}).get("params", {}).get("lr", args.lr), warmup_steps,
                                      args.max_steps, args.min_lr_ratio), numeric_vocab=vocab,
-                   loss=loss, numeric_weight=args.smmd_weight, warnings=[warning for warning in warnings if warning])
+                   loss=loss, warnings=[warning for warning in warnings if warning])
