@@ -4,7 +4,7 @@ side in one run.
 Contenders on the same fp32 ``logits [tokens, V]`` and ``targets [tokens]`` (numbers spelled digit by
 digit as ``12.345``, as ntloss's own timing test does; the rest random word ids):
   ntloss   the ntloss package (0.3.2): NTLoss / NTLossDotProduct / NumberLevelLoss, ``reweigh=True``
-  before   smmd_scale.loss.numeric_loss_mean: the standalone path before this change, which ran the
+  before   benchmarks.contenders.standalone_before: the standalone path before this change, which ran the
            CE op (a full softmax of every row) to get the mass
   after    ``loss(logits, targets)``: reads the numeric slice and, for the mass, the numeric-target rows
 for NTL-WAS, NTL-MSE and number-level NTL (``before`` has no number-level mean over numbers: not run).
@@ -33,8 +33,8 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from benchmarks.common import median_and_spread, write_results  # noqa: E402
+from benchmarks.contenders.standalone_before import numeric_loss_mean  # noqa: E402
 from smmd_scale import NTLoss, NumberLevelNTLoss, NumericVocab  # noqa: E402
-from smmd_scale.loss import numeric_loss_mean  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -277,6 +277,14 @@ def study_runs(results: dict, settings: dict, args, rows: list) -> str:
                "the 1-process rows above differ (another machine or library version sums in another order)."))
 
 
+def experiment_differs(loss_flags: list) -> tuple:
+    """The HParams columns the demo's runs differ in, which its experiment shows first: the numeric loss
+    (CE alone is ``smmd:0``), each loss option a run's flags in ``loss_flags`` set (the other runs show
+    it as unused), and the scale-out segment's layout."""
+    options = sorted({name for flags in loss_flags for name in flags if name != "numeric_loss"})
+    return ("numeric_loss", *options, "tp_size", "world_size")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)  # before any heavy import: --help needs nothing installed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -389,7 +397,7 @@ def main(argv=None) -> None:
     (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "settings": settings, "rows": rows,
                                                         "tp_check": check, "seconds": seconds}, indent=1))
     print(f"\nper-split reports: {work}/*/tier_a_eval.json; everything: {work}/demo_results.json")
-    write_experiment(str(work / "tensorboard"), differs=("numeric_weight", "tp_size", "world_size"))
+    write_experiment(str(work / "tensorboard"), differs=experiment_differs([loss for _, _, loss, _ in plans]))
     print(f"TensorBoard:  tensorboard --logdir {work / 'tensorboard'}")
     print(f"total {time.monotonic() - began:.0f} s")
     if not check["within"]:

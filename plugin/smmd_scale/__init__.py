@@ -6,7 +6,8 @@ cross-entropy, for vocabulary-parallel LLM training.
     out.total.backward()                      # out.ce, out.numeric, out.stats
 
 Second-round names (``smmd_cross_entropy``, ``linear_smmd_cross_entropy``, ``SMMDOutput``,
-``vocab_parallel_smmd_cross_entropy``) remain for one release and warn.
+``vocab_parallel_smmd_cross_entropy``) and the second-round ``install(model, vocab, weight,
+numeric_loss=None, **smmd_options)`` remain for one release and warn.
 """
 
 from .digit_entropy import DigitEntropyLoss

@@ -40,3 +40,22 @@ def renamed_class(cls: type, old: str) -> type:
 
     return type(old, (cls, ), {"__init__": __init__, "__doc__": f"Deprecated alias of :class:`{cls.__name__}`.",
                                "__module__": cls.__module__})
+
+
+def loss_of_vocab_install(vocab, numeric_loss=None, **smmd_options):
+    """The numeric loss of a second-round ``install(model, vocab, weight, numeric_loss=None,
+    **smmd_options)`` call (warns): ``numeric_loss``, which must be built on ``vocab``, or else
+    ``SMMDLoss(vocab, **smmd_options)``."""
+    from .numeric_loss import NumericLoss
+    from .smmd import SMMDLoss
+
+    warn_renamed("install(model, vocab, ...)", "install(model, numeric_loss, ...), the loss built on the vocab: "
+                 "install(model, SMMDLoss(vocab))", stacklevel=4)
+    if numeric_loss is None:
+        return SMMDLoss(vocab, **smmd_options)
+    if smmd_options:
+        raise TypeError(f"pass SMMD options ({sorted(smmd_options)}) to SMMDLoss inside numeric_loss, not to install")
+    if not isinstance(numeric_loss, NumericLoss) or numeric_loss.vocab.fingerprint != vocab.fingerprint:
+        raise ValueError(f"numeric_loss must be a smmd_scale numeric loss built on the vocab passed to install; got "
+                         f"{numeric_loss!r}")
+    return numeric_loss

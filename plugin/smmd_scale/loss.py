@@ -170,32 +170,6 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None
 
 
-class _NumericOnly(torch.autograd.Function):
-    """``logits [T, V_local]`` -> (the numeric loss per numeric position ``[P]``, statistics); reads
-    only ``[P, N]`` logits (for losses that do not need the full softmax's mass on the numeric tokens)."""
-
-    @staticmethod
-    def forward(ctx, logits, plan: CallPlan):
-        pieces = exchange_or_keep_local(plan, gather_numeric_logits(logits, plan.positions,
-                                                                    plan.local_numeric_columns))
-        numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits)
-        sums = stat_sums(plan, numeric, pieces.comm)
-        ctx.mark_non_differentiable(sums)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        ctx.plan, ctx.numeric_grad = plan, numeric.grad
-        return numeric.value.to(plan.compute_dtype), sums
-
-    @staticmethod
-    def backward(ctx, grad_value, _grad_stats):
-        plan = ctx.plan
-        grad = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad_value.device)
-        lo, hi = plan.numeric_columns
-        if hi > lo and plan.positions.numel():
-            rows = ctx.numeric_grad[:, lo:hi] * grad_value.to(ctx.numeric_grad.dtype)[:, None]
-            grad[plan.positions[:, None], plan.local_numeric_columns[None, :]] = rows.to(ctx.logits_dtype)
-        return grad, None
-
-
 def logits_spec(logits, targets) -> LogitsSpec:
     """The :class:`LogitsSpec` of ``logits`` after the type checks every op runs first."""
     if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
@@ -204,19 +178,6 @@ def logits_spec(logits, targets) -> LogitsSpec:
     if logits.dim() < 1:
         raise ValueError(f"logits must have a last (vocabulary) dim, got shape {tuple(logits.shape)}")
     return LogitsSpec.of(logits)
-
-
-def numeric_loss_mean(numeric_loss: NumericLossLike, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
-                      vocab_start_index: Optional[int] = 0) -> torch.Tensor:
-    """The mean of ``numeric_loss`` over numeric-target positions (what ``numeric_loss(logits, targets)``
-    returns); an exact 0 that still back-propagates when there are none."""
-    spec = logits_spec(logits, targets)
-    if numeric_loss.needs_mass:  # the mass needs the full softmax: the CE op, with CE left unused
-        losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index)
-        return losses.numeric.sum() / max(losses.plan.positions.numel(), 1)
-    plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=False)
-    values, _ = _NumericOnly.apply(logits.reshape(-1, spec.width), plan)
-    return values.sum() / max(values.numel(), 1)
 
 
 def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike, tp_group=None,

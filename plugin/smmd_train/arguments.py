@@ -18,9 +18,11 @@ command line before those load, so a mistyped flag is refused in about a second.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -83,6 +85,37 @@ class TrainArgumentParser(argparse.ArgumentParser):
             if name.startswith("--") and name not in known:
                 close = difflib.get_close_matches(name, known, n=3)
                 self.error(f"unknown option {name}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
+# The keyword arguments of NumericVocab.from_tokenizer that train.py's flags set: the library refuses in
+# its own words (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy
+# digits``). A loss's keywords and flags come from its registry entry.
+VOCAB_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value"}
+
+
+def in_flag_words(message: str, loss_flags: Optional[dict] = None) -> str:
+    """``message`` (a refusal from smmd_scale) with the keyword arguments train.py's flags set named as
+    those flags (the vocabulary's, and ``loss_flags``: keyword -> flag of the refusing loss):
+    ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
+    --numeric_max_value``, ``NumericVocab.from_tokenizer(tokenizer, policy='digits')`` -> ``--numeric_policy
+    digits``, and ``or None for X`` (no flag value is None) -> ``or leave the flag out for X``."""
+    flags = {**VOCAB_FLAGS, **(loss_flags or {})}
+
+    def flag_and_value(match):
+        try:
+            value = ast.literal_eval(match.group(2))
+        except (ValueError, SyntaxError):  # not a Python literal (nan, inf): as written
+            value = match.group(2)
+        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        return f"{flags[match.group(1)]} {shown}"
+
+    names = "|".join(flags)
+    message = re.sub(r"NumericVocab\.from_tokenizer\(tokenizer, ([^)]*)\)", r"\1", message)
+    message = re.sub(rf"\b({names})=('[^']*'|\([^)]*\)|[-+\w.]+)", flag_and_value, message)
+    # a keyword named bare in the text (``a larger max_value``): those with an underscore, never plain words
+    bare = "|".join(name for name in flags if "_" in name)
+    message = re.sub(rf"(?<![-\w])({bare})\b", lambda match: flags[match.group(1)], message)
+    return message.replace(", or None for", ", or leave the flag out for")
 
 
 def add_loss_options(group) -> None:
@@ -149,7 +182,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                        "--z_loss, --label_smoothing, --framework_loss) or training data differ from its own, saying "
                        "each change in a warning; without it such a resume is refused, one line per change")
     train.add_argument("--export_hf", help="write a Hugging Face model dir here at the end")
-    train.add_argument("--tensorboard_dir", help="default <output_dir>/tensorboard")
+    train.add_argument("--tensorboard_dir", help="default: the DeepSpeed config's tensorboard output_path/job_name, "
+                       "else <output_dir>/tensorboard")
     train.add_argument("--process_group_timeout_minutes", type=float, default=30.0,
                        help="how long a collective waits for a lost rank before the job fails")
     train.add_argument("--max_skipped_steps", type=int, default=10,
@@ -216,6 +250,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
+    # The deprecated --smmd_weight multiplies the weights: from here on the weights say it all.
+    args.numeric_loss = [(name, weight * args.smmd_weight) for name, weight in args.numeric_loss]
     for option in all_options():
         problem = option.problem(getattr(args, option.column))
         if problem:
@@ -232,7 +268,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error("--resume continues the run in --output_dir and --overwrite_output_dir removes it: pass one")
     if args.fused_linear and args.framework_loss:
         parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with --framework_loss")
-    args.tensorboard_dir = args.tensorboard_dir or str(Path(args.output_dir, "tensorboard"))
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
 

@@ -120,26 +120,26 @@ def open_writer(log_dir: str):
 # shows five columns at first: those flagged ``differs``, then the rest by name. A log root's
 # experiment flags the settings that vary; a run's own flags RUN_SHOWN.
 LOSS_OPTION_COLUMNS = tuple(option.column for option in all_options())
-RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", "numeric_weight",
-               *LOSS_OPTION_COLUMNS, "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum",
-               "global_batch", "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
+RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", *LOSS_OPTION_COLUMNS,
+               "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
+               "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
 UNUSED_OPTION = "unused"
-RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "numeric_weight", "lr")
+RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "fused_linear", "lr")
 
 
-def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
+def run_hparams(args, plan, launcher: str) -> dict:
     """A train.py run's :data:`RUN_HPARAMS` from its plan (smmd_train.plan.RunPlan): the numbers the
     DeepSpeed config and the flags share come from the resolved config (what the run used); the
-    rest (loss, sequence length, model, steps) from its arguments."""
+    loss's columns from the plan's loss (``smmd_train.loss_reporter``); the rest (sequence length,
+    model, steps) from its arguments."""
     topology, ds_config = plan.topology, plan.ds_config
     zero = ds_config.get("zero_optimization", {})
     optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
-        "sp_size": topology.sp_size, "numeric_loss": "none (framework loss)" if framework_loss else
-        " + ".join(f"{weight:g} {name}" for name, weight in args.numeric_loss),
-        "fused_linear": bool(args.fused_linear), "numeric_weight": plan.numeric_weight,
-        **loss_option_hparams(args, framework_loss), "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
+        "sp_size": topology.sp_size, **plan.loss.hparams(),
+        "fused_linear": bool(args.fused_linear),
+        **loss_option_hparams(args, plan.loss.terms()), "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": ds_config["train_micro_batch_size_per_gpu"],
         "grad_accum": ds_config["gradient_accumulation_steps"], "global_batch": ds_config["train_batch_size"],
@@ -150,10 +150,11 @@ def run_hparams(args, plan, launcher: str, framework_loss: bool) -> dict:
     return values
 
 
-def loss_option_hparams(args, framework_loss: bool) -> dict:
-    """The :data:`LOSS_OPTION_COLUMNS` of a run: each option its losses read as the flag gave it
-    (several values joined by spaces, None as "none"), :data:`UNUSED_OPTION` for the others."""
-    in_use = () if framework_loss else options_in_use(args.numeric_loss)
+def loss_option_hparams(args, terms) -> dict:
+    """The :data:`LOSS_OPTION_COLUMNS` of a run on the numeric losses ``terms`` (``[(name, weight)]``;
+    none for the model's own loss): each option they read as the flag gave it (several values joined
+    by spaces, None as "none"), :data:`UNUSED_OPTION` for the others."""
+    in_use = options_in_use(terms)
     values = {}
     for option in all_options():
         value = getattr(args, option.column)

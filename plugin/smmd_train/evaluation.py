@@ -47,16 +47,17 @@ def describe(metrics: dict) -> str:
 class Evaluator:
     """The evaluation cadence of a run (``smmd_train.run.PreparedRun``): every ``every_steps`` steps
     (0: only at the end) and once at the end unless the last step just evaluated; the metrics go to
-    ``monitor``. Off without held-out data or with the model's own loss (no numeric statistics)."""
+    ``monitor``. Off without held-out data or with a loss that has no numeric statistics
+    (``LossReporter.evaluates``: the model's own)."""
 
     def __init__(self, run, monitor, every_steps: int, max_batches: int):
         self.run, self.monitor, self.every_steps, self.max_batches = run, monitor, every_steps, max_batches
-        self.enabled = run.eval_blocks is not None and run.installed is not None
+        self.enabled = run.eval_blocks is not None and run.plan.loss.evaluates
         self.last: Optional[tuple] = None  # (step, metrics) of the latest evaluation
 
     def evaluate(self, step: int) -> dict:
         run = self.run
-        metrics = held_out_metrics(run.engine, run.installed, run.eval_blocks, run.micro_batch_size,
+        metrics = held_out_metrics(run.engine, run.plan.loss.installed, run.eval_blocks, run.micro_batch_size,
                                    self.max_batches, run.dp_rank, run.plan.topology.dp_size, run.dp_group,
                                    run.sp_rank, run.sp_size, run.sp_group)
         self.monitor.write_eval(step, metrics)

@@ -6,11 +6,11 @@ before any model is built (``smmd_train.run.prepare_run``) and refuses each diff
 (``old -> new``) unless ``--allow_objective_change`` says to continue with this run's, which the
 log then names.
 
-    record = experiment_record(args, plan.numeric_vocab, train_blocks)   # {"objective": ..., "data": ...}
+    record = experiment_record(args, plan.loss, plan.numeric_vocab, train_blocks)   # {"objective", "data"}
     experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
 
-The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights), the
-deprecated ``--smmd_weight`` that multiplies them, ``--numeric_policy`` and ``--numeric_max_value``
+The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights; the deprecated
+``--smmd_weight`` multiplies the weights), ``--numeric_policy`` and ``--numeric_max_value``
 (the latter where the policy reads it), the numeric vocabulary itself (its size and a hash of its
 ids and values: another tokenizer changes it too), the options of the losses in use
 (:data:`LOSS_FLAGS`), and CE's ``--z_loss`` and ``--label_smoothing``. ``--fused_linear`` is not
@@ -69,13 +69,12 @@ def blocks_fingerprint(blocks) -> str:
 
 
 def objective_record(args, vocab) -> dict:
-    """What the run's loss computes, flag by flag (``args``: ``smmd_train.arguments.parse_args``;
-    ``vocab``: the plan's numeric vocabulary)."""
-    if args.framework_loss:
-        return {"--framework_loss": True}
+    """What a run on smmd_scale's numeric loss computes, flag by flag (``args``:
+    ``smmd_train.arguments.parse_args``; ``vocab``: the plan's numeric vocabulary). A run on the model's
+    own loss records ``{"--framework_loss": True}`` instead (``smmd_train.loss_reporter``)."""
     record = {"--framework_loss": False,
               "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in args.numeric_loss),
-              "--smmd_weight": args.smmd_weight, "--numeric_policy": args.numeric_policy}
+              "--numeric_policy": args.numeric_policy}
     if args.numeric_policy != "digits":  # the digits policy has no bound
         record["--numeric_max_value"] = args.numeric_max_value
     record["numeric vocabulary"] = vocab_fingerprint(vocab)
@@ -98,9 +97,10 @@ def _as_path(name: str) -> str:
     return os.path.abspath(name) if os.path.exists(name) else name
 
 
-def experiment_record(args, vocab, blocks) -> dict:
-    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``."""
-    return {"objective": objective_record(args, vocab), "data": data_record(args, blocks)}
+def experiment_record(args, loss, vocab, blocks) -> dict:
+    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``; ``loss``:
+    the run's ``smmd_train.loss_reporter.LossReporter``."""
+    return {"objective": loss.objective_record(vocab), "data": data_record(args, blocks)}
 
 
 def experiment_changes(saved: dict, current: dict) -> list:

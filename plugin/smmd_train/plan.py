@@ -12,12 +12,10 @@ process without a launcher.
 
 from __future__ import annotations
 
-import ast
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .arguments import in_flag_words
 from .autotp import check_tensor_parallel_split
 from .config import (
     Topology,
@@ -30,6 +28,7 @@ from .config import (
     tensorboard_dir,
 )
 from .data import check_tokenizer_fits_model
+from .loss_reporter import LossReporter, loss_reporter
 from .model import check_local_sources, model_config
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
@@ -48,8 +47,7 @@ class RunPlan:
     tensorboard_dir: str  # where (--tensorboard_dir, or the config's tensorboard output_path/job_name)
     schedule: Schedule  # the learning-rate schedule (a resumed run's: its checkpoint's, smmd_train.run)
     numeric_vocab: object  # smmd_scale.NumericVocab for the model's (padded) vocabulary
-    numeric_loss: object  # the smmd_scale numeric loss on numeric_vocab (None with --framework_loss)
-    numeric_weight: float  # multiplies the numeric loss (1; the deprecated --smmd_weight changes it)
+    loss: LossReporter  # the loss the run trains on (smmd_train.loss_reporter), its numeric loss built
     warnings: list = field(default_factory=list)
 
     @property
@@ -57,73 +55,10 @@ class RunPlan:
         """The warmup actually used (``smmd_train.schedule.warmup_steps_for``)."""
         return self.schedule.warmup_steps
 
-
-def numeric_loss(args, vocab, dot_token_ids=()):
-    """The run's numeric loss from ``--numeric_loss`` and the options its registry entries declare, on
-    ``vocab``: one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``).
-    ``dot_token_ids``: the tokenizer's decimal points, for a loss that reads decimals (DEL)."""
-    from smmd_scale.registry import LossOptionError, build_numeric_loss, options_from
-
-    options = options_from(lambda option: getattr(args, option.column))
-    try:
-        return build_numeric_loss(vocab, args.numeric_loss, options, dot_token_ids=dot_token_ids)
-    except LossOptionError as error:  # in the words of the refusing loss's own flags
-        flags = {option.keyword: option.flag for option in error.entry.options}
-        raise ValueError(in_flag_words(str(error), flags)) from None
-
-
-def numeric_scale_warnings(loss, weight: float, vocab_size: int) -> list:
-    """One warning per term of ``loss`` (times ``weight``) whose size follows the numeric values
-    (``NumericLoss.value_scale``: NTL-MSE, raw NTL-WAS) and can, at its weight, exceed CE's value for
-    a uniform prediction, ln(vocab_size): where CE starts on a fresh model. The warning gives the
-    term's possible size and the setting the numeracy study used. SMMD, NTL-WAS on squashed distances
-    and number-level NTL are bounded whatever the values: they never warn."""
-    from smmd_scale.registry import entry_of
-
-    ce_scale, values = math.log(vocab_size), loss.vocab.values
-    warnings = []
-    for term, term_weight in loss.weighted_terms():
-        scale, effective = term.value_scale, term_weight * weight
-        if scale is None or effective * scale <= ce_scale:
-            continue
-        entry = entry_of(term)
-        warnings.append(f"--numeric_loss {entry.name}:{term_weight:g}: {entry.name} grows with the numeric values "
-                        f"({float(values.min()):g}..{float(values.max()):g} here): up to {scale:.3g} per position, "
-                        f"{effective * scale:.3g} at weight {effective:g}, against CE's ln(vocab_size) = "
-                        f"{ce_scale:.1f} for a uniform prediction, so it can drown CE; the numeracy study "
-                        f"(benchmarks/numeracy) used {entry.study_setting}")
-    return warnings
-
-
-# The keyword arguments of NumericVocab.from_tokenizer that train.py's flags set: the library refuses in
-# its own words (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy
-# digits``). A loss's keywords and flags come from its registry entry.
-VOCAB_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value"}
-
-
-def in_flag_words(message: str, loss_flags: Optional[dict] = None) -> str:
-    """``message`` (a refusal from smmd_scale) with the keyword arguments train.py's flags set named as
-    those flags (the vocabulary's, and ``loss_flags``: keyword -> flag of the refusing loss):
-    ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
-    --numeric_max_value``, ``NumericVocab.from_tokenizer(tokenizer, policy='digits')`` -> ``--numeric_policy
-    digits``, and ``or None for X`` (no flag value is None) -> ``or leave the flag out for X``."""
-    flags = {**VOCAB_FLAGS, **(loss_flags or {})}
-
-    def flag_and_value(match):
-        try:
-            value = ast.literal_eval(match.group(2))
-        except (ValueError, SyntaxError):  # not a Python literal (nan, inf): as written
-            value = match.group(2)
-        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        return f"{flags[match.group(1)]} {shown}"
-
-    names = "|".join(flags)
-    message = re.sub(r"NumericVocab\.from_tokenizer\(tokenizer, ([^)]*)\)", r"\1", message)
-    message = re.sub(rf"\b({names})=('[^']*'|\([^)]*\)|[-+\w.]+)", flag_and_value, message)
-    # a keyword named bare in the text (``a larger max_value``): those with an underscore, never plain words
-    bare = "|".join(name for name in flags if "_" in name)
-    message = re.sub(rf"(?<![-\w])({bare})\b", lambda match: flags[match.group(1)], message)
-    return message.replace(", or None for", ", or leave the flag out for")
+    @property
+    def numeric_loss(self):
+        """The smmd_scale numeric loss on ``numeric_vocab`` that the run installs (None: the model's own loss)."""
+        return self.loss.numeric_loss
 
 
 def refuse_together(*checks) -> None:
@@ -171,9 +106,6 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
                     lambda: check_sequence_parallel(config, args.sp, args.seq_len, tp_size, world_size))
     warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size),
                 context_warning(config, args.seq_len)]
-    if args.framework_loss and args.eval_data:
-        warnings.append("--eval_data is not evaluated with --framework_loss: the held-out metrics come from the "
-                        "installed numeric loss, which a --framework_loss run does not have")
     ds_config, topology = resolve_config(
         raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
@@ -188,19 +120,17 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
         warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
                         f"most {MAX_WARMUP_FRACTION:.0%} of --max_steps {args.max_steps}")
+    loss = loss_reporter(args)
     try:
         vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
                                                        max_value=args.numeric_max_value, vocab_size=config.vocab_size)
-        loss = None if args.framework_loss else numeric_loss(args, vocab, dot_token_ids(tokenizer))
+        warnings += loss.plan(vocab, dot_token_ids(tokenizer), config.vocab_size)
     except ValueError as error:
         raise ValueError(in_flag_words(str(error))) from None
-    if loss is not None:
-        warnings += numeric_scale_warnings(loss, args.smmd_weight, config.vocab_size)
     return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if args.model in PRESETS else args.model,
                    tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
                    tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
                    schedule=Schedule(ds_config.get("optimizer", {}).get("params", {}).get("lr", args.lr), warmup_steps,
                                      args.max_steps, args.min_lr_ratio), numeric_vocab=vocab,
-                   numeric_loss=loss,
-                   numeric_weight=args.smmd_weight, warnings=[warning for warning in warnings if warning])
+                   loss=loss, warnings=[warning for warning in warnings if warning])

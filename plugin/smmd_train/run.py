@@ -56,7 +56,6 @@ class PreparedRun:
     train_blocks: object = None  # datasets.Dataset of packed [seq_len] blocks
     eval_blocks: object = None  # the same for --eval_data, or None
     engine: object = None  # deepspeed.DeepSpeedEngine
-    installed: object = None  # smmd_scale.InstalledLoss (None with --framework_loss)
     batches: object = None  # smmd_train.data.PackedBatches: this data-parallel rank's micro-batches
     dp_rank: int = 0
     dp_group: object = None  # None: the world (with --sp: the dp x sp ranks, whose losses add up) reduces the metrics
@@ -67,7 +66,6 @@ class PreparedRun:
     resume_tag: Optional[str] = None  # the committed checkpoint --resume continues (every rank's choice)
     experiment: Optional[dict] = None  # what the run trains on, for the commit markers (experiment_record)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
-    fused_linear_ran: Optional[bool] = None  # did the last micro-batch run the fused head (no logits)?
 
     @property
     def micro_batch_size(self) -> int:
@@ -98,7 +96,7 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
             return run
         run.train_blocks = _packed(args, plan, args.data)
         run.eval_blocks = _packed(args, plan, args.eval_data) if args.eval_data else None
-        run.experiment = experiment_record(args, plan.numeric_vocab, run.train_blocks)
+        run.experiment = experiment_record(args, plan.loss, plan.numeric_vocab, run.train_blocks)
         if run.resume_tag is not None:
             plan.warnings += check_resumed_experiment(
                 run.resume_tag, read_commit(args.output_dir, run.resume_tag), run.experiment, args.seed,
@@ -212,8 +210,6 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
 def _build_engine(run: PreparedRun) -> None:
     from deepspeed.utils import groups
 
-    import smmd_scale
-
     from .data import PackedBatches
 
     args, plan, topology = run.args, run.plan, run.plan.topology
@@ -234,39 +230,21 @@ def _build_engine(run: PreparedRun) -> None:
         run.sp_rank, run.sp_loss_scale = dist.get_rank(run.sp_group), shard_loss_scale(run.engine, topology.sp_size)
     run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed,
                                 accumulation=run.accumulation)
-    if plan.numeric_loss is not None:
-        run.installed = smmd_scale.install(run.engine, plan.numeric_vocab, weight=plan.numeric_weight,
-                                           fused_linear=args.fused_linear, numeric_loss=plan.numeric_loss,
-                                           ce_options=ce_options(args))
-        log(f"loss: {run.installed!r} ({'vocab-parallel' if run.installed.vocab_parallel else 'full logits'})")
-    else:
-        log(f"loss: the model's own ({type(run.engine.module.loss_function).__name__}), no numeric loss")
-
-
-def ce_options(args) -> dict:
-    """The loss options train.py sets (``--z_loss``, ``--label_smoothing``), those that are on. Soft-capping
-    and a logit scale are the model's own (its config), which the installed loss reads."""
-    return {name: getattr(args, name) for name in ("z_loss", "label_smoothing") if getattr(args, name)}
-
-
-def fused_linear_ran(installed) -> bool:
-    """Whether the installed loss's last call ran the fused linear head (from the head's input, no
-    logits), as the installed loss records it."""
-    return installed.last_path == "fused_linear"
+    log(f"loss: {plan.loss.install(run.engine)}")
 
 
 def step_counts(run: PreparedRun, micro_batches: list) -> dict:
     """The optimizer step's counts as the loss's keyword arguments (int64 device tensors):
-    ``num_items_in_batch`` (valid targets) and, with the numeric loss installed,
-    ``num_numeric_in_batch`` (numeric-target positions). The targets of this rank's micro-batches
-    (``forward_inputs``: the whole micro-batch's, or this sequence-parallel rank's shard's) are
-    counted before the first forward and summed over the data- and sequence-parallel ranks with one
-    all-reduce of two numbers; tensor-parallel peers hold the same micro-batches and count the same."""
+    ``num_items_in_batch`` (valid targets) and, where the run's loss counts numeric targets
+    (``LossReporter.numeric_token_ids``), ``num_numeric_in_batch`` (numeric-target positions). The
+    targets of this rank's micro-batches (``forward_inputs``: the whole micro-batch's, or this
+    sequence-parallel rank's shard's) are counted before the first forward and summed over the data-
+    and sequence-parallel ranks with one all-reduce of two numbers; tensor-parallel peers hold the
+    same micro-batches and count the same."""
     import torch
 
     targets = torch.cat([step_targets(inputs).reshape(-1) for inputs in micro_batches])
-    numeric_ids = run.plan.numeric_vocab.token_ids if run.installed is not None else None
-    return target_counts(targets, numeric_ids, run.dp_group)
+    return target_counts(targets, run.plan.loss.numeric_token_ids(run.plan.numeric_vocab), run.dp_group)
 
 
 def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
@@ -280,14 +258,12 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
     accumulation, DP, TP or SP layout. DeepSpeed divides what ``backward`` gets by the accumulation
     steps and averages gradients over the ranks it reduces over (DP, and SP on ZeRO-3's
     reduce-scatter path); the share is multiplied back so that the gradient is the objective's."""
-    engine, installed = run.engine, run.installed
+    engine, loss_reporter = run.engine, run.plan.loss
     began, learning_rate = time.perf_counter(), engine.get_lr()[0]  # the rate this step's update uses
     micro_batches = [micro_batch_inputs(next(run.batches), engine.device, run.sp_rank, run.sp_size, run.sp_group)
                      for _ in range(run.accumulation)]
     counts = {}
-    # The model's own loss under AutoTP (DeepSpeed's vocabulary-parallel CE) takes no counts: its
-    # micro-batches are means, as DeepSpeed users run it. Everything else gets the step's counts.
-    if installed is not None or run.plan.topology.tp_size == 1:
+    if loss_reporter.counts_steps(run.plan.topology.tp_size):
         counting = time.perf_counter()
         counts = step_counts(run, micro_batches)
         monitor.record_step_counts(int(counts["num_items_in_batch"]), int(counts.get("num_numeric_in_batch", 0)),
@@ -298,15 +274,7 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
         loss = engine(**inputs, **counts).loss
         engine.backward(guard.checked(loss) * unscale)
         engine.step()
-        if installed is None:
-            monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
-            continue
-        run.fused_linear_ran = fused_linear_ran(installed)
-        if run.args.fused_linear and not run.fused_linear_ran:
-            raise RuntimeError("--fused_linear is installed but this training step computed the logits (the fused "
-                               "path runs only for a training-mode forward with labels)")
-        monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats,
-                                   z=installed.hook.last_z if run.args.z_loss else None)
+        loss_reporter.record_micro_batch(monitor, loss)
     guard.end_step(engine.was_step_applied())
     return monitor.end_step(step, time.perf_counter() - began, run.tokens_per_step, learning_rate,
                             skipped_steps=guard.total_skips)
@@ -324,7 +292,7 @@ def open_monitor(run: PreparedRun, start_step: int = 0):
                            flops_per_token=run.flops_per_token,
                            metrics_path=str(Path(run.args.output_dir, "metrics.jsonl")),
                            tensorboard_dir=plan.tensorboard_dir if plan.tensorboard else None,
-                           hparams=run_hparams(run.args, plan, run.launch.launcher, run.installed is None),
+                           hparams=run_hparams(run.args, plan, run.launch.launcher),
                            start_step=start_step)
 
 

@@ -52,6 +52,7 @@ from . import dashboards
 from .arguments import TRAIN_SCRIPT, train_flags
 from .arguments import parse_args as parse_train_args
 from .launcher import launch_command, run_to_completion
+from .loss_reporter import loss_reporter
 from .metrics_file import METRICS_FILE, read_metrics
 from .tables import markdown_table
 
@@ -193,13 +194,11 @@ def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
 
 def run_label(train_args) -> str:
     """What every run of the sweep trains, for its run names: ``zero3-smmd``, ``zero3-smmd+ntl-was-fused``,
-    ``zero3-ce`` (CE only: --framework_loss, or every weight in --numeric_loss 0)."""
+    ``zero3-ce`` (CE only: --framework_loss, or every weight in --numeric_loss 0; ``LossReporter.label``)."""
     from .config import load_config
 
     stage = (load_config(train_args.deepspeed_config).get("zero_optimization") or {}).get("stage", 0)
-    ce_only = train_args.smmd_weight == 0 or all(weight == 0 for _, weight in train_args.numeric_loss)
-    loss = "ce" if train_args.framework_loss or ce_only else "+".join(name for name, _ in train_args.numeric_loss)
-    return f"zero{stage}-{loss}" + ("-fused" if train_args.fused_linear else "")
+    return f"zero{stage}-{loss_reporter(train_args).label}" + ("-fused" if train_args.fused_linear else "")
 
 
 def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:

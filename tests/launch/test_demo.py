@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.dashboards import Dashboards
 from helpers.launching import REPO, environment, run
 
 from smmd_numeracy import tier_a
@@ -90,6 +91,14 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
     assert "cannot" in completed.stdout  # what one seed cannot show
     assert len(list((work / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the HParams experiment, once
+    # It flags (shows first) the settings in which the three runs' HParams rows differ: the numeric loss
+    # (CE is smmd:0) and the segment's layout; the segment's launcher (deepspeed, not one process) too.
+    dashboard = Dashboards(work / "tensorboard")
+    flagged = {info["name"] for info in dashboard.experiment()["hparamInfos"] if info["differs"]}
+    rows = [group["hparams"] for group in dashboard.session_groups()]
+    differing = {name for name in rows[0] if len({str(row[name]) for row in rows}) > 1}
+    assert len(rows) == 3 and flagged == {"numeric_loss", "tp_size", "world_size"}
+    assert flagged <= differing and differing - flagged == {"launcher"}
     # The demo is deterministic: run again, one run at a time instead of side by side, it trains the same
     # steps (identical per-step losses) and prints the same table but for tokens/s (each process runs
     # one thread; concurrency changes only timing).

@@ -63,3 +63,33 @@ def test_the_hook_records_its_losses_by_name_and_how_it_ran(problem):
     assert losses.total.item() == pytest.approx(losses.ce.item() + 0.5 * losses.numeric.item(), rel=1e-12)
     total_, ce_, numeric_ = losses  # still unpacks as the (total, ce, numeric) triple
     assert numeric_ is losses.numeric
+
+
+def test_install_of_a_vocabulary_warns_and_trains_what_install_of_its_loss_trains(problem, generator):
+    """The second-round ``install(model, vocab, weight, numeric_loss=None, **smmd_options)``: SMMD with the
+    options by default, or the ``numeric_loss`` given (built on that vocabulary); install now takes the loss."""
+    from helpers import models
+
+    vocab, _, _ = problem
+    ids = torch.randint(0, 24, (2, 9), generator=generator)
+    ids[:, 2:6] = torch.randint(3, 13, (2, 4), generator=generator)
+
+    def trained_loss(*args, **kwargs):
+        model = models.tiny_llama(24, hidden_size=16, max_positions=16, seed=0)
+        installed = smmd_scale.install(model, *args, **kwargs)
+        total = model(input_ids=ids, labels=ids).loss.item()
+        installed.restore()
+        return total, type(installed.hook.numeric_loss), installed.hook.weight
+
+    new = trained_loss(SMMDLoss(vocab, mode="mmd"), 0.5)
+    with pytest.warns(FutureWarning, match=r"install\(model, vocab, \.\.\.\) is deprecated.*use install\(model, "
+                                           r"numeric_loss, \.\.\.\), the loss built on the vocab"):
+        assert trained_loss(vocab, 0.5, mode="mmd") == new
+    ntl = NTLoss(vocab)
+    with pytest.warns(FutureWarning, match="install"):
+        assert trained_loss(vocab, weight=0.5, numeric_loss=ntl) == trained_loss(ntl, weight=0.5)
+    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="pass SMMD options"):
+        smmd_scale.install(models.tiny_llama(24, hidden_size=16, max_positions=16), vocab, numeric_loss=ntl,
+                           mode="mmd")
+    with pytest.raises(TypeError, match=r"install\(\) takes no mode: pass a loss's options to the loss"):
+        smmd_scale.install(models.tiny_llama(24, hidden_size=16, max_positions=16), ntl, mode="mmd")

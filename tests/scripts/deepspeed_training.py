@@ -102,12 +102,12 @@ def main() -> None:
                 with torch.no_grad():
                     deepspeed_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
                 variant["deepspeed_loss_function"] = type(engine.module.loss_function).__name__
-                probe = smmd_scale.install(engine, vocab, weight=0.0)
+                probe = smmd_scale.install(engine, smmd_scale.SMMDLoss(vocab), weight=0.0)
                 with torch.no_grad():
                     ours_ce = engine(input_ids=batches[0], labels=batches[0]).loss.item()
                 variant["ce_ours_vs_deepspeed"] = [ours_ce, deepspeed_ce]
                 probe.restore()
-            installed = smmd_scale.install(engine, vocab, weight=1.0, fused_linear=fused)
+            installed = smmd_scale.install(engine, smmd_scale.SMMDLoss(vocab), weight=1.0, fused_linear=fused)
             variant["fused_linear"] = installed.fused_linear
             variant["vocab_parallel"] = installed.vocab_parallel
             variant["head"] = None if installed.head is None else [installed.head.vocab_start_index,

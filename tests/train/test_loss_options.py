@@ -14,7 +14,7 @@ from smmd_scale.registry import NUMERIC_LOSSES, all_options, options_in_use
 from smmd_train.arguments import build_parser, parse_args
 from smmd_train.dashboards import LOSS_OPTION_COLUMNS, RUN_HPARAMS, UNUSED_OPTION, loss_option_hparams
 from smmd_train.experiment import LOSS_FLAGS, objective_record
-from smmd_train.plan import numeric_loss
+from smmd_train.loss_reporter import numeric_loss
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 
@@ -75,15 +75,15 @@ def test_a_checked_option_s_bad_value_is_one_line_naming_its_flag(tmp_path, caps
 def test_hparams_show_the_options_of_the_run_s_losses_and_mark_the_others_unused(tmp_path):
     assert set(LOSS_OPTION_COLUMNS) <= set(RUN_HPARAMS)
     args = args_with(tmp_path, numeric_loss=["ntl-was:0.3"], ntl_squash_factor=9.0, smmd_sigmas=[1.0, 3.0])
-    columns = loss_option_hparams(args, framework_loss=False)
+    columns = loss_option_hparams(args, args.numeric_loss)
     assert tuple(columns) == LOSS_OPTION_COLUMNS
     in_use = {option.column for option in options_in_use(args.numeric_loss)}
     assert in_use == {"ntl_reweigh", "ntl_squash_factor"}
     assert columns["ntl_squash_factor"] == 9.0 and columns["ntl_reweigh"] is True
     assert all(columns[column] == UNUSED_OPTION for column in set(columns) - in_use)  # --smmd_sigmas too
     args = args_with(tmp_path, smmd_sigmas=[1.0, 3.0])
-    assert loss_option_hparams(args, framework_loss=False)["smmd_sigmas"] == "1 3"
-    assert set(loss_option_hparams(args, framework_loss=True).values()) == {UNUSED_OPTION}
+    assert loss_option_hparams(args, args.numeric_loss)["smmd_sigmas"] == "1 3"
+    assert set(loss_option_hparams(args, ()).values()) == {UNUSED_OPTION}
 
 
 def test_the_resume_record_holds_the_options_of_the_run_s_losses(tmp_path):

@@ -12,7 +12,7 @@ from helpers.launching import REPO, train_flags
 import smmd_scale
 from smmd_scale.value_kernel import build_kernel
 from smmd_train.arguments import parse_args
-from smmd_train.plan import numeric_loss
+from smmd_train.loss_reporter import numeric_loss
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 

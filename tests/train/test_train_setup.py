@@ -47,7 +47,7 @@ def test_train_flags_round_trip_through_the_parser(tmp_path):
     args = parse_args(flags)
     assert args.data == ["a.jsonl", "b.jsonl"] and args.smmd_sigmas == [1.0, 3.0]
     assert args.tp == 2 and args.resume is True and args.max_steps == 3
-    assert args.tensorboard_dir == str(tmp_path / "run" / "tensorboard")
+    assert args.tensorboard_dir is None  # the plan decides where (test_the_tensorboard_section_s_job_name_...)
 
 
 def test_train_flags_refuse_unknown_options_and_values_for_switches():
@@ -72,7 +72,7 @@ def test_train_command_launchers(tmp_path):
 
 def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
     import smmd_scale
-    from smmd_train.plan import numeric_loss
+    from smmd_train.loss_reporter import numeric_loss
 
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 20)
     base = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path)
@@ -169,13 +169,13 @@ def test_bad_ce_options_are_named(tmp_path, capsys, options, message):
 
 
 def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir):
-    from smmd_train.run import ce_options
+    from smmd_train.loss_reporter import ce_options
 
     corpus = write_corpus(tmp_path / "data.jsonl", 20)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
                           until="plan")
     assert ce_options(args) == {"z_loss": 1e-4, "label_smoothing": 0.1}
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
     args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
     assert ce_options(args) == {}
@@ -424,15 +424,17 @@ def test_the_config_s_numbers_rule_when_no_flag_contradicts_them(tmp_path, token
     assert plan.ds_config["train_micro_batch_size_per_gpu"] == 3 and plan.ds_config["train_batch_size"] == 6
     assert plan.tensorboard_dir == str(tmp_path / "tb" / "first") and plan.warnings == []
     # HParams record what the run uses: the resolved config's numbers, not the flags' defaults.
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert (hparams["micro_batch"], hparams["grad_accum"], hparams["lr"]) == (3, 2, 1e-3)
     assert args.micro_batch_size == 1  # the flag's default, which the config overrode without a word
 
 
 def test_the_tensorboard_section_s_job_name_alone_names_the_run_under_the_output_dir(tmp_path, tokenizer_dir):
+    corpus = write_corpus(tmp_path / "train.jsonl", 200)
+    plain = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")[1]
+    assert plain.tensorboard_dir == str(tmp_path / "run" / "tensorboard")  # neither flag nor config: the default
     config = _config(tmp_path, lambda c: c["tensorboard"].update(job_name="ws1-smmd"))
-    arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
-                     deepspeed_config=config)
+    arguments = argv(tokenizer_dir, corpus, tmp_path / "run", deepspeed_config=config)
     assert prepared(arguments, until="plan")[1].tensorboard_dir == str(tmp_path / "run" / "ws1-smmd")
     agreeing = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run",
                     deepspeed_config=config, tensorboard_dir=tmp_path / "run" / "ws1-smmd")
@@ -444,7 +446,7 @@ def test_the_plan_holds_the_numeric_vocabulary_and_loss(tmp_path, tokenizer_dir)
 
     corpus = write_corpus(tmp_path / "train.jsonl", 200)
     _, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
-    assert isinstance(plan.numeric_loss, smmd_scale.SMMDLoss) and plan.numeric_weight == 1.0
+    assert isinstance(plan.numeric_loss, smmd_scale.SMMDLoss) and plan.loss.terms() == (("smmd", 1.0), )
     assert plan.numeric_loss.vocab is plan.numeric_vocab and len(plan.numeric_vocab.token_ids) > 0
     assert plan.numeric_vocab.vocab_size == plan.model_config.vocab_size
     _, ce_only = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", numeric_loss=["smmd:0"]), until="plan")
@@ -481,12 +483,14 @@ def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, to
     corpus = write_corpus(tmp_path / "train.jsonl", 200)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", smmd_policy="digits", smmd_max_value=9,
                                smmd_weight=0.5), until="plan")
-    assert (args.numeric_policy, args.numeric_max_value, plan.numeric_weight) == ("digits", 9.0, 0.5)
+    # --smmd_weight multiplies the weights in --numeric_loss: the loss, the HParams and the logs show 0.5 smmd.
+    assert (args.numeric_policy, args.numeric_max_value, args.numeric_loss) == ("digits", 9.0, [("smmd", 0.5)])
+    assert [weight for _, weight in plan.numeric_loss.weighted_terms()] == [0.5]
     assert float(plan.numeric_vocab.values.max()) <= 9  # --smmd_policy digits reached the vocabulary
     assert len(plan.warnings) == 3 and all("\n" not in warning for warning in plan.warnings)
     assert [warning.split()[0] for warning in plan.warnings] == ["--smmd_policy", "--smmd_max_value", "--smmd_weight"]
     assert "use --numeric_policy" in plan.warnings[0] and "--numeric_loss" in plan.warnings[2]
-    assert run_hparams(args, plan, "single", framework_loss=False)["numeric_weight"] == 0.5
+    assert run_hparams(args, plan, "single")["numeric_loss"] == "0.5 smmd"
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -547,7 +551,7 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     assert plan.tensorboard is True and "tensorboard" not in plan.ds_config and "scheduler" not in plan.ds_config
     assert plan.warmup_steps == 1  # the default 100, capped at 10% of --max_steps 2 (rounded up), silently
     # What the run records for TensorBoard's HParams view: the experiment's columns, from the plan.
-    hparams = run_hparams(args, plan, "single", framework_loss=False)
+    hparams = run_hparams(args, plan, "single")
     assert tuple(hparams) == RUN_HPARAMS and hparams["numeric_loss"] == "1 smmd"
     assert (hparams["world_size"], hparams["tp_size"], hparams["global_batch"], hparams["warmup_steps"]) == (4, 2, 4, 1)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..deprecation import loss_of_vocab_install
 from ..numeric_loss import NumericLoss
-from ..smmd import SMMDLoss
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
 from .fused_forward import check_fused_support, fused_forward
@@ -14,11 +14,11 @@ from .hf import DetachedLosses, InstalledLoss, NumericCausalLMLoss, SMMDCausalLM
 from .megatron import vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
 
 
-def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeric_loss: Optional[NumericLoss] = None,
-            fused_linear: bool = False, ce_options: Optional[dict] = None, **smmd_options) -> InstalledLoss:
-    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight * a
-    numeric loss: SMMD with ``smmd_options`` by default, or ``numeric_loss=NTLoss(vocab)``,
-    ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``, ...
+def install(model_or_engine, loss: NumericLoss, weight: float = 1.0, *, fused_linear: bool = False,
+            ce_options: Optional[dict] = None, **deprecated) -> InstalledLoss:
+    """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight *
+    ``loss``, a numeric loss (``SMMDLoss(vocab)``, ``NTLoss(vocab)``, ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``,
+    ...), whose numeric vocabulary must match the model's logits.
 
     Replaces ``model.loss_function``. If DeepSpeed AutoTP made the LM head vocabulary-parallel,
     the hook computes on this rank's logits shard with the head's ``mp_group`` and
@@ -27,27 +27,31 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
     labels never computes the logits (``integrations/fused_forward.py``: Llama, Mistral, Qwen2,
     Qwen3, Gemma-2, Gemma-3 (text), Cohere, Mixtral, Qwen2-MoE and Qwen3-MoE, with their logit
     soft-capping, logit scale and router auxiliary loss; other models are refused); evaluation and
-    generation still return logits. ``smmd_options`` go to :class:`SMMDLoss` when no ``numeric_loss``
-    is given. ``ce_options`` (e.g. ``{"z_loss": 1e-4, "label_smoothing": 0.1}``) go to every call of
-    the op (:class:`NumericCausalLMLoss`). Returns an :class:`InstalledLoss` with
+    generation still return logits. ``ce_options`` (e.g. ``{"z_loss": 1e-4, "label_smoothing": 0.1}``)
+    go to every call of the op (:class:`NumericCausalLMLoss`). Returns an :class:`InstalledLoss` with
     ``last_stats``, ``last_path`` and ``restore()``.
+
+    The second-round call, ``install(model, vocab, weight, numeric_loss=None, **smmd_options)`` (a
+    vocabulary, and SMMD unless ``numeric_loss`` is given), works for one more release and warns.
     """
+    if isinstance(loss, NumericVocab):
+        loss = loss_of_vocab_install(loss, **deprecated)
+    elif deprecated:
+        raise TypeError(f"install() takes no {', '.join(sorted(deprecated))}: pass a loss's options to the loss "
+                        "(SMMDLoss(vocab, sigmas=...)), and the loss as install's second argument")
+    if not isinstance(loss, NumericLoss):
+        raise TypeError(f"install needs a smmd_scale numeric loss (SMMDLoss(vocab), NTLoss(vocab), ...) as its second "
+                        f"argument; got {type(loss).__name__}")
+    vocab = loss.vocab
     model = unwrap_model(model_or_engine)
     fused_head = check_fused_support(model) if fused_linear else None
-    if numeric_loss is None:
-        numeric_loss = SMMDLoss(vocab, **smmd_options)
-    elif smmd_options:
-        raise TypeError(f"pass SMMD options ({sorted(smmd_options)}) to SMMDLoss inside numeric_loss, not to install")
-    elif not isinstance(numeric_loss, NumericLoss) or numeric_loss.vocab.fingerprint != vocab.fingerprint:
-        raise ValueError(f"numeric_loss must be a smmd_scale numeric loss built on the vocab passed to install; got "
-                         f"{numeric_loss!r}")
     head = find_vocab_parallel_head(model)
     if head is not None:
         if head.vocab_size != vocab.vocab_size:
             raise ValueError(f"the vocabulary-parallel head scores {head.vocab_size} tokens but the numeric vocabulary "
                              f"was built for vocab_size={vocab.vocab_size}; build it with vocab_size="
                              f"{head.vocab_size}")
-        hook = NumericCausalLMLoss(numeric_loss, weight, tp_group=head.mp_group,
+        hook = NumericCausalLMLoss(loss, weight, tp_group=head.mp_group,
                                    vocab_start_index=head.vocab_start_index, ce_options=ce_options)
     else:
         config_vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -55,7 +59,7 @@ def install(model_or_engine, vocab: NumericVocab, weight: float = 1.0, *, numeri
             raise ValueError(f"the model's logits have {config_vocab_size} columns (config.vocab_size) but the "
                              f"numeric vocabulary was built for vocab_size={vocab.vocab_size}; build it with "
                              f"NumericVocab.from_tokenizer(tokenizer, vocab_size={config_vocab_size})")
-        hook = NumericCausalLMLoss(numeric_loss, weight, ce_options=ce_options)
+        hook = NumericCausalLMLoss(loss, weight, ce_options=ce_options)
     installed = InstalledLoss(model, hook, head)
     set_loss_function(model, hook)
     if fused_linear:

@@ -4,7 +4,7 @@ metrics, over the micro-batches since the previous log, so that they reach ``log
 TensorBoard, W&B, ... through the Trainer's own reporting. ``InstalledLoss.attach_to_trainer``
 adds it (first, so that the reporting callbacks see what it adds).
 
-    installed = smmd_scale.install(model, vocab)
+    installed = smmd_scale.install(model, smmd_scale.SMMDLoss(vocab))
     trainer = Trainer(model=model, args=args, train_dataset=data)
     installed.attach_to_trainer(trainer)   # the step's counts, and this callback
     trainer.train()                        # log_history: loss_ce, loss_numeric, loss_smmd, ..., loss_total
