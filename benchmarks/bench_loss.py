@@ -9,6 +9,10 @@ Contenders, all on one ``logits [tokens, V]`` (requires grad) and ``targets [tok
                 alone (the numeric statistics are still computed, as in a CE-only training run)
   ntl_was       smmd_scale.numeric_cross_entropy(logits, targets, NTLoss(vocab, "was"), weight=1.0).total
   ntl_mse       the same with NTLoss(vocab, "mse")
+  dist2         the same with DIST2Loss(vocab) (KL to soft targets over the numeric slice)
+  gauss_ls      the same with GaussianLabelSmoothingLoss(vocab) (soft targets, full-vocabulary softmax)
+  del           the same with DigitEntropyLoss on the numeric tokens read as digits (token k has the
+                digit k mod 10: DEL needs the ten digits; every run of numeric targets is one number)
   ours          smmd_scale.numeric_cross_entropy(logits, targets, SMMDLoss(vocab), weight=1.0).total
 
 Inputs: N numeric tokens at random distinct ids with values 0..N-1; a share of the targets is
@@ -62,7 +66,14 @@ from benchmarks.contenders.paper_way import PaperWaySMMD  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours")
+CONTENDERS = ("torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "dist2", "gauss_ls",
+              "del", "ours")
+# CE + one of the soft-target losses or DEL: set up from its vocabulary (values 0..N-1), compared with our CE alone
+SOFT_TARGET_AND_DEL = {
+    "dist2": lambda vocab: smmd_scale.DIST2Loss(vocab),
+    "gauss_ls": lambda vocab: smmd_scale.GaussianLabelSmoothingLoss(vocab),
+    "del": lambda vocab: smmd_scale.DigitEntropyLoss(smmd_scale.NumericVocab(
+        vocab.token_id_list, [int(value) % 10 for value in vocab.values.tolist()], vocab.vocab_size))}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IGNORE_SHARE = 0.05
 SEED = 0
@@ -165,6 +176,9 @@ def build_loss(name: str, shape: Shape, token_ids: torch.Tensor):
     if name in ("ntl_was", "ntl_mse"):
         ntl = smmd_scale.NTLoss(vocab, kind=name.split("_")[1])
         return lambda logits, targets: smmd_scale.numeric_cross_entropy(logits, targets, ntl, weight=1.0).total
+    if name in SOFT_TARGET_AND_DEL:
+        numeric = SOFT_TARGET_AND_DEL[name](vocab)
+        return lambda logits, targets: smmd_scale.numeric_cross_entropy(logits, targets, numeric, weight=1.0).total
     raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
 
 
@@ -290,14 +304,15 @@ def shape_of(row: dict) -> Shape:
 
 def add_ratios(rows: list) -> None:
     """Ratios to torch_ce for every row; for ours also to deepspeed_ce and paper_way; for ours' NTL to our
-    CE alone and to the ntloss package."""
+    CE alone and to the ntloss package; for DIST2, Gaussian label smoothing and DEL to our CE alone."""
     measured = {(shape_of(row), row["contender"]): row for row in rows if "seconds" in row}
     for row in rows:
         if "seconds" not in row:
             continue
         shape = shape_of(row)
         others = {"ours": ("torch_ce", "deepspeed_ce", "paper_way"), "ntl_was": ("torch_ce", "ours_ce", "ntloss"),
-                  "ntl_mse": ("torch_ce", "ours_ce", "ntloss")}.get(row["contender"], ("torch_ce", ))
+                  "ntl_mse": ("torch_ce", "ours_ce", "ntloss"),
+                  **dict.fromkeys(SOFT_TARGET_AND_DEL, ("torch_ce", "ours_ce"))}.get(row["contender"], ("torch_ce", ))
         for other in others:
             if (shape, other) in measured:
                 reference = measured[shape, other]
@@ -394,10 +409,17 @@ def report(rows: list, targets: list) -> str:
                                           ("peak_vs_ours_ce", "peak vs our CE alone", ".2f"),
                                           ("time_vs_ntloss", "time vs ntloss package", ".2f"),
                                           ("peak_vs_ntloss", "peak vs ntloss package", ".2f")])
+    soft_target_and_del = markdown_table(
+        [row for row in rows if row["contender"] in SOFT_TARGET_AND_DEL and "seconds" in row],
+        SHAPE_COLUMNS + [("contender", "loss", "s"), ("time_vs_ours_ce", "time vs our CE alone", ".2f"),
+                         ("peak_vs_ours_ce", "peak vs our CE alone", ".2f"),
+                         ("time_vs_torch_ce", "time vs torch_ce", ".2f"),
+                         ("peak_vs_torch_ce", "peak vs torch_ce", ".2f")])
     checks = markdown_table(targets, [("target", "target", "s"), ("measured", "measured", ".3f"),
                                       ("limit", "limit", "s"), ("result", "result", "s"), ("where", "where", "s")])
     return (f"{everything}\n\nours vs the other SMMD/CE implementations:\n\n{ours}\n\nCE + NTL (ours) vs our CE "
-            f"alone and the ntloss package:\n\n{ntl}\n\ntargets:\n\n{checks}")
+            f"alone and the ntloss package:\n\n{ntl}\n\nCE + DIST2, Gaussian label smoothing or DEL (ours) vs our CE "
+            f"alone:\n\n{soft_target_and_del}\n\ntargets:\n\n{checks}")
 
 
 def main():

@@ -11,7 +11,9 @@ with the logits produced one block of head rows at a time (``[tokens, chunk_size
   rows of ``hidden`` and the numeric rows of the head. Then the same single exchange as the
   materialized path (vocab-parallel: one packed SUM all-reduce), CE and the numeric loss.
 * backward: a second pass recomputes each block's logits, turns them into the gradient in place
-  (softmax times the row multipliers, minus the one-hot, plus the numeric loss's columns) and
+  (softmax times the row multipliers, minus the one-hot, plus the numeric loss's columns; with
+  soft-capping the block is ``tanh(x / cap)``, one tanh per logit and pass, and the cap's derivative
+  ``1 - tanh^2`` is read from it) and
   writes ``d head_weight`` for the block and accumulates ``d hidden`` in the compute dtype. Under
   tensor parallelism ``d hidden`` is summed over the group: the one all-reduce a column-parallel
   head runs in its own backward anyway; nothing else.
@@ -55,7 +57,9 @@ from .steps import (
     numeric_per_token,
     row_multipliers,
     smoothing_offsets,
+    softcap_dense_gradient_,
     stat_sums,
+    tanh_of_capped_,
     target_coefficients,
     transform_logits_,
     transform_slope,
@@ -129,10 +133,15 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                 in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
                 picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
                 target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
-                transform_logits_(logits, options)
+                if options.logit_softcap is not None:  # the block holds the capped logits / cap
+                    tanh_of_capped_(logits, options)
+                    factor = options.logit_softcap
+                else:
+                    transform_logits_(logits, options)
+                    factor = None
                 if logit_sum is not None:
-                    logit_sum += logits.sum(dim=-1)
-                running = merge_block_logsumexp(running, logits)
+                    logit_sum += logits.sum(dim=-1) if factor is None else logits.sum(dim=-1).mul_(factor)
+                running = merge_block_logsumexp(running, logits, factor)
             local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
 
             numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
@@ -185,8 +194,13 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             for index, (start, end) in enumerate(blocks):
                 head_rows = head_weight[start:end].to(hidden.dtype)
                 bias_rows = None if bias is None else bias[start:end]
-                transformed = transform_logits_(block_logits(hidden, head_rows, bias_rows, compute_dtype), options)
-                grad_logits = dense_gradient_(transformed, lse, multiplier, offsets, options)
+                logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
+                if options.logit_softcap is not None:
+                    grad_logits = softcap_dense_gradient_(tanh_of_capped_(logits, options), lse, multiplier, offsets,
+                                                          options)
+                else:
+                    grad_logits = dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets,
+                                                  options)
                 rows = owned_rows[row_bounds[index]:row_bounds[index + 1]]
                 targets = owned_targets[row_bounds[index]:row_bounds[index + 1]] - start
                 grad_logits.index_put_((rows, targets), target_coefficient[rows], accumulate=True)

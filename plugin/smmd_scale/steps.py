@@ -140,6 +140,32 @@ def dense_gradient_(transformed: torch.Tensor, lse: ShiftedLogSumExp, multiplier
     return transformed.mul_(options.scale) if options.logit_scale is not None else transformed
 
 
+def tanh_of_capped_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
+    """In place, ``tanh(scale * x / cap)``: the soft-capped logits divided by the cap (the fused
+    head's block, from which both its log-sum-exp and the cap's derivative are read)."""
+    return logits.mul_(options.scale / options.logit_softcap).tanh_()
+
+
+def softcap_dense_gradient_(tanh: torch.Tensor, lse: ShiftedLogSumExp, multiplier: torch.Tensor,
+                            offsets: Optional[torch.Tensor], options: CrossEntropyOptions) -> torch.Tensor:
+    """:func:`dense_gradient_` of a soft-capped block given as ``tanh`` (:func:`tanh_of_capped_`,
+    ``[R, B]``), in place: ``(softmax * multiplier - offset) * scale * (1 - tanh^2)`` per row. The
+    cap's derivative comes from the tanh that is already there (no second tanh); the softmax's ``1 /
+    sum`` and ``scale`` are folded into the per-row multiplier; one row block's temporary at a time,
+    so the block is the only ``[R, B]`` buffer (and a row block's passes run while it is in cache)."""
+    row_scale = lse.log_sum.neg().exp_().mul_(multiplier).mul_(options.scale)
+    neg_shift = lse.shift.neg()
+    offsets = None if offsets is None else offsets * options.scale
+    for start, end in row_blocks(*tanh.shape):
+        rows = tanh[start:end]
+        softmax = torch.add(neg_shift[start:end, None], rows, alpha=options.logit_softcap).exp_()
+        softmax.mul_(row_scale[start:end, None])
+        if offsets is not None:
+            softmax.sub_(offsets[start:end, None])
+        torch.addcmul(softmax, softmax, rows.square_(), value=-1.0, out=rows)
+    return tanh
+
+
 def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype, scale: float = 1.0) -> tuple:
     """``logits [T, V_local]`` -> (softmax over the shard ``[T, V_local]``, its :class:`ShiftedLogSumExp`).
 
@@ -163,15 +189,23 @@ def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype
     return softmax, ShiftedLogSumExp(max_logits, row_sums.log())
 
 
-def merge_block_logsumexp(running: ShiftedLogSumExp, block_logits: torch.Tensor) -> ShiftedLogSumExp:
+def merge_block_logsumexp(running: ShiftedLogSumExp, block_logits: torch.Tensor,
+                          factor: Optional[float] = None) -> ShiftedLogSumExp:
     """Fold one block of logits ``[T, B]`` (compute dtype; overwritten) into a running
     :class:`ShiftedLogSumExp` whose ``log_sum`` holds the running *sum* of ``exp(x - shift)``
-    (the fused linear head's online merge; take the log once at the end)."""
+    (the fused linear head's online merge; take the log once at the end). ``factor`` > 0: the
+    block holds ``x / factor`` (the soft-capped head's ``tanh``, ``factor`` the cap), multiplied
+    back in the same pass that subtracts the shift."""
     shift, total = running
-    new_shift = torch.maximum(shift, block_logits.amax(dim=-1))
+    block_max = block_logits.amax(dim=-1)
+    new_shift = torch.maximum(shift, block_max if factor is None else block_max.mul_(factor))
     # A row whose shift is still -inf has nothing to rescale (and -inf - -inf would be NaN).
     carried = torch.where(torch.isneginf(new_shift), torch.zeros_like(total), total * (shift - new_shift).exp())
-    return ShiftedLogSumExp(new_shift, carried + block_logits.sub_(new_shift[:, None]).exp_().sum(dim=-1))
+    if factor is None:
+        shifted = block_logits.sub_(new_shift[:, None])
+    else:  # factor * x - shift in one pass (x finite: capped)
+        shifted = torch.add(new_shift.neg()[:, None], block_logits, alpha=factor, out=block_logits)
+    return ShiftedLogSumExp(new_shift, carried + shifted.exp_().sum(dim=-1))
 
 
 def combine_logsumexp(shifts: torch.Tensor, log_sums: torch.Tensor) -> ShiftedLogSumExp:

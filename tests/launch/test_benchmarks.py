@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers.launching import REPO
 
-CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "ours"]
+CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "dist2", "gauss_ls",
+              "del", "ours"]
 RESULTS = {"pass", "fail", "not measured"}
 
 
@@ -46,6 +47,11 @@ def test_bench_loss_quick_writes_rows_and_targets(tmp_path):
     for name in ("ntl_was", "ntl_mse"):
         for other in ("ours_ce", "ntloss"):
             assert rows[name][f"time_vs_{other}"] > 0 and rows[name][f"peak_vs_{other}"] > 0, (name, other)
+    # CE + DIST2, Gaussian label smoothing or DEL: time and memory next to our CE alone, measured in the same run
+    for name in ("dist2", "gauss_ls", "del"):
+        assert rows[name]["time_vs_ours_ce"] > 0 and rows[name]["peak_vs_ours_ce"] > 0, name
+        assert rows[name]["loss"] > rows["ours_ce"]["loss"], name  # CE + a loss > 0 at the numeric targets
+    assert "CE + DIST2, Gaussian label smoothing or DEL (ours) vs our CE alone" in run.stdout
     for other in ("deepspeed_ce", "paper_way"):
         assert rows["ours"][f"time_vs_{other}"] > 0 and rows["ours"][f"peak_vs_{other}"] > 0
 

@@ -1,6 +1,6 @@
-"""launch/train.py end to end on CPU under each launcher and loss option: z-loss and label smoothing,
-mpirun (launch/mpirun.sh), srun (plain and --mpi=pmi2, started as launch/slurm.sbatch starts it) and
-the model's own loss (--framework_loss)."""
+"""launch/train.py end to end on CPU under each launcher and loss option: z-loss and label smoothing
+with a sum of SMMD, DIST2, Gaussian label smoothing and DEL, mpirun (launch/mpirun.sh), srun (plain
+and --mpi=pmi2, started as launch/slurm.sbatch starts it) and the model's own loss (--framework_loss)."""
 
 import json
 import os
@@ -13,6 +13,7 @@ from helpers.launching import REPO, environment, metrics, run
 from helpers.train_runs import (
     corpus_fixture,
     deepspeed_command,
+    tensorboard_run,
     train_args,
 )
 
@@ -22,19 +23,39 @@ pytestmark = pytest.mark.slow
 corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
 
 
-def test_z_loss_and_label_smoothing_train_and_are_logged(tmp_path, corpus):
+NEW_LOSSES_SUM = ["smmd:0.5", "dist2:0.3", "gauss-ls:0.2", "del:0.1"]
+
+
+def test_z_loss_label_smoothing_and_a_sum_of_the_new_losses_train_and_are_logged(tmp_path, corpus):
     """--z_loss and --label_smoothing reach the installed loss (the op's own tests check their
-    values against float64): loss/z is logged, the total adds it, HParams show both options."""
+    values against float64): loss/z is logged, the total adds it, HParams show both options. The same
+    run trains on SMMD + DIST2 + Gaussian label smoothing + DEL (a digit vocabulary): each loss's part
+    is in metrics.jsonl and TensorBoard, the parts add up, and HParams show each option of each loss."""
     output = tmp_path / "run"
-    run(deepspeed_command(1, *train_args(corpus, output, steps=2, z_loss=1e-3, label_smoothing=0.1)), timeout=600)
+    run(deepspeed_command(1, *train_args(corpus, output, steps=2, z_loss=1e-3, label_smoothing=0.1,
+                                         numeric_loss=NEW_LOSSES_SUM, numeric_policy="digits", dist2_tau=2.0,
+                                         gauss_ls_sigma=0.5, del_scale=0.02)), timeout=600)
     logged = metrics(output)
     for step in (1, 2):
         parts = logged[step]
         assert parts["loss/z"] > 0
         assert parts["loss/total"] == pytest.approx(parts["loss/ce"] + parts["loss/z"] + parts["loss/numeric"],
                                                     rel=1e-5)
+        assert min(parts["loss/smmd"], parts["loss/dist2"], parts["loss/gauss_ls"], parts["loss/del"]) > 0
+        # fp32 per-position means, each rounded once: the weighted sum of the parts is the numeric term
+        assert parts["loss/numeric"] == pytest.approx(0.5 * parts["loss/smmd"] + 0.3 * parts["loss/dist2"]
+                                                      + 0.2 * parts["loss/gauss_ls"] + 0.1 * parts["loss/del"],
+                                                      rel=1e-5)
     settings = json.loads((output / "run_config.json").read_text())["args"]
     assert settings["z_loss"] == 1e-3 and settings["label_smoothing"] == 0.1
+    scalars, hparams = tensorboard_run(output)
+    assert {"loss/z", "loss/smmd", "loss/mmd", "loss/smooth", "loss/dist2", "loss/gauss_ls", "loss/del"} <= scalars
+    assert not {"loss/ntl_was", "loss/ntl_mse", "loss/ntl_number"} & scalars  # only the run's own losses
+    assert (hparams["numeric_loss"], hparams["z_loss"], hparams["label_smoothing"]) == (
+        "0.5 smmd + 0.3 dist2 + 0.2 gauss-ls + 0.1 del", "0.001", "0.1")
+    assert (hparams["dist2_tau"], hparams["dist2_place_weighted"], hparams["gauss_ls_sigma"],
+            hparams["del_place_base"], hparams["del_scale"]) == ("2", False, "0.5", "1.02", "0.02")
+    assert hparams["ntl_reweigh"] == "unused" and hparams["smmd_mode"] == "smmd"
     # The same first batch on the same (seeded) initial model: label smoothing changes the step-1 CE.
     # (Near the uniform initial prediction it changes it little: the op's tests check the value.)
     plain = tmp_path / "plain"

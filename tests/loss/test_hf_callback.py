@@ -130,6 +130,31 @@ def test_weighted_numeric_losses_reach_tensorboard_by_name(tmp_path, generator):
         assert [point.value for point in points] == pytest.approx([log[key] for log in logs], rel=1e-6)
 
 
+def test_dist2_gaussian_label_smoothing_and_del_reach_the_logs_by_name(tmp_path, generator):
+    """SMMD + DIST2 + Gaussian label smoothing + DEL (token 5, which rows() puts inside numbers, as the
+    dot): each loss's window mean is the loss itself on the window's logits, and they add up."""
+    dot = 5
+
+    def numeric_loss(vocab):
+        return (smmd_scale.SMMDLoss(vocab) + 0.3 * smmd_scale.DIST2Loss(vocab, place_weighted=True)
+                + 0.2 * smmd_scale.GaussianLabelSmoothingLoss(vocab, sigma=0.7)
+                + 0.1 * smmd_scale.DigitEntropyLoss(vocab, dot_token_ids=[dot]))
+
+    logs, calls = train(tmp_path, generator, numeric_loss, weight=1.0, max_steps=2, logging_steps=2)
+    (log, ) = logs
+    vocab = NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)
+    direct = {term.name: term for term, _ in numeric_loss(vocab).weighted_terms()}
+    expected = window_reference(calls, direct)
+    for key in ("loss_ce", "loss_smmd", "loss_dist2", "loss_gauss_ls", "loss_del"):
+        # the Trainer's float32 model against the float64 losses on its recorded logits
+        assert log[key] == pytest.approx(expected[key], rel=1e-5), key
+    assert log["loss_del"] > 0 and log["loss_dist2"] > 0
+    assert log["loss_numeric"] == pytest.approx(expected["loss_smmd"] + 0.3 * expected["loss_dist2"]
+                                                + 0.2 * expected["loss_gauss_ls"] + 0.1 * expected["loss_del"],
+                                                rel=1e-5)
+    assert log["loss_total"] == pytest.approx(log["loss_ce"] + log["loss_numeric"], rel=1e-6)
+
+
 def test_evaluation_logs_are_left_alone_and_a_callback_alone_adds_to_log_history(tmp_path, generator):
     """Added by hand (Trainer(callbacks=...)), the callback still fills log_history; eval logs keep their keys."""
     ids, labels = rows(generator)

@@ -1,7 +1,8 @@
 """DIST2, Gaussian label smoothing on number tokens and DEL: against float64 references written from
 the papers' math (plain loops, independent of ours) on full logits, alone, through the fused linear
-head and summed with SMMD/NTL; the hand-written soft-target gradient against autograd's; and
-vocabulary-parallel on real gloo groups of 2 and 4 ranks with uneven shards and the one collective."""
+head and summed with SMMD/NTL; the hand-written soft-target gradient against autograd's;
+vocabulary-parallel on real gloo groups of 2 and 4 ranks with uneven shards and the one collective;
+through the Hugging Face hook (logits and fused head) and Megatron's entry point on 2 ranks."""
 
 import math
 
@@ -333,6 +334,103 @@ def _vocab_parallel_new_losses(rank, world_size, seed):
 def test_vocab_parallel_equals_one_device_with_the_one_collective(world_size):
     reports = values_or_raise(run_ranks(_vocab_parallel_new_losses, world_size, int(torch.randint(0, 2**31, (1, )))))
     assert all(report == reports[0] for report in reports)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Hugging Face hook and the Megatron entry point
+# ------------------------------------------------------------------------------------------------
+
+HF_VOCAB_SIZE, HF_DIGITS, HF_DOT = 96, list(range(20, 30)), 30  # ten digit tokens (values 0..9) and a "."
+
+
+def hf_losses(vocab, sequence_dim=-1):
+    """Each new loss and their sum with SMMD and NTL, on a vocabulary of the ten digits and a "."."""
+    dist2 = DIST2Loss(vocab, tau=2.0, place_weighted=True, sequence_dim=sequence_dim)
+    gauss = GaussianLabelSmoothingLoss(vocab, sigma=0.7)
+    digit_entropy = DigitEntropyLoss(vocab, dot_token_ids=[HF_DOT], scale=0.05, sequence_dim=sequence_dim)
+    return {"dist2": DIST2Loss(vocab, tau=0.5), "dist2_place": dist2, "gauss_ls": gauss, "del": digit_entropy,
+            "sum": SMMDLoss(vocab) + 0.3 * dist2 + 0.2 * gauss + 0.5 * digit_entropy + 0.4 * NTLoss(vocab)}
+
+
+def hf_batch(generator, rows=2, length=14):
+    """Token ids with digit runs holding dots (numbers such as 12.05), and labels with a masked start."""
+    ids = torch.randint(0, HF_VOCAB_SIZE, (rows, length), generator=generator)
+    digits = torch.randint(20, 30, (rows, 8), generator=generator)
+    ids[:, 2:10] = torch.where(torch.rand(rows, 8, generator=generator) < 0.2, HF_DOT, digits)
+    labels = ids.clone()
+    labels[:, :1] = IGNORE
+    return ids, labels
+
+
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused-linear"])
+def test_the_hf_hook_trains_on_ce_plus_each_new_loss(generator, fused_linear):
+    """install(model, vocab, numeric_loss=...) on a float64 Llama: the model's loss, its gradients and the
+    hook's statistics are CE + weight x the loss called directly on the model's logits and shifted labels."""
+    from helpers import models
+
+    vocab = NumericVocab(HF_DIGITS, list(range(10)), HF_VOCAB_SIZE)
+    ids, labels = hf_batch(generator)
+    shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), IGNORE)], dim=1)
+    for name, numeric in hf_losses(vocab).items():
+        model = models.tiny_llama(HF_VOCAB_SIZE, hidden_size=32, max_positions=64, seed=1).double()
+        installed = smmd_scale.install(model, vocab, weight=0.4, numeric_loss=numeric, fused_linear=fused_linear)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        assert installed.last_path == ("fused_linear" if fused_linear else "logits"), name
+        direct_model = models.tiny_llama(HF_VOCAB_SIZE, hidden_size=32, max_positions=64, seed=1).double()
+        logits = direct_model(input_ids=ids).logits
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, HF_VOCAB_SIZE), shifted.reshape(-1))
+        value = numeric(logits, shifted)
+        (ce + 0.4 * value).backward()
+        # float64 model and loss on both sides; the fused head sums the same products in blocks
+        assert loss.item() == pytest.approx((ce + 0.4 * value).item(), rel=1e-10), name
+        assert installed.hook.last_losses.numeric.item() == pytest.approx(value.item(), rel=1e-10), name
+        for term, _ in numeric.weighted_terms():
+            assert installed.last_stats[term.name] == pytest.approx(term(logits, shifted).item(), rel=1e-10), name
+        for (parameter, ours), theirs in zip(model.named_parameters(), direct_model.parameters()):
+            assert relative_error(ours.grad, theirs.grad) <= 1e-10, (name, parameter)
+        assert value.item() > 0, name
+
+
+def _megatron_entry_point_with_the_new_losses(rank, world_size, seed):
+    """Megatron's [s, b, V/T] equal shards, its losses built with sequence_dim=0: per-token CE and each
+    loss equal one device's; their masked mean is the loss on the batch-first layout; the gradients and
+    loss_func_outputs' report match."""
+    from smmd_scale.integrations.megatron import loss_func_outputs, vocab_parallel_numeric_cross_entropy
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = NumericVocab(HF_DIGITS, list(range(10)), HF_VOCAB_SIZE)
+    ids, _ = hf_batch(generator, rows=3, length=16)
+    target = ids.transpose(0, 1).contiguous()  # [s, b]
+    logits = 3 * torch.randn(*target.shape, HF_VOCAB_SIZE, generator=generator, dtype=torch.float64)
+    mask = (torch.rand(target.shape, generator=generator) < 0.8).double()  # a Megatron loss mask
+    width = HF_VOCAB_SIZE // world_size
+    batch_first = hf_losses(vocab)
+    for name, numeric in hf_losses(vocab, sequence_dim=0).items():
+        shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_(True)
+        ce, values = vocab_parallel_numeric_cross_entropy(shard, target, numeric, tp_group=dist.group.WORLD)
+        full = logits.clone().requires_grad_(True)
+        ce_full, values_full = vocab_parallel_numeric_cross_entropy(full, target, numeric)
+        # float64; the exchange sums exact zeros with one rank's values
+        assert relative_error(ce, ce_full) <= 1e-12 and relative_error(values, values_full) <= 1e-12, name
+        numeric_positions = numeric.numeric_mask(target)
+        assert (values[~numeric_positions] == 0).all(), name
+        expected = batch_first[name](logits.transpose(0, 1), target.transpose(0, 1))
+        assert abs(values[numeric_positions].mean().item() - expected.item()) <= 1e-10 * abs(expected.item()), name
+        total, tokens, report = loss_func_outputs(ce, values, mask, target, numeric, weight=0.5)
+        total_full, _, report_full = loss_func_outputs(ce_full, values_full, mask, target, numeric, weight=0.5)
+        total.backward()
+        total_full.backward()
+        assert tokens == int(mask.sum()) and report["numeric loss"][1] == (numeric_positions * mask).sum(), name
+        assert relative_error(report["numeric loss"], report_full["numeric loss"]) <= 1e-12, name
+        assert relative_error(shard.grad, full.grad[..., rank * width:(rank + 1) * width]) <= 1e-12, name
+    return True
+
+
+@pytest.mark.gloo
+def test_the_megatron_entry_point_takes_the_new_losses_on_two_ranks():
+    seed = int(torch.randint(0, 2**31, (1, )))
+    assert values_or_raise(run_ranks(_megatron_entry_point_with_the_new_losses, 2, seed)) == [True, True]
 
 
 # ------------------------------------------------------------------------------------------------
