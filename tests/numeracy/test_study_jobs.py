@@ -4,10 +4,11 @@ come back in order, and a failing run does not stop the others."""
 import os
 import sys
 import threading
+
 import pytest
 
 from benchmarks.numeracy import study_a
-from benchmarks.numeracy.run_study import RunFailed, run_measured
+from benchmarks.numeracy.runner import RunFailed, run_measured
 
 BUSY = ("import time\nend = {seconds}\nwhile time.process_time() < end:\n    pass\n")
 
