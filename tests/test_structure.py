@@ -5,6 +5,7 @@ upstream APIs are reached only through the inventories (``smmd_scale/compat.py``
 and each is shown to fail on a planted offence."""
 
 import ast
+import functools
 import textwrap
 
 from helpers.launching import REPO
@@ -31,12 +32,17 @@ MODULES = {**modules_under(PLUGIN, ["smmd_scale", "smmd_train", "smmd_numeracy"]
            **modules_under(REPO, ["launch", "benchmarks"])}
 
 
+@functools.lru_cache(maxsize=None)
+def syntax_tree(path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def imports_of(name: str, path, modules: dict) -> list:
     """``[(imported module, [names taken from it], the name it is bound to or None)]`` for every import
     of one of ``modules`` in the file, at any depth."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(syntax_tree(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, [], alias.asname) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -87,7 +93,7 @@ def private_cross_module_names(modules: dict) -> list:
             offenders += [f"{name} imports {module}.{taken}" for taken in names if _is_private(taken)]
         bound = {alias: module for module, _, alias in imports if alias}
         offenders += [f"{name} uses {bound[node.value.id]}.{node.attr}"
-                      for node in ast.walk(ast.parse(path.read_text()))
+                      for node in ast.walk(syntax_tree(path))
                       if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                       and node.value.id in bound and _is_private(node.attr)]
     return offenders
@@ -109,7 +115,7 @@ def private_upstream_uses(path, project_packages=("smmd_scale", "smmd_train", "s
     * an import of a private upstream module or name (``import torch._dynamo``, ``from x import _y``,
       ``importlib.import_module("torch._dynamo")``).
     """
-    tree = ast.parse(path.read_text())
+    tree = syntax_tree(path)
     project = set()  # names the file binds to the project's own modules
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in project_packages):
