@@ -294,9 +294,10 @@ def decisions_section(analysis: dict, metrics: dict, rule: dict) -> list:
     header, _, scale, unit, _ = metrics[rule["metric"]]
     unit = " pp" if unit == "%" else unit
     made = decisions(analysis, metrics, rule)
-    rows = [{"arm": item["arm"], "arm - ce": f"{_fmt(item['row']['mean_difference'], scale, 2)}{unit}",
-             "95% t-interval": f"[{_fmt(item['row']['t95_low'], scale, 2)}, {_fmt(item['row']['t95_high'], scale, 2)}]",
-             "MDE (80%)": f"{_fmt(item['row']['mde'], scale, 2)}{unit}", "decision": item["decision"]}
+    rows = [{"arm": item["arm"], "arm - ce": f"{scaled(item['row']['mean_difference'], scale, 2)}{unit}",
+             "95% t-interval":
+                 f"[{scaled(item['row']['t95_low'], scale, 2)}, {scaled(item['row']['t95_high'], scale, 2)}]",
+             "MDE (80%)": f"{scaled(item['row']['mde'], scale, 2)}{unit}", "decision": item["decision"]}
             for item in made]
     lines = ["## Pre-registered decision", "",
              f"Rule ({PREREGISTRATION.name}, written {rule['written']}), on {header} of the {rule['split']} split, "
@@ -311,7 +312,9 @@ def decisions_section(analysis: dict, metrics: dict, rule: dict) -> list:
     return lines
 
 
-def _fmt(value, scale: float, digits: int = 1) -> str:
+def scaled(value, scale: float, digits: int = 1) -> str:
+    """``value * scale`` with ``digits`` decimals (``scale`` 100 shows a fraction in percent), or ``n/a``
+    for a missing or non-finite value; the reports of every tier format their cells with it."""
     return "n/a" if value is None or not math.isfinite(value) else f"{value * scale:.{digits}f}"
 
 
@@ -323,7 +326,7 @@ def tables(analysis: dict, metrics: dict = METRICS) -> str:
     parts = []
     for metric, (header, higher, scale, unit, columns) in metrics.items():
         unit_text = f" ({unit})" if unit else ""
-        rows = [{"arm": arm, **{column: f"{_fmt(cell['mean'], scale)} ± {_fmt(cell['std'], scale)}"
+        rows = [{"arm": arm, **{column: f"{scaled(cell['mean'], scale)} ± {scaled(cell['std'], scale)}"
                                 for column, cell in ((c, analysis["cells"][metric][c][arm]) for c in columns)}}
                 for arm in analysis["arms"]]
         parts.append(f"**{header}**{unit_text}, {'higher' if higher else 'lower'} is better: mean ± std over "
@@ -333,13 +336,14 @@ def tables(analysis: dict, metrics: dict = METRICS) -> str:
             result = analysis["tests"][metric]
             difference_unit = " pp" if unit == "%" else unit
             test_rows = [{"arm": row["arm"], "split": row["column"], "n": str(row["n"]),
-                          "arm - ce": f"{_fmt(row['mean_difference'], scale, 2)}{difference_unit}",
-                          "95% t-interval": f"[{_fmt(row['t95_low'], scale, 2)}, {_fmt(row['t95_high'], scale, 2)}]",
+                          "arm - ce": f"{scaled(row['mean_difference'], scale, 2)}{difference_unit}",
+                          "95% t-interval":
+                              f"[{scaled(row['t95_low'], scale, 2)}, {scaled(row['t95_high'], scale, 2)}]",
                           "95% bootstrap":
-                              f"[{_fmt(row['ci95_low'], scale, 2)}, {_fmt(row['ci95_high'], scale, 2)}]",
+                              f"[{scaled(row['ci95_low'], scale, 2)}, {scaled(row['ci95_high'], scale, 2)}]",
                           "p": _p(row["p_value"]), "p (Holm, metric)": _p(row["p_holm"]),
                           "p (Holm, study)": _p(row.get("p_holm_study", math.nan)),
-                          "MDE (80%)": f"{_fmt(row['mde'], scale, 2)}{difference_unit}"}
+                          "MDE (80%)": f"{scaled(row['mde'], scale, 2)}{difference_unit}"}
                          for row in result["rows"]]
             columns_spec = [(key, key, "s") for key in test_rows[0]] if test_rows else []
             parts.append(f"Paired differences against ce (the t-interval is primary; {result['tests']} tests, Holm "
@@ -373,8 +377,8 @@ def selections_section(selections: list, scale: float = 100.0) -> list:
     for selection in selections:
         for row in [*selection["candidates"], selection["reference"]]:
             rows.append({"arm": selection["arm"], "candidate": row["candidate"],
-                         "val exact match (%)": _fmt(row["val_exact_match"], scale),
-                         "val capped MAE": _fmt(row["val_mae_capped"], 1.0, 2),
+                         "val exact match (%)": scaled(row["val_exact_match"], scale),
+                         "val capped MAE": scaled(row["val_mae_capped"], 1.0, 2),
                          "chosen": "yes" if row["candidate"] == selection["chosen"] else "",
                          "CPU-h": f"{(row['train_cpu_seconds'] + row['eval_cpu_seconds']) / 3600:.2f}"})
     beaten = "; ".join(f"{selection['arm']}: {selection['chosen']} "
@@ -404,7 +408,7 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = 
             for op in ("add", "sub", "dist"):
                 values = [run["eval"][f"{split}/{op}"]["exact_match"] for run in runs
                           if run["arm"] == arm and run["seed"] in analysis["seeds"]]
-                row[f"{split}/{op}"] = _fmt(float(np.mean(values)) if values else math.nan, 100.0)
+                row[f"{split}/{op}"] = scaled(float(np.mean(values)) if values else math.nan, 100.0)
         by_op.append(row)
     lines = [
         f"# {TITLES[tier]} (generated by analyze_a.py; do not edit)", "",

@@ -72,12 +72,12 @@ def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -
     eval_seconds = sum(run["eval_seconds"] for run in runs)
     steps = settings["steps"]
     tokens_per_step = settings["micro_batch_size"] * settings["seq_len"]
-    unparseable = [{"arm": arm, **{split: analyze_a._fmt(_mean([run["eval"][split]["unparseable"] for run in runs
+    unparseable = [{"arm": arm, **{split: analyze_a.scaled(_mean([run["eval"][split]["unparseable"] for run in runs
                                                                if run["arm"] == arm]), 100.0)
                                    for split in SPLITS}} for arm in analysis["arms"]]
     per_run = [{"arm": run["arm"], "seed": str(run["seed"]),
-                **{f"{split} EM": analyze_a._fmt(run["eval"][split]["exact_match"], 100.0) for split in SPLITS},
-                **{f"{split} MAE": analyze_a._fmt(run["eval"][split]["mae"], 1.0, 2) for split in SPLITS},
+                **{f"{split} EM": analyze_a.scaled(run["eval"][split]["exact_match"], 100.0) for split in SPLITS},
+                **{f"{split} MAE": analyze_a.scaled(run["eval"][split]["mae"], 1.0, 2) for split in SPLITS},
                 "distinct answers": str(run["distinct_answers"]), "s/step": f"{run['step_seconds']:.2f}",
                 "train CPU s": f"{run['train_cpu_seconds'] or 0:.0f}"}
                for run in sorted(runs, key=lambda run: (analysis["arms"].index(run["arm"]), run["seed"]))]
@@ -98,8 +98,8 @@ def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -
         f"training step; evaluation {eval_seconds / 60:.1f} min.",
         "",
         "Reference without a model: always answering 0 scores "
-        + "; ".join(f"{split} exact match {analyze_a._fmt(reference[split]['exact_match'], 100.0)}%, "
-                    f"MAE {analyze_a._fmt(reference[split]['mae'], 1.0, 2)}" for split in SPLITS) + ".",
+        + "; ".join(f"{split} exact match {analyze_a.scaled(reference[split]['exact_match'], 100.0)}%, "
+                    f"MAE {analyze_a.scaled(reference[split]['mae'], 1.0, 2)}" for split in SPLITS) + ".",
         "", analyze_a.tables(analysis, METRICS), "",
         "**unparseable answers** (%, mean over the seeds; left out of MAE)", "",
         markdown_table(unparseable, [(key, key, "s") for key in unparseable[0]]) if unparseable else "", "",

@@ -61,7 +61,7 @@ def summary_markdown(work_dir: Path, study: dict, runs: list, analysis: dict, se
     pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else {"runs": []}
     probe = json.loads(probe_path.read_text()) if probe_path.is_file() else {}
     pilot_rows = [{"operands below": str(run["operand_range"]), "lr": f"{run['lr']:g}",
-                   "CE val exact match (%)": analyze_a._fmt(run["val_exact_match"], 100.0)} for run in pilot["runs"]]
+                   "CE val exact match (%)": analyze_a.scaled(run["val_exact_match"], 100.0)} for run in pilot["runs"]]
     budget = budget_rows(work_dir, runs, selections)
     lines = [
         "# Tier C: fine-tuning pretrained SmolLM2-135M-Instruct on arithmetic in digits "

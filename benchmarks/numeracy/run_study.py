@@ -35,7 +35,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze
+from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
 from smmd_train.arguments import REPO, train_command
 
 HERE = Path(__file__).resolve().parent
@@ -174,13 +174,6 @@ def open_study(work_dir: Path, settings: dict, methods: list, seeds: list, paral
     return study
 
 
-def write_json(path: Path, value: dict) -> None:
-    """Written under a temporary name and renamed, so an interrupted write never leaves half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(partial, path)
-
-
 def prepare_data(work_dir: Path, settings: dict) -> dict:
     """Corpus, tokenizer and tokenized cache of the study (each made once). Returns the paths and the
     model's parameter count."""
@@ -212,18 +205,6 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
     return {**corpus, "tokenizer": str(tokenizer_dir), "cache": str(cache_dir), "parameters": parameters}
 
 
-def child_environment(threads_per_run: int, on_gpu: bool) -> dict:
-    """Environment of train.py and evaluate.py: no inherited rendezvous (a plain process then picks a
-    free port, so concurrent runs do not collide), one BLAS pool size per run, DeepSpeed on CPU when
-    there is no GPU."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS=str(threads_per_run), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    if not on_gpu:
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
-
-
 def run_command(settings: dict, data: dict, method: str, seed: int, output_dir: Path) -> list:
     launcher = "python" if settings["launcher"] == "python" else shlex.split(settings["launcher"])
     return train_command(launcher=launcher, deepspeed_config=REPO / settings["deepspeed_config"],
@@ -237,30 +218,6 @@ def run_command(settings: dict, data: dict, method: str, seed: int, output_dir: 
 def eval_command(data: dict, output_dir: Path) -> list:
     return [sys.executable, str(REPO / "launch" / "evaluate.py"), str(output_dir / "hf"), "--data", data["qa_test"],
             "--output", str(output_dir / "numeric_eval.json"), "--batch_size", "64"]
-
-
-class RunFailed(Exception):
-    pass
-
-
-def run_measured(command: list, log: Path, env: dict) -> tuple:
-    """Run ``command`` with its output in ``log``: (wall seconds, CPU seconds of the child and everything it
-    waited for), or ``RunFailed`` with the log's tail. The CPU is the child's own rusage (``os.wait4``), so
-    runs side by side (``--jobs``) each count their own, which ``os.times`` deltas would mix."""
-    began = time.monotonic()
-    with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            _, status, usage = os.wait4(process.pid, 0)
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
-        process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
-        raise RunFailed(f"{' '.join(command[:3])} ... exited {process.returncode}; {log}:\n{tail}")
-    return time.monotonic() - began, usage.ru_utime + usage.ru_stime
 
 
 def _run_logged(command: list, log: Path, env: dict) -> float:

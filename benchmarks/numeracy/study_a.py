@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze_a
-from benchmarks.numeracy.run_study import RunFailed, child_environment, run_measured, write_json
+from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
 from smmd_train.arguments import REPO, train_command
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.numeracy import analyze_c, study_a
-from benchmarks.numeracy.run_study import child_environment, run_measured, write_json
+from benchmarks.numeracy.runner import child_environment, run_measured, write_json
 from smmd_numeracy import tier_c
 from smmd_train.arguments import REPO, train_command
 from smmd_train.metrics_file import read_metrics

@@ -6,7 +6,8 @@ generated offline here with a fixed seed instead of downloaded:
 
 ``train-easy`` / ``train-medium`` / ``train-hard``   ``add_sub_multiple`` at the low / middle / high third
                                                      of the training entropy range (the package's
-                                                     ``generate._make_entropy_fn(level, 3)``);
+                                                     ``generate._make_entropy_fn(level, 3)``, through
+                                                     ``smmd_numeracy.compat``);
 ``interpolate``   ``add_sub_multiple`` at the test entropy (``modules.test()``);
 ``extrapolate``   ``add_sub_multiple_longer`` (``modules.test_extra()``): more terms than any training problem.
 
@@ -25,10 +26,9 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 from pathlib import Path
 
-from . import tier_a
+from . import compat, tier_a
 
 TRAIN_LEVELS = ("train-easy", "train-medium", "train-hard")
 # Test split -> the mathematics_dataset module it draws from.
@@ -53,33 +53,10 @@ ARMS = {
 ANSWER_PATTERN = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
-def _arithmetic_modules():
-    """The package's ``arithmetic`` module and its ``generate`` module (for the entropy levels).
-
-    mathematics_dataset 1.0.1 (the registry's latest, 2019) imports ``base_solution_linear`` from
-    ``sympy.solvers.diophantine``, where sympy >= 1.6 no longer exports it (it lives in the
-    ``diophantine.diophantine`` submodule; fixed upstream in google-deepmind/mathematics_dataset#19,
-    never released). The arithmetic problems do not use it; it is re-exported before the import so
-    the package loads with the sympy torch needs."""
-    diophantine = sys.modules.get("sympy.solvers.diophantine")
-    if diophantine is None:
-        import sympy.solvers.diophantine  # noqa: F401  (the package; its attribute is a function)
-
-        diophantine = sys.modules["sympy.solvers.diophantine"]
-    if not hasattr(diophantine, "base_solution_linear"):
-        from sympy.solvers.diophantine.diophantine import base_solution_linear
-
-        diophantine.base_solution_linear = base_solution_linear
-    from mathematics_dataset import generate, generate_settings
-    from mathematics_dataset.modules import arithmetic
-
-    return arithmetic, generate, generate_settings
-
-
 def _sampler(split: str):
-    arithmetic, generate, _ = _arithmetic_modules()
+    arithmetic, _ = compat.arithmetic_modules()
     if split in TRAIN_LEVELS:
-        entropy = generate._make_entropy_fn(TRAIN_LEVELS.index(split), len(TRAIN_LEVELS))
+        entropy = compat.training_entropy(TRAIN_LEVELS.index(split), len(TRAIN_LEVELS))
         return arithmetic.train(entropy)["add_sub_multiple"]
     if split == "interpolate":
         return arithmetic.test()[TEST_SPLITS[split]]
@@ -97,7 +74,7 @@ def generate_problems(split: str, count: int, seed: int, exclude=frozenset(), un
     questions in ``exclude`` and, with ``unique``, repeats."""
     import numpy as np
 
-    _, _, limits = _arithmetic_modules()
+    _, limits = compat.arithmetic_modules()
     sample = _sampler(split)
     python_state, numpy_state = random.getstate(), np.random.get_state()
     random.seed(f"tier_b/{split}/{seed}")

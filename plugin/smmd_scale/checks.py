@@ -232,3 +232,19 @@ def check_cross_entropy_options(options) -> Optional[FailedCheck]:
     if not (0 <= smoothing < 1):  # also NaN
         return FailedCheck(LABEL_SMOOTHING, (float_bits(smoothing), ))
     return None
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_reduction(reduction, num_items_in_batch=None, num_numeric_in_batch=None) -> str:
+    """``reduction`` is one of :data:`REDUCTIONS`; the optimizer step's counts go only with ``"mean"``.
+    (Arguments, not tensors: every rank passes the same ones, so the error is raised before any
+    collective, as for a weight of the wrong type.)"""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
+    if reduction != "mean" and (num_items_in_batch is not None or num_numeric_in_batch is not None):
+        raise ValueError(f"num_items_in_batch and num_numeric_in_batch divide the sums of reduction='mean'; with "
+                         f"reduction={reduction!r} pass neither (got {num_items_in_batch!r} and "
+                         f"{num_numeric_in_batch!r})")
+    return reduction

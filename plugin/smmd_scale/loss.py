@@ -30,6 +30,7 @@ from .call_plan import (
     check_weight,
     plan_call,
 )
+from .checks import REDUCTIONS, check_reduction  # noqa: F401  (loss.check_reduction)
 from .deprecation import renamed, renamed_class, warn_renamed
 from .sequence_shard import SequenceShard
 from .steps import (
@@ -199,22 +200,6 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
 
 def _count(count, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(count, device=like.device, dtype=like.dtype).clamp_min(1)
-
-
-REDUCTIONS = ("mean", "sum", "none")
-
-
-def check_reduction(reduction, num_items_in_batch=None, num_numeric_in_batch=None) -> str:
-    """``reduction`` is one of :data:`REDUCTIONS`; the optimizer step's counts go only with ``"mean"``.
-    (Arguments, not tensors: every rank passes the same ones, so the error is raised before any
-    collective, as for a weight of the wrong type.)"""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
-    if reduction != "mean" and (num_items_in_batch is not None or num_numeric_in_batch is not None):
-        raise ValueError(f"num_items_in_batch and num_numeric_in_batch divide the sums of reduction='mean'; with "
-                         f"reduction={reduction!r} pass neither (got {num_items_in_batch!r} and "
-                         f"{num_numeric_in_batch!r})")
-    return reduction
 
 
 def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None,

@@ -22,17 +22,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks
-from .call_plan import CallPlan, LogitsSpec, NumericLossLike, NumericSlice, check_numeric_loss, plan_call
+from .call_plan import CallPlan, LogitsSpec, NumericLossLike, check_numeric_loss, plan_call
 from .steps import (
     ShiftedLogSumExp,
-    chain_through_softmax,
     exchange_or_keep_local,
     gather_numeric_logits,
-    log_mass_gradient,
+    numeric_terms_and_gradient,
     row_blocks,
 )
-
-REDUCTIONS = ("mean", "sum", "none")
 
 
 def other_logsumexp(logits: torch.Tensor, plan: CallPlan, positions: torch.Tensor) -> ShiftedLogSumExp:
@@ -78,7 +75,6 @@ def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor, other: Optio
     / d log(mass))
     is small when the mass is close to 1 (as two fp32 terms it would cancel)."""
     logits = numeric_logits.double()
-    q = torch.softmax(logits, dim=-1)
     mass = log_mass = rest = lse = None
     if plan.loss.needs_mass:
         numeric_part = torch.logsumexp(logits, dim=-1)
@@ -87,10 +83,8 @@ def loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor, other: Optio
         gap = other_part - numeric_part
         mass, rest, log_mass = torch.sigmoid(-gap), torch.sigmoid(gap), -torch.nn.functional.softplus(gap)
         lse = torch.logaddexp(numeric_part, other_part)
-    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
-    grad = chain_through_softmax(terms, q)
+    terms, q, grad, grad_log_mass = numeric_terms_and_gradient(plan, logits, mass, log_mass)
     row_coefficient = None
-    grad_log_mass = log_mass_gradient(terms, mass)
     if grad_log_mass is not None:
         grad = grad + (grad_log_mass * rest)[:, None] * q
         row_coefficient = -grad_log_mass
@@ -159,12 +153,6 @@ class _FromOwner(torch.autograd.Function):
         return grad[ctx.owners], None
 
 
-def check_reduction(reduction) -> str:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
-    return reduction
-
-
 def numeric_loss_alone(numeric_loss: NumericLossLike, logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                        vocab_start_index: Optional[int] = 0, reduction: str = "mean",
                        loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -177,7 +165,7 @@ def numeric_loss_alone(numeric_loss: NumericLossLike, logits: torch.Tensor, targ
     loss_weights: ``[...]`` like targets, finite and >= 0 (identical on every tensor-parallel rank).
     """
     check_numeric_loss(numeric_loss)
-    check_reduction(reduction)
+    checks.check_reduction(reduction)
     if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise TypeError(f"logits and targets must be torch.Tensors, got {type(logits).__name__} and "
                         f"{type(targets).__name__}")

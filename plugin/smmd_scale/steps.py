@@ -7,6 +7,7 @@ linear head (``fused_linear.py``), on one device or on a vocabulary-parallel sha
     exchange_or_keep_local                          -> GlobalPieces (one all-reduce under TP)
     cross_entropy_per_token, z_loss_per_token       -> CE [T] (label smoothing included), z-loss [T]
     numeric_loss_and_gradient                       -> NumericGradient (the loss at P positions, d/d logits)
+    numeric_terms_and_gradient                      -> its softmax chain (also the loss alone's, standalone.py)
     row_multipliers, smoothing_offsets              -> how backward scales and shifts each softmax row
     dense_gradient_                                 -> a block of transformed logits -> its gradient, in place
     stat_sums / stats_dict                          -> the call's statistics, as an output of the op
@@ -284,16 +285,13 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     product) runs in the compute dtype. The gradient comes back in the compute dtype.
     """
     logits = transform_logits_(numeric_logits.double(), plan.options)
-    q = torch.softmax(logits, dim=-1)
     mass = log_mass = None
     if plan.loss.needs_mass:
         positions = plan.positions
         log_mass = (torch.logsumexp(logits, dim=-1) - lse.shift[positions].double()) - lse.log_sum[positions].double()
         mass = torch.exp(log_mass)
-    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
-    grad = chain_through_softmax(terms, q)
+    terms, q, grad, grad_log_mass = numeric_terms_and_gradient(plan, logits, mass, log_mass)
     row_coefficient = None
-    grad_log_mass = log_mass_gradient(terms, mass)
     if grad_log_mass is not None:
         grad = grad + grad_log_mass[:, None] * q
         row_coefficient = (-grad_log_mass).to(plan.compute_dtype)
@@ -305,6 +303,18 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
                            abs_error=(q @ values - values[plan.numeric_targets]).abs(),
                            comm=CommCount(terms.comm_calls, terms.comm_bytes))
+
+
+def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optional[torch.Tensor],
+                               log_mass: Optional[torch.Tensor]) -> tuple:
+    """The plan's loss on the numeric slice, shared by the ops and the loss alone: ``logits [P, N]``
+    (float64, transformed), with ``mass`` / ``log_mass`` ``[P]`` where the loss reads them (else None).
+    Returns (its :class:`~smmd_scale.numeric_loss.NumericTerms`, ``q [P, N]``, d value / d numeric
+    logits with the mass held fixed ``[P, N]``, d value / d log(mass) ``[P]`` or None); how the mass's
+    part reaches the logits is the caller's (it differs with how the mass was formed)."""
+    q = torch.softmax(logits, dim=-1)
+    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
+    return terms, q, chain_through_softmax(terms, q), log_mass_gradient(terms, mass)
 
 
 def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from smmd_scale.registry import NUMERIC_LOSSES, all_options, parse_terms
 
+from . import compat
 from .launcher import launch_command
 from .presets import PRESETS
 
@@ -51,17 +52,6 @@ class DeprecatedFlag(argparse.Action):
         namespace.deprecated = (*namespace.deprecated, note)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The description as written, and each option's default after its help (where it has one)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
-                and "%(default)" not in text and not isinstance(action, argparse._HelpAction)):
-            text += " (default: %(default)s)"
-        return text
-
-
 class TrainArgumentParser(argparse.ArgumentParser):
     """argparse as a launched job wants it: a bad command line is one line on rank 0 (every rank of a
     launch parses the same arguments; the others exit quietly with the same code), no 40-line usage,
@@ -69,7 +59,7 @@ class TrainArgumentParser(argparse.ArgumentParser):
     ``--max_steps``."""
 
     def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, formatter_class=HelpFormatter, **kwargs)
+        super().__init__(allow_abbrev=False, formatter_class=compat.DefaultsHelpFormatter, **kwargs)
 
     def error(self, message):
         if os.environ.get("RANK", "0") == "0":
@@ -79,7 +69,7 @@ class TrainArgumentParser(argparse.ArgumentParser):
     def check_known(self, argv: Sequence[str]) -> None:
         """Refuse flags the parser does not have, each with its close matches (before argparse's own
         error, which would first complain about a required flag that the typo was meant to be)."""
-        known = [option for action in self._actions for option in action.option_strings]
+        known = [option for action in compat.parser_actions(self) for option in action.option_strings]
         for token in argv:
             name = token.split("=", 1)[0]
             if name.startswith("--") and name not in known:
@@ -276,7 +266,7 @@ def explicit_flags(argv: Optional[Sequence[str]] = None) -> tuple:
     """The destinations of the flags ``argv`` gives (not left to their defaults), e.g. ``("lr", "model")``:
     where a flag and the DeepSpeed config both set a number, only an explicit flag can contradict it."""
     parser = build_parser()
-    for action in parser._actions:
+    for action in compat.parser_actions(parser):
         action.default = argparse.SUPPRESS
     given, _ = parser.parse_known_args(argv)
     return tuple(sorted(set(vars(given)) - {"deprecated"}))
@@ -284,7 +274,8 @@ def explicit_flags(argv: Optional[Sequence[str]] = None) -> tuple:
 
 def train_flags(**options) -> list:
     """train.py flags for ``options`` (keyword arguments named like the flags, without ``--``)."""
-    actions = {option[2:]: action for action in build_parser()._actions for option in action.option_strings
+    actions = {option[2:]: action for action in compat.parser_actions(build_parser())
+               for option in action.option_strings
                if option.startswith("--") and not option.startswith("--no-")}
     flags = []
     for name, value in options.items():

@@ -279,8 +279,7 @@ def load_universal(engine, output_dir: str, tag: str) -> dict:
     tensor, which torch's Adam then advances once per sub-group and step (a wrong bias correction
     from the second step on): each sub-group gets its own copy here. Rank ``r`` restores
     ``rng_rank<r>.pt`` if the saving run had a rank ``r``, else keeps its seeded RNG state."""
-    from smmd_scale import compat
-
+    from . import compat
     from .distributed import run_on_rank_zero
 
     universal = Path(output_dir, tag, UNIVERSAL_DIR)
@@ -313,7 +312,7 @@ def convert_to_universal(output_dir: str, tag: str, log=None) -> Path:
     those groups re-split over the data-parallel ranks (:func:`repartition_over_dp`) and the empty
     records dropped. And without TP it writes bare tensors, which the ZeRO-3 loader does not split
     for AutoTP: they are rewritten as ``{"param": tensor}`` (:func:`wrapped_universal_state`)."""
-    from smmd_scale import compat
+    from . import compat
 
     if not is_committed(output_dir, tag):
         raise FileNotFoundError(f"{Path(output_dir, tag)} is not a committed checkpoint (no {COMMIT_FILE})")

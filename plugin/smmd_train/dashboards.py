@@ -37,8 +37,9 @@ import hashlib
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from smmd_scale import compat
 from smmd_scale.registry import all_options, options_in_use, statistic_names
+
+from . import compat
 
 # Per-step charts, one tag each (tag -> title), by category; a run's layout holds those it writes.
 STEP_CHARTS = {

@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
 
+from . import compat
 from .sequence_parallel import IGNORE_INDEX
 
 _TEXT_FILE_READERS = {
@@ -408,7 +409,8 @@ def tokenize_prompt_completion(dataset: datasets.Dataset, tokenizer, seq_len: in
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token, which ends every completion; use a tokenizer with one")
-    fingerprint = Hasher.hash((_CACHE_FORMAT_VERSION, dataset._fingerprint, Hasher.hash(tokenizer), seq_len))
+    fingerprint = Hasher.hash((_CACHE_FORMAT_VERSION, compat.dataset_fingerprint(dataset), Hasher.hash(tokenizer),
+                               seq_len))
     path = None if cache_dir is None else Path(cache_dir) / f"prompt-completion-{fingerprint}.arrow"
     if path is not None and path.is_file():
         return datasets.Dataset.from_file(str(path))
@@ -478,7 +480,8 @@ def tokenize_and_pack(dataset: datasets.Dataset, tokenizer, seq_len: int, text_f
     _check_positive_int("num_proc", num_proc)
     if text_field not in dataset.column_names:
         raise ValueError(f"the dataset has no column {text_field!r}; its columns are {dataset.column_names}")
-    tokens_fingerprint = Hasher.hash((_CACHE_FORMAT_VERSION, dataset._fingerprint, text_field, Hasher.hash(tokenizer)))
+    tokens_fingerprint = Hasher.hash((_CACHE_FORMAT_VERSION, compat.dataset_fingerprint(dataset), text_field,
+                                      Hasher.hash(tokenizer)))
     packed_fingerprint = Hasher.hash((tokens_fingerprint, seq_len))
     map_cache = {}
     if cache_dir is not None:

@@ -11,7 +11,6 @@ nothing heavy (torch, DeepSpeed and the compat inventory load where a process gr
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import pickle
 import socket
@@ -150,11 +149,13 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from . import compat
+
     # Imported after the default group exists, torch._dynamo (which transformers imports for its
     # model and config classes) keeps a reference to the group that destroy_process_group cannot
     # drop, so every run ended with "process group(s) are still referenced"; imported first, it
     # holds none.
-    importlib.import_module("torch._dynamo")
+    compat.import_torch_dynamo()
     # DeepSpeed's ZeRO-3 (0.19) calls the collectives torch 2.13 renamed; torch warns on every rank
     # at every first call. Nothing the user can act on, so the warning of a clean run stays empty.
     warnings.filterwarnings(
@@ -189,7 +190,7 @@ def release_cpu_allreduce_segment() -> None:
     """
     import torch.distributed as dist
 
-    from smmd_scale import compat
+    from . import compat
 
     if not dist.is_initialized():
         return
@@ -245,7 +246,7 @@ def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
 
     import torch.distributed as dist
 
-    from smmd_scale import compat
+    from . import compat
 
     error = sys.exc_info()[1]
     failing = error is not None and not (isinstance(error, SystemExit) and error.code in (None, 0))
@@ -260,7 +261,7 @@ def shutdown_distributed(wait_for_peers: Optional[bool] = None) -> int:
         if dist.is_initialized():
             if (not failing if wait_for_peers is None else wait_for_peers) and dist.get_world_size() > 1:
                 dist.barrier()  # no rank leaves (rank 0 hosts the TCPStore) while another still communicates
-            groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+            groups = [weakref.ref(group) for group in compat.process_groups()]
         while _ENGINES:
             _ENGINES.pop().destroy()
         if groups:

@@ -1,6 +1,6 @@
 """Export a trained engine as a Hugging Face model directory that ``from_pretrained`` loads.
 
-``smmd_scale.compat.consolidated_state_dict`` gathers the ZeRO-3 partitions and, under AutoTP,
+``smmd_train.compat.consolidated_state_dict`` gathers the ZeRO-3 partitions and, under AutoTP,
 the tensor-parallel shards (DeepSpeed's ``GatherReplacedLayerParams``) into full tensors on rank 0
 (in the training dtype: fp32 stays fp32). It is a collective: every rank calls :func:`export_hf`.
 Rank 0 then builds a fresh model from the config and writes it
@@ -12,8 +12,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from smmd_scale import compat
-
+from . import compat
 from .checkpoint import read_commit, saved_layout
 from .config import set_tensor_parallel
 from .distributed import run_on_rank_zero

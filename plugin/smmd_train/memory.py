@@ -55,6 +55,7 @@ from smmd_scale.fused_linear import default_chunk_size
 
 from .autotp import kv_head_shares, near_even_shares
 from .presets import PRESETS, decoder_family, head_dim, largest_layer_params, parameter_count, preset_config
+from .tables import markdown_table
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -439,18 +440,22 @@ def _largest_line(largest: dict, seq_len: int) -> str:
             f"{sequences(largest['fused_linear'])} with --fused_linear")
 
 
+# The table of --all: (result key, header); the sizes are in GiB.
+TABLE_COLUMNS = (("model_states_gpu_bytes", "model states / GPU"), ("model_states_cpu_per_node_bytes", "CPU / node"),
+                 ("activation_bytes", "activations / GPU"), ("logits_and_loss_bytes", "logits + loss / GPU"),
+                 ("total_gpu_bytes", "total / GPU"))
+
+
 def format_markdown(results: list, vocab_size: int) -> str:
-    """A markdown table, one row per (preset name, result, next steps)."""
+    """A markdown table (``smmd_train.tables``), one row per (preset name, result, next steps)."""
     setup = results[0][1]["setup"]
-    lines = [f"**{_describe(setup, vocab_size)}** (GiB)", "",
-             "| model | params | model states / GPU | CPU / node | activations / GPU | logits + loss / GPU "
-             "| total / GPU | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for name, result, steps in results:
-        verdict = result["verdict"] + (f": {_advice(steps)}" if steps else "")
-        lines.append(f"| {name} | {_count(result['params'])} | {_gib(result['model_states_gpu_bytes'])} "
-                     f"| {_gib(result['model_states_cpu_per_node_bytes'])} | {_gib(result['activation_bytes'])} "
-                     f"| {_gib(result['logits_and_loss_bytes'])} | {_gib(result['total_gpu_bytes'])} | {verdict} |")
-    return "\n".join(lines)
+    rows = [{"model": name, "params": _count(result["params"]),
+             **{key: _gib(result[key]) for key, _ in TABLE_COLUMNS},
+             "verdict": result["verdict"] + (f": {_advice(steps)}" if steps else "")}
+            for name, result, steps in results]
+    columns = [("model", "model", ""), ("params", "params", ""), *((key, header, "") for key, header in TABLE_COLUMNS),
+               ("verdict", "verdict", "")]
+    return f"**{_describe(setup, vocab_size)}** (GiB)\n\n" + markdown_table(rows, columns)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -183,8 +183,7 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
     import deepspeed
     from deepspeed.utils import groups
 
-    from smmd_scale import compat
-
+    from . import compat
     from .distributed import destroy_at_shutdown
     from .model import build_model, flops_per_token, zero_init_config
 

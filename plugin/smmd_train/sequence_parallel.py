@@ -43,6 +43,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 IGNORE_INDEX = -100
 # The core attention Ulysses wraps: it must be one the model runs (HF's default on every accelerator);
 # eager is refused by DeepSpeed (it needs a 4D mask over the full sequence).
@@ -94,7 +96,7 @@ class UlyssesAttention:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        implementation = getattr(model.config, "_attn_implementation", None)
+        implementation = compat.attention_implementation(model)
         if implementation != CORE_ATTENTION:
             raise ValueError(f"--sp needs the model's attention to be {CORE_ATTENTION!r}, but it runs "
                              f"{implementation!r}")
@@ -108,13 +110,11 @@ class UlyssesAttention:
         self.rank = dist.get_rank(self.group)
 
     def destroy(self) -> None:
-        from deepspeed.sequence import layer
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         ALL_ATTENTION_FUNCTIONS[CORE_ATTENTION] = self._core_attention
         # DeepSpeed 0.19 keeps the groups in module globals (private names; no public release exists).
-        layer._all_to_all_groups.pop(self.group.group_name, None)
-        self.mpu._release_sequence_parallel_groups()
+        compat.release_sequence_parallel_groups(self.mpu, self.group.group_name)
         self.group = None
 
 

@@ -13,6 +13,7 @@ from helpers.dashboards import Dashboards
 from helpers.launching import REPO, environment, run
 
 from smmd_numeracy import tier_a
+from smmd_train.metrics_file import read_metrics
 
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
 
@@ -42,8 +43,7 @@ def test_a_segment_that_does_not_fit_the_run_is_refused_before_training(tmp_path
 
 
 def losses(output_dir) -> list:
-    return [record["loss/total"] for record in map(json.loads, open(output_dir / "metrics.jsonl"))
-            if "loss/total" in record]
+    return [record["loss/total"] for record in read_metrics(output_dir) if "loss/total" in record]
 
 
 @pytest.mark.slow

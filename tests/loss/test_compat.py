@@ -1,17 +1,14 @@
 """The loss plugin installs and imports alone, and every private upstream API in smmd_scale/compat.py
-still exists in the installed DeepSpeed / transformers (an upgrade that breaks one fails here)."""
+still exists in the installed DeepSpeed / transformers (an upgrade that breaks one fails here); the
+trainer's inventory is tested in tests/train/test_trainer_compat.py."""
 
 import configparser
 import inspect
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from helpers.distributed import run_ranks, values_or_raise
 from helpers.launching import REPO
 from helpers.models import MOE_FAMILIES, tiny_causal_lm, tiny_llama
 
@@ -75,94 +72,24 @@ def test_router_load_balancing_loss_of_each_moe_family(family):
     assert list(inspect.signature(function).parameters) == ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
-def test_deepspeed_private_apis_exist():
-    from deepspeed import DeepSpeedEngine
-    from deepspeed.utils import groups
-
+def test_deepspeed_vocab_parallel_linear_has_what_the_loss_reads():
     head_class = compat.vocab_parallel_linear_class()
     assert head_class.__name__ == "VocabParallelLinear"
     source = "".join(inspect.getsource(cls) for cls in head_class.__mro__ if cls.__module__.startswith("deepspeed"))
     for attribute in ("mp_group", "vocab_start_index", "vocab_end_index", "vocab_size"):
         assert f"self.{attribute}" in source, attribute
-    assert "tensor_model_parallel_size" in inspect.signature(groups._init_tp_mesh_device).parameters
-    for name in ("_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict"):
-        assert callable(getattr(DeepSpeedEngine, name)), name
-    # What the ordered shutdown releases: ZeRO-3's module stack is a module-level list.
-    from deepspeed.runtime.zero import parameter_offload
-    assert isinstance(parameter_offload.FWD_MODULE_STACK, list)
 
 
-def test_cpu_allreduce_segment_is_named_as_deepspeed_names_it(monkeypatch):
-    import deepspeed
-
-    # The installed DeepSpeed's own C++ source is the reference.
-    source = (Path(inspect.getfile(deepspeed)).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp").read_text()
-    assert '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"' in source
-    assert '"%s_%d_%s_%s",\n             SHM_BUFFER_NAME,\n             getuid(),' in source
-    assert 'snprintf(shm_name, NAME_BUF_SIZE, "%s_%d", shm_name_prefix, rank);' in source
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    assert compat.cpu_allreduce_segment(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_10.0.0.1_29500_3"
-
-
-def test_a_missing_private_api_is_named():
-    class Engine:
-        def zero_optimization_partition_weights(self):
-            return True
-
-    with pytest.raises(compat.UpstreamChanged, match=r"deepspeed .* has no .*_zero3_consolidated_16bit_state_dict, "
-                                                     r"which smmd-scale uses to gather a ZeRO-3 model for export"):
-        compat.consolidated_state_dict(Engine())
-
-
-def test_ds_to_universal_gets_every_argument_its_command_line_gives(monkeypatch):
-    from deepspeed.checkpoint import ds_to_universal
-
-    # What the converter's own parser makes of a minimal command line: the same names as ours.
-    monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", "in", "--output_folder", "out"])
-    parsed = vars(ds_to_universal.parse_arguments())
-    passed = {}
-    monkeypatch.setattr(ds_to_universal, "main", lambda args: passed.update(vars(args)))
-    compat.ds_to_universal("in", "out")
-    assert passed.keys() == parsed.keys()
-    assert {**parsed, "num_extract_workers": 1, "num_merge_workers": 1} == passed  # its defaults, one worker
-
-
-def test_universal_checkpoint_loading_switches_deepspeed_s_own_flag_for_one_block():
+def test_a_missing_private_api_is_named_with_the_version_it_was_checked_against():
     from types import SimpleNamespace
 
-    from deepspeed import DeepSpeedEngine
-
-    # DeepSpeed's loader asks the engine, which reads this config attribute.
-    assert "self._config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint)
-    engine = SimpleNamespace(_config=SimpleNamespace(load_universal_checkpoint=False))
-    engine.load_universal_checkpoint = lambda: DeepSpeedEngine.load_universal_checkpoint(engine)
-    with compat.universal_checkpoint_loading(engine):
-        assert engine.load_universal_checkpoint() is True
-    assert engine.load_universal_checkpoint() is False
-    with pytest.raises(KeyError), compat.universal_checkpoint_loading(engine):
-        raise KeyError("a failed load")
-    assert engine.load_universal_checkpoint() is False
-    with pytest.raises(compat.UpstreamChanged, match="has no .*load_universal_checkpoint, which smmd-scale uses to "
-                                                     "load a universal checkpoint"):
-        with compat.universal_checkpoint_loading(SimpleNamespace(_config=SimpleNamespace())):
-            pass
-
-
-def _tensor_parallel_groups(rank, world_size):
-    import deepspeed
-    from deepspeed.utils import groups
-
-    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group run_ranks started
-    compat.init_tensor_parallel_groups(world_size)
-    return groups.get_tensor_model_parallel_world_size(), dist.get_world_size(groups.get_data_parallel_group())
-
-
-# slow: on a fresh machine DeepSpeed's first init compiles its CPU shared-memory op (~30 s on 2 cores)
-@pytest.mark.gloo
-@pytest.mark.slow
-def test_init_tensor_parallel_groups_on_two_gloo_ranks():
-    assert values_or_raise(run_ranks(_tensor_parallel_groups, 2, fresh=True)) == [(2, 1), (2, 1)]
+    with pytest.raises(compat.UpstreamChanged, match=r"^transformers \S+ has no .*\._convert_token_to_id, which "
+                                                     r"smmd-scale uses to tell .*; it was checked against "
+                                                     r"transformers 5\.24 "):
+        compat.model_token_to_id(SimpleNamespace())
+    with pytest.raises(compat.UpstreamChanged, match=r"^python 3\.\S+ has no .*\.absent, which smmd-scale uses to "
+                                                     r"test; it was checked against python 3\.11 "):
+        compat.private(SimpleNamespace(), "absent", package="python", checked="3.11", purpose="test")
 
 
 def test_trainer_count_items_is_the_trainers_own_token_count(tmp_path):

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from benchmarks.numeracy import study_a
-from benchmarks.numeracy.run_study import RunFailed, run_measured
+from benchmarks.numeracy.runner import RunFailed, run_measured
 
 BUSY = ("import time\nend = {seconds}\nwhile time.process_time() < end:\n    pass\n")
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mathematics_dataset")  # the bench extra
 
 from benchmarks.numeracy import analyze_b, study_a, study_b  # noqa: E402  (after the skip)
-from smmd_numeracy import tier_a, tier_b, train_numeric_tokenizer  # noqa: E402
+from smmd_numeracy import compat, tier_a, tier_b, train_numeric_tokenizer  # noqa: E402
 from smmd_scale import NTLoss, NumericVocab  # noqa: E402
 
 
@@ -84,6 +84,13 @@ def test_generation_is_deterministic_and_leaves_the_global_generators_alone():
         assert [tuple(problem) for problem in json.loads(output)] == first
     with pytest.raises(ValueError, match="unknown split"):
         tier_b.generate_problems("train", 1, seed=0)
+
+
+def test_training_entropy_is_the_packages_third_of_its_training_range():
+    """The package's own training levels (mathematics_dataset's inventory entry, checked against 1.0.1):
+    level i of 3 maps an entropy range [x, x + y] to its i-th third."""
+    assert [tuple(compat.training_entropy(level, 3)((3.0, 12.0))) for level in range(3)] == [
+        (3.0, 6.0), (6.0, 9.0), (9.0, 12.0)]
 
 
 def test_digit_tokenizer_gives_the_ten_digits_as_the_numeric_vocabulary(data):

@@ -25,7 +25,7 @@ from helpers.models import FAMILY_CONFIGS, MOE_FAMILIES, tiny_causal_lm
 from transformers.integrations import HfDeepSpeedConfig
 
 import smmd_scale
-from smmd_scale import compat
+from smmd_train import compat
 from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
 
 parser = argparse.ArgumentParser()

@@ -1,14 +1,18 @@
-"""The console commands in setup.cfg: each names a callable that imports and answers --help, and
-the launch/ scripts that launchers start by path run the same programs (the one-process tools that no
-launcher starts have none)."""
+"""The console commands in setup.cfg: each names a callable that imports and answers --help, the
+launch/ scripts that launchers start by path run the same programs (the one-process tools that no
+launcher starts have none), and where only the loss plugin is installed each says what to install."""
 
 import configparser
 import importlib
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 from helpers.launching import REPO
+
+from smmd_train import commands
 
 LAUNCH_SCRIPTS = {"smmd-train": "train.py", "smmd-sweep": "scaling.py", "smmd-estimate": "estimate.py",
                   "smmd-evaluate": "evaluate.py"}
@@ -23,7 +27,24 @@ def console_scripts() -> dict:
 
 
 def test_the_commands_are_declared():
-    assert sorted(console_scripts()) == sorted([*LAUNCH_SCRIPTS, *ONE_PROCESS_TOOLS])
+    assert sorted(console_scripts()) == sorted([*LAUNCH_SCRIPTS, *ONE_PROCESS_TOOLS]) == sorted(commands.PROGRAMS)
+    for command, target in console_scripts().items():
+        module_name, function_name = target.split(":")
+        assert module_name == "smmd_train.commands", command
+        assert function_name == command.removeprefix("smmd-").replace("-", "_"), command
+
+
+def test_each_extra_the_commands_name_is_setup_cfg_s():
+    """The installed metadata the commands read says what setup.cfg says (a stale install fails here)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    extras = config["options.extras_require"]
+    declared = {extra: [line.split(">")[0].split("<")[0].split("=")[0].strip()
+                        for line in extras[extra].strip().splitlines()] for extra in ("train", "finetune")}
+    assert commands.extra_requirements("train") == declared["train"]
+    assert commands.extra_requirements("finetune") == declared["train"] + declared["finetune"][1:]
+    assert declared["finetune"][0] == "smmd-scale[train]"
+    assert {extra for _, extra in commands.PROGRAMS.values()} == {"train", "finetune"}
 
 
 @pytest.mark.parametrize("command", sorted([*LAUNCH_SCRIPTS, *ONE_PROCESS_TOOLS]))
@@ -37,7 +58,33 @@ def test_each_command_s_target_imports_and_answers_help(command, capsys):
     if command in ONE_PROCESS_TOOLS:
         return
     # The launch/ script of the same program calls into the same module.
-    assert module_name in (REPO / "launch" / LAUNCH_SCRIPTS[command]).read_text()
+    program_module = commands.PROGRAMS[command][0].split(":")[0]
+    assert program_module in (REPO / "launch" / LAUNCH_SCRIPTS[command]).read_text()
+
+
+@pytest.mark.slow  # starts processes: a venv, pip, and each command
+def test_with_the_loss_plugin_alone_each_command_says_what_to_install(tmp_path):
+    """``pip install -e .`` of this checkout into a fresh virtual environment (no dependencies, no
+    index: the build uses this environment's setuptools), then each console command pip wrote, run
+    as a user would: one line naming the extra and the pip command, exit 2."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    build_environment = {"PYTHONPATH": sysconfig.get_paths()["purelib"], "PATH": str(Path(sys.executable).parent)}
+    completed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                                "--no-build-isolation", "--no-index", "-q", "-e", str(REPO)],
+                               env=build_environment, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr
+    for command, (_, extra) in commands.PROGRAMS.items():
+        completed = subprocess.run([str(venv / "bin" / command), "--help"], capture_output=True, text=True,
+                                   env={"PATH": str(venv / "bin")}, timeout=120)
+        assert completed.returncode == 2, (command, completed.stderr)
+        assert completed.stdout == ""
+        lines = completed.stderr.splitlines()
+        assert len(lines) == 1, completed.stderr
+        assert lines[0].startswith(f"{command} needs smmd-scale's {extra} extra, which is not installed (missing: "
+                                   "deepspeed, transformers, "), lines[0]
+        assert lines[0].endswith(f'pip install "smmd-scale[{extra}]" (in a checkout: pip install -e ".[{extra}]")')
 
 
 @pytest.mark.slow
