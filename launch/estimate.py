@@ -1,4 +1,5 @@
-"""Per-GPU memory for training a Llama, Mistral, Qwen2 or Qwen3 model under ZeRO-3 (+ AutoTP), before booking a cluster.
+"""Per-GPU memory for training a Llama, Mistral, Qwen2/3 or Gemma(-2, -3) model under ZeRO-3 (+ AutoTP), before
+booking a cluster.
 
     python launch/estimate.py --model 7b --nodes 4 --gpus_per_node 8 [--tp 2] [--offload]
         [--seq_len 4096] [--micro_batch 1] [--gradient_checkpointing] [--vocab_size 128256]

@@ -1,7 +1,6 @@
-"""The memory planner: per-GPU memory for training a Llama, Mistral, Qwen2 or Qwen3 model (a preset,
-or a Hugging Face model folder / config.json: :func:`model_config`) under ZeRO-3 (+ AutoTP), before
-booking a cluster, and what to change when it does not fit. Gemma's layers (fp32 RMSNorms; Gemma-2/3:
-four norms per layer, soft-capped eager attention) keep activations it does not count: refused.
+"""The memory planner: per-GPU memory for training a Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2 or
+Gemma-3 model (a preset, or a Hugging Face model folder / config.json: :func:`model_config`) under
+ZeRO-3 (+ AutoTP), before booking a cluster, and what to change when it does not fit.
 ``launch/estimate.py`` runs :func:`main`.
 
     result = estimate(model_config("/models/llama-3-8b"), nodes=4, gpus_per_node=8, tp_size=2)
@@ -21,7 +20,9 @@ Per GPU, in bf16 mixed precision with Adam:
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; their
   GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes, s*b*h*(10 + 24/t + 5*a*s/(h*t)) under t-way TP;
   HF's Llama layer keeps more: RMSNorm upcasts to fp32 and SwiGLU keeps four intermediate-wide
-  tensors). See :func:`layer_activation_bytes`. With gradient checkpointing, each layer's bf16
+  tensors; Gemma's RMSNorms keep their normalized output in fp32, Gemma-2/3 have four per layer,
+  Gemma-2's attention runs eager with soft-capped scores, sliding-window layers keep their mask
+  under SDPA). See :func:`layer_activation_bytes`. With gradient checkpointing, each layer's bf16
   input plus one layer's activations while it is recomputed. With ``--sp S`` (Ulysses sequence
   parallelism, ``train.py --sp``) a rank holds seq_len / S tokens of every sequence and the core
   attention sees the whole sequence for heads / S heads: every per-token term is divided by S, the
@@ -29,7 +30,8 @@ Per GPU, in bf16 mixed precision with Adam:
   from the core attention, sequence-sharded after the all-to-all back, the o_proj input). ZeRO-3
   partitions the model states over all GPUs as without SP.
 * **logits and loss**: the vocabulary-parallel bf16 logits, the fused CE + SMMD loss's one fp32
-  ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns; with ``--fused_linear``
+  ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns (and the bf16 tanh of Gemma-2/3's
+  final logit soft-cap, which the model's forward applies before the loss); with ``--fused_linear``
   (``smmd_scale.linear_smmd_cross_entropy``) no logits at all: one block of them (fp32, and its
   bf16 copy) and the fp32 gradient of the head's input, a few hundred MiB instead of several GiB
   at a 128k vocabulary. The report gives the largest micro batch that fits with and without it.
@@ -67,16 +69,32 @@ TABLE_PRESETS = ("1b", "3b", "7b", "13b", "34b", "70b")
 MAX_NODES_TRIED = 1024
 LLAMA3_VOCAB_SIZE = 128256  # a preset's vocabulary unless --vocab_size says otherwise
 # The families whose layer activations layer_activation_bytes counts (checked against autograd).
-ESTIMATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ESTIMATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def check_estimated_family(model_type) -> None:
     """Refuse (ValueError naming it) a model type whose decoder layer this planner does not count."""
     if model_type not in ESTIMATED_FAMILIES:
-        hint = ("its parameters are counted (smmd_train.presets) but not the activations of Gemma's layer (fp32 "
-                "RMSNorms; Gemma-2/3: four norms per layer, soft-capped eager attention)"
-                if model_type in ("gemma", "gemma2", "gemma3_text") else "not a decoder family this planner knows")
-        raise ValueError(f"model_type {model_type!r}: {hint}; the planner estimates {', '.join(ESTIMATED_FAMILIES)}")
+        raise ValueError(f"model_type {model_type!r}: not a decoder family this planner knows; the planner "
+                         f"estimates {', '.join(ESTIMATED_FAMILIES)}")
+
+
+def has_sdpa(config) -> bool:
+    """Whether transformers runs ``config``'s model with SDPA when asked to (its default): not
+    Gemma-2, whose soft-capped attention runs eager whatever ``--flash_attention`` says."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])._supports_sdpa
+
+
+def sliding_window_layers(config) -> int:
+    """How many decoder layers attend through a sliding window: those ``config.layer_types`` names
+    ``sliding_attention`` (Gemma-2/3, Qwen2/3), or every layer of a config with a ``sliding_window``
+    and no layer types (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return config.num_hidden_layers if getattr(config, "sliding_window", None) else 0
+    return sum(kind == "sliding_attention" for kind in layer_types[:config.num_hidden_layers])
 
 
 def model_config(model: str, vocab_size: Optional[int] = None):
@@ -107,25 +125,47 @@ def model_config(model: str, vocab_size: Optional[int] = None):
     return config
 
 
+def _norm_bytes(config, tokens: int, width: int) -> int:
+    """One RMSNorm over ``width`` applied to ``tokens`` rows, without its output: the fp32 input copy
+    (4 per element), the normalized values (bf16, 2; Gemma: fp32, 4), the fp32 rsqrt (4 per row);
+    Gemma's also keeps its fp32 ``1 + weight`` (4 per element of the weight, once per call)."""
+    if decoder_family(config).gemma_norms:
+        return tokens * (8 * width + 4) + 4 * width
+    return tokens * (6 * width + 4)
+
+
 def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
-                           flash_attention: bool = True, sp_size: int = 1) -> int:
-    """Bytes one HF decoder layer of Llama, Mistral, Qwen2 or Qwen3 keeps for backward on one GPU,
-    with bf16 activations, causal attention without a mask (packed sequences), and attention dropout 0.
+                           flash_attention: bool = True, sp_size: int = 1, sliding_window: bool = False) -> int:
+    """Bytes one HF decoder layer of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2 or Gemma-3 keeps
+    for backward on one GPU, with bf16 activations, causal attention without a padding mask (packed
+    sequences), and attention dropout 0; ``sliding_window``: a layer that attends through
+    ``config.sliding_window`` (:func:`sliding_window_layers`).
 
     Per token (``h`` hidden, ``a`` heads and ``k`` KV heads of ``d``, ``I`` MLP width, ``t`` TP):
 
-    * each of the two RMSNorms: its fp32 input copy (4h), the normalized bf16 (2h), the weighted
-      output that the next projections keep (2h), the fp32 rsqrt (4) -> 16h + 8, on every TP rank;
+    * each RMSNorm: its fp32 input copy (4h), the normalized values (bf16 2h; Gemma's stay fp32, 4h),
+      the fp32 rsqrt (4); the two norms whose output projections read (the input norm and the
+      one before the MLP) add that bf16 output (2h each): Llama 16h + 8; Gemma 20h + 8; Gemma-2/3,
+      whose post-attention and post-feed-forward norms feed only the residual add, 36h + 16. Gemma's
+      norms also keep their fp32 ``1 + weight`` (4h per norm per layer, not per token). On every TP rank;
     * SDPA (``flash_attention``): q and the attention output (2*a*d each; o_proj keeps the same
-      output), k and v (2*k*d each, GQA is not expanded), the fp32 log-sum-exp (4a);
+      output), k and v (2*k*d each, GQA is not expanded), the fp32 log-sum-exp (4a); a sliding-window
+      layer whose window does not cover the sequence (``seq_len >= sliding_window``) also gets a 4D
+      mask, which SDPA keeps as a bf16 ``[b, 1, s, s]`` in every such layer (2*s bytes per token on
+      every TP rank; not under Ulysses, which drops masks); with that mask, or with d > 256,
+      transformers expands k and v to a heads (2*a*d each);
       eager: q, the expanded k and v, the o_proj input (2*a*d each) and per score the fp32 softmax
-      and its bf16 copy (6 bytes, a*s scores per token);
-    * Qwen3's query and key head norms: per head, the fp32 input (4d), the normalized bf16 (2d),
-      the fp32 rsqrt (4) -> 6*a*d + 4a + 6*k*d + 4k (Qwen2's q/k/v biases keep nothing more);
-    * SwiGLU: gate (the SiLU input), SiLU output, up and their product (the down_proj input),
-      2*I each -> 8I;
+      and its bf16 copy (6 bytes, a*s scores per token), 8 bytes with Gemma-2's soft-capped scores
+      (``attn_logit_softcapping``: tanh's bf16 output too). Gemma-2 always runs eager: transformers
+      has no SDPA for it (:func:`has_sdpa`), so ``flash_attention`` does not change its count; Gemma-3
+      runs SDPA, and its modeling code never applies ``attn_logit_softcapping``;
+    * the query and key head norms (Qwen3, Gemma-3): per head, a norm over d as above (Qwen3
+      6d + 4, Gemma-3 8d + 4 and 2 * 4d for the two ``1 + weight``); their output is not kept (RoPE
+      keeps cos and sin); Qwen2's q/k/v biases keep nothing more;
+    * the gated MLP (SwiGLU; Gemma's GELU-tanh keeps the same): gate (the activation's input), the
+      activation's output, up and their product (the down_proj input), 2*I each -> 8I;
 
-    everything but the norms split t ways (heads and MLP width are sharded; AutoTP has no
+    everything but the norms and the mask split t ways (heads and MLP width are sharded; AutoTP has no
     sequence parallelism), counted for TP rank 0, which holds the largest share when the KV heads or
     the MLP width do not divide by t (:mod:`smmd_train.autotp`). Ulysses ``sp_size`` S: per rank,
     ``seq_len / S`` tokens of each term, the KV heads at least S (Ulysses replicates fewer), the
@@ -137,51 +177,66 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
+    family = decoder_family(config)
     tokens = seq_len * micro_batch // sp_size
     kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[0]  # this rank's
     heads, width = config.num_attention_heads // config.num_key_value_heads * kv_heads, head_dim(config)
-    norms = tokens * (16 * config.hidden_size + 8)
-    if decoder_family(config).qk_norm:  # before Ulysses' all-to-all: this rank's tokens, its TP share of heads
-        norms += tokens * ((6 * width + 4) * (heads + kv_heads))
+    norms = family.layer_norms * _norm_bytes(config, tokens, config.hidden_size) + tokens * 2 * 2 * config.hidden_size
+    if family.qk_norm:  # before Ulysses' all-to-all: this rank's tokens, its TP share of heads
+        norms += _norm_bytes(config, tokens * heads, width) + _norm_bytes(config, tokens * kv_heads, width)
     kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
-    if flash_attention:
+    if flash_attention and has_sdpa(config):
+        masked = sliding_window and sp_size == 1 and seq_len >= config.sliding_window
+        if masked or width > 256:  # transformers' SDPA takes GQA's k and v unexpanded only without a mask
+            kv_heads = heads
         attention = tokens * (4 * heads * width + 4 * kv_heads * width + 4 * heads
-                              + (2 * heads * width if sp_size > 1 else 0))
+                              + (2 * heads * width if sp_size > 1 else 0) + (2 * seq_len if masked else 0))
     else:
-        attention = tokens * (8 * heads * width + 6 * heads * seq_len)
+        softcapped = family.score_softcap and config.attn_logit_softcapping is not None
+        attention = tokens * (8 * heads * width + (8 if softcapped else 6) * heads * seq_len)
     mlp = tokens * 8 * near_even_shares(config.intermediate_size, tp_size)[0]
     return norms + attention + mlp
 
 
 def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
                      flash_attention: bool = True, sp_size: int = 1) -> int:
-    """Bytes of activations kept for backward on one GPU by the whole ``LlamaForCausalLM`` up to
-    the lm_head input: every layer (:func:`layer_activation_bytes`), or with gradient
-    checkpointing each layer's bf16 input (2h per token) plus one layer being recomputed; and the
-    final RMSNorm (8h + 4 per token: fp32 copy, normalized, weighted = the lm_head input, rsqrt); per
-    rank of ``sp_size`` Ulysses ranks, which hold seq_len / sp_size tokens each."""
+    """Bytes of activations kept for backward on one GPU by the whole ``*ForCausalLM`` up to the
+    lm_head input: every layer (:func:`layer_activation_bytes`, sliding-window layers as such), or
+    with gradient checkpointing each layer's bf16 input (2h per token) plus the largest layer being
+    recomputed; and the final RMSNorm (fp32 copy, normalized, rsqrt as in a layer, and its bf16 output
+    = the lm_head input: Llama 8h + 4 per token, Gemma 10h + 4 and 4h for its ``1 + weight``); per
+    rank of ``sp_size`` Ulysses ranks, which hold seq_len / sp_size tokens each. Gemma's embedding
+    scale (sqrt(h)) keeps no more than a bf16 scalar: the first norm's fp32 copy is what backward
+    reads, as for the unscaled embedding."""
     tokens = seq_len * micro_batch // sp_size
-    layer = layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention, sp_size)
-    final_norm = tokens * (8 * config.hidden_size + 4)
-    if gradient_checkpointing:
-        return config.num_hidden_layers * tokens * 2 * config.hidden_size + layer + final_norm
-    return config.num_hidden_layers * layer + final_norm
+    sliding = sliding_window_layers(config)
+    full, windowed = (layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention, sp_size, window)
+                      if not window or sliding else 0 for window in (False, True))
+    final_norm = _norm_bytes(config, tokens, config.hidden_size) + tokens * 2 * config.hidden_size
+    if gradient_checkpointing:  # the windowed layer is the larger one: it keeps at least what a full one does
+        return config.num_hidden_layers * tokens * 2 * config.hidden_size + max(full, windowed) + final_norm
+    return (config.num_hidden_layers - sliding) * full + sliding * windowed + final_norm
 
 
 def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1,
-                          fused_linear: bool = False, hidden_size: int = 0, sp_size: int = 1) -> int:
+                          fused_linear: bool = False, hidden_size: int = 0, sp_size: int = 1,
+                          logit_softcap: bool = False) -> int:
     """Bytes of the loss's working set on one GPU; SMMD's ``[P, N]`` numeric part is negligible.
 
     Materialized: bf16 logits ``[tokens, V/T]`` (2 B), the fused loss's fp32 buffer (4 B, the
-    softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B).
+    softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B);
+    ``logit_softcap`` (Gemma-2/3's ``final_logit_softcapping``, applied by the model's forward between
+    its head and the loss): tanh's bf16 output, which autograd keeps, 2 B more.
     ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
-    per element) and ``d hidden`` ``[tokens, H]`` in fp32 (the head's gradient is a model state).
-    With ``sp_size`` Ulysses ranks, each holds the loss of its seq_len / sp_size tokens."""
+    per element; soft-capped, the fused op applies the cap itself and its backward holds the fp32
+    block and the cap's fp32 slope at once, 8 B) and ``d hidden`` ``[tokens, H]`` in fp32 (the
+    head's gradient is a model state). With ``sp_size`` Ulysses ranks, each holds the loss of its
+    seq_len / sp_size tokens."""
     tokens, rows = seq_len * micro_batch // sp_size, near_even_shares(vocab_size, tp_size)[0]  # rank 0: the most rows
     if not fused_linear:
-        return tokens * rows * (2 + 4 + 2)
+        return tokens * rows * (2 + 4 + 2 + (2 if logit_softcap else 0))
     block = tokens * default_chunk_size(tokens, hidden_size, rows)
-    return block * (4 + 2) + tokens * hidden_size * 4
+    return block * (4 + (4 if logit_softcap else 2)) + tokens * hidden_size * 4
 
 
 def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False) -> dict:
@@ -227,13 +282,17 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
     Returns ``setup`` (these arguments), ``params``, ``tp_params`` and ``tp_largest_layer_params``
     (one TP rank's share), ``dp_size``, the ``*_bytes`` parts (``model_states_gpu_bytes``,
     ``model_states_cpu_per_node_bytes``, ``activation_bytes``, ``logits_and_loss_bytes``,
-    ``total_gpu_bytes``) and ``verdict``: "fits", "tight" (within ``HEADROOM_FRACTION`` of
-    ``gpu_memory_gib``) or "does not fit".
+    ``total_gpu_bytes``), ``verdict``: "fits", "tight" (within ``HEADROOM_FRACTION`` of
+    ``gpu_memory_gib``) or "does not fit", and ``attention``: the attention counted, "SDPA" or
+    "eager" (eager for a model transformers runs only so, Gemma-2, whatever ``flash_attention`` says).
     """
     _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib, sp_size, config)
     if sp_size > 1 and not flash_attention:
         raise ValueError("sp_size > 1 needs SDPA / flash attention: DeepSpeed's Ulysses refuses eager attention (its "
                          "4D mask would span the whole sequence)")
+    if sp_size > 1 and not has_sdpa(config):
+        raise ValueError(f"sp_size > 1 needs SDPA, but transformers runs model_type {config.model_type!r} with eager "
+                         "attention only (its soft-capped scores), which DeepSpeed's Ulysses refuses; use sp_size 1")
     setup = dict(nodes=nodes, gpus_per_node=gpus_per_node, tp_size=tp_size, offload=offload, seq_len=seq_len,
                  micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
                  flash_attention=flash_attention, gpu_memory_gib=gpu_memory_gib, fused_linear=fused_linear,
@@ -242,7 +301,8 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
     activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention,
                                    sp_size)
     logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size, fused_linear,
-                                   config.hidden_size, sp_size)
+                                   config.hidden_size, sp_size,
+                                   getattr(config, "final_logit_softcapping", None) is not None)
     total = states["gpu_bytes"] + activations + logits
     gpu_bytes = gpu_memory_gib * GIB
     verdict = ("fits" if total <= (1 - HEADROOM_FRACTION) * gpu_bytes else
@@ -252,7 +312,8 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
             "dp_size": nodes * gpus_per_node // (tp_size * sp_size),
             "model_states_gpu_bytes": states["gpu_bytes"],
             "model_states_cpu_per_node_bytes": states["cpu_per_node_bytes"], "activation_bytes": activations,
-            "logits_and_loss_bytes": logits, "total_gpu_bytes": total, "verdict": verdict}
+            "logits_and_loss_bytes": logits, "total_gpu_bytes": total, "verdict": verdict,
+            "attention": "SDPA" if flash_attention and has_sdpa(config) else "eager"}
 
 
 def largest_micro_batch(config, limit: int = 1 << 16, **setup) -> int:
@@ -396,13 +457,13 @@ def _advice(steps: dict) -> str:
     return text
 
 
-def _describe(setup: dict, vocab_size: int) -> str:
+def _describe(setup: dict, vocab_size: int, attention: str) -> str:
     nodes, gpus, tp = setup["nodes"], setup["gpus_per_node"], setup["tp_size"]
     sp = setup.get("sp_size", 1)
     return (f"{nodes} node{'s' * (nodes > 1)} x {gpus} GPUs, TP {tp} x DP {nodes * gpus // (tp * sp)}"
             f"{f' x SP {sp}' if sp > 1 else ''}, ZeRO-3"
             f"{' with CPU offload' if setup['offload'] else ''}; seq {setup['seq_len']}, micro batch "
-            f"{setup['micro_batch']}, vocab {vocab_size}, {'SDPA' if setup['flash_attention'] else 'eager'} attention"
+            f"{setup['micro_batch']}, vocab {vocab_size}, {attention} attention"
             f"{', gradient checkpointing' if setup['gradient_checkpointing'] else ''}"
             f"{', fused linear head' if setup['fused_linear'] else ''}; "
             f"{setup['gpu_memory_gib']:g} GiB GPUs")
@@ -419,7 +480,7 @@ def format_report(name: str, config, result: dict, steps: Optional[dict], larges
             ("CPU memory / node (ZeRO-3, DeepSpeed estimator)", result["model_states_cpu_per_node_bytes"])]
     lines = [f"{name}: {_count(result['params'])} params ({_count(result['tp_params'])} per TP rank, largest "
              f"layer {_count(result['tp_largest_layer_params'])})",
-             _describe(setup, config.vocab_size), "", f"{'':<50}{'GiB':>8}"]
+             _describe(setup, config.vocab_size, result["attention"]), "", f"{'':<50}{'GiB':>8}"]
     lines += [f"{label:<50}{_gib(value):>8}" for label, value in rows]
     lines += ["", f"verdict: {result['verdict']} in {setup['gpu_memory_gib']:g} GiB"
               + (f"; {_advice(steps)}" if steps else "")]
@@ -455,16 +516,17 @@ def format_markdown(results: list, vocab_size: int) -> str:
             for name, result, steps in results]
     columns = [("model", "model", ""), ("params", "params", ""), *((key, header, "") for key, header in TABLE_COLUMNS),
                ("verdict", "verdict", "")]
-    return f"**{_describe(setup, vocab_size)}** (GiB)\n\n" + markdown_table(rows, columns)
+    return f"**{_describe(setup, vocab_size, results[0][1]['attention'])}** (GiB)\n\n" + markdown_table(rows, columns)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama, Mistral, Qwen2 or Qwen3 model "
-                                     "(a preset or a Hugging Face config) under ZeRO-3 (+ AutoTP), before booking a "
-                                     "cluster")
+    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama, Mistral, Qwen2/3 or Gemma "
+                                     "(-2, -3) model (a preset or a Hugging Face config) under ZeRO-3 (+ AutoTP), "
+                                     "before booking a cluster")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), or a local Hugging Face model folder or "
-                       "its config.json (model_type llama, mistral, qwen2 or qwen3; only the config is read)")
+                       "its config.json (model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or gemma3_text; only "
+                       "the config is read)")
     which.add_argument("--all", action="store_true", help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus_per_node", type=int, default=8)
@@ -479,7 +541,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(train.py --fused_linear)")
     parser.add_argument("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
                         help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
-                             "a*s*s attention scores)")
+                             "a*s*s attention scores; Gemma-2 always runs eager)")
     parser.add_argument("--vocab_size", type=int, help=f"default: the model's own (a Hugging Face config), "
                         f"{LLAMA3_VOCAB_SIZE} (Llama-3's) for a preset")
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0)

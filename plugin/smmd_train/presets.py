@@ -83,18 +83,25 @@ class DecoderFamily(NamedTuple):
     qk_norm:        an RMSNorm over ``head_dim`` on every query and key head (Qwen3, Gemma-3)
     layer_norms:    RMSNorms per layer: 2 (input, post-attention), 4 with Gemma-2/3's pre- and
                     post-feed-forward norms
+    gemma_norms:    Gemma's RMSNorm: the normalized output stays fp32 and is weighted by
+                    ``1 + weight`` (also fp32) before the cast back, instead of Llama's cast, then weight
+    score_softcap:  the attention applies ``config.attn_logit_softcapping`` to its scores (Gemma-2;
+                    Gemma-3's modeling code reads the field but never passes it to its attention)
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
     layer_norms: int = 2
+    gemma_norms: bool = False
+    score_softcap: bool = False
 
 
 # The dense decoder families train.py trains (by ``model_type``): the Llama layer and its variants.
 DECODER_FAMILIES = {
     "llama": DecoderFamily(), "mistral": DecoderFamily(), "qwen2": DecoderFamily(qkv_bias=True),
-    "qwen3": DecoderFamily(qk_norm=True), "gemma": DecoderFamily(), "gemma2": DecoderFamily(layer_norms=4),
-    "gemma3_text": DecoderFamily(qk_norm=True, layer_norms=4),
+    "qwen3": DecoderFamily(qk_norm=True), "gemma": DecoderFamily(gemma_norms=True),
+    "gemma2": DecoderFamily(layer_norms=4, gemma_norms=True, score_softcap=True),
+    "gemma3_text": DecoderFamily(qk_norm=True, layer_norms=4, gemma_norms=True),
 }
 
 

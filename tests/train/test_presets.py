@@ -87,24 +87,69 @@ def test_every_family_s_parameter_count_equals_its_model(generator):
             assert largest_layer_params(config) == model_to_params(model)[1], (family, config)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+ESTIMATED = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"]
+
+
+def _sliding_window_fields(family, seq_len, generator):
+    """A family's sliding-window fields, drawn around ``seq_len`` (a window of seq_len or less masks;
+    a longer one does not), and per layer whether it slides: Mistral slides every layer when it has
+    a window; Gemma-2/3 and Qwen2/3 name each layer's kind (Qwen2/3 slide the layers from
+    ``max_window_layers`` on); Gemma has none."""
+    window = int(torch.randint(seq_len - 4, seq_len + 5, (1, ), generator=generator))
+    kinds = [bool(torch.randint(0, 2, (1, ), generator=generator)) for _ in range(2)]
+    if family == "mistral":
+        return ({"sliding_window": window}, [True, True]) if kinds[0] else ({}, [False, False])
+    if family in ("qwen2", "qwen3"):
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1}, [False, True]
+    if family == "gemma":
+        return {}, [False, False]
+    return ({"sliding_window": window, "layer_types": ["sliding_attention" if kind else "full_attention"
+                                                       for kind in kinds]}, kinds)
+
+
+@pytest.mark.parametrize("family", ESTIMATED)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_each_estimated_family_s_activation_bytes_equal_what_autograd_saves(family, attention, generator):
+    """Gemma-2 has no SDPA in transformers (its soft-capped scores): it is built and counted eager
+    either way; Gemma-3 runs SDPA and ignores attn_logit_softcapping (set here: no change)."""
     from transformers import AutoModelForCausalLM
 
     micro_batch, seq_len = int(torch.randint(1, 4, (1, ), generator=generator)), 8 * int(
         torch.randint(2, 5, (1, ), generator=generator))
-    configs = [_family_config(family, layers, attn_implementation=attention) for layers in (1, 2)]
-    one, two = (saved_activation_bytes(AutoModelForCausalLM.from_config(config).to(torch.bfloat16),
-                                       input_ids=torch.randint(0, 300, (micro_batch, seq_len))) for config in configs)
+    fields, sliding = _sliding_window_fields(family, seq_len, generator)
+    if family in ("gemma2", "gemma3_text"):
+        fields.update(attn_logit_softcapping=float(torch.randint(5, 60, (1, ), generator=generator)),
+                      final_logit_softcapping=float(torch.randint(5, 40, (1, ), generator=generator)))
+    implementation = "eager" if family == "gemma2" else attention
+    # transformers' SDPA expands GQA's k and v past a head_dim of 256
+    fields["head_dim"] = 8 if torch.randint(0, 2, (1, ), generator=generator) else 264
+    configs = [_family_config(family, layers, attn_implementation=implementation,
+                              **{**fields, **({"layer_types": fields["layer_types"][:layers]}
+                                              if "layer_types" in fields else {})})
+               for layers in (1, 2)]
+    models = [AutoModelForCausalLM.from_config(config).to(torch.bfloat16) for config in configs]
+    assert [model.config._attn_implementation for model in models] == [implementation] * 2
+    one, two = (saved_activation_bytes(model, input_ids=torch.randint(0, 300, (micro_batch, seq_len)))
+                for model in models)
     flash = attention == "sdpa"
-    assert two - one == estimate_cli.layer_activation_bytes(configs[0], seq_len, micro_batch, flash_attention=flash)
-    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin.
-    extra = micro_batch * seq_len * 8 + 2 * seq_len * configs[1].head_dim * 2
+    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin (Gemma-3:
+    # a pair per kind of layer, local and global); Gemma, its bf16 embedding scale; the soft-capped
+    # logits' tanh output belongs to the loss's working set (logits_and_loss_bytes).
+    ropes = [len(set(config.layer_types)) if family == "gemma3_text" else 1 for config in configs]
+    rope = 2 * seq_len * configs[1].head_dim * 2
+    assert two - one - (ropes[1] - ropes[0]) * rope == estimate_cli.layer_activation_bytes(
+        configs[1], seq_len, micro_batch, flash_attention=flash, sliding_window=sliding[1])
+    extra = micro_batch * seq_len * 8 + ropes[1] * rope
+    if family.startswith("gemma"):
+        extra += 2
+    if getattr(configs[1], "final_logit_softcapping", None) is not None:
+        softcapped, plain = (estimate_cli.logits_and_loss_bytes(300, seq_len, micro_batch, logit_softcap=cap)
+                             for cap in (True, False))
+        extra += softcapped - plain
     assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash) + extra
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ESTIMATED)
 def test_a_hugging_face_config_of_each_estimated_family_is_planned(tmp_path, capsys, family):
     from transformers import AutoModelForCausalLM
 
@@ -115,6 +160,24 @@ def test_a_hugging_face_config_of_each_estimated_family_is_planned(tmp_path, cap
     estimate_cli.main(["--model", str(tmp_path / family), "--json", "--gpus_per_node", "2", "--seq_len", "64"])
     record = json.loads(capsys.readouterr().out)
     assert record["params"] == params and type(estimate_cli.model_config(str(tmp_path / family))) is type(config)
+    assert record["attention"] == ("eager" if family == "gemma2" else "SDPA")
+    logits = estimate_cli.logits_and_loss_bytes(300, 64, 1, logit_softcap=family in ("gemma2", "gemma3_text")
+                                                and config.final_logit_softcapping is not None)
+    assert record["logits_and_loss_bytes"] == logits
+
+
+def test_gemma_2_s_eager_attention_is_what_the_planner_counts(tmp_path, capsys):
+    """transformers runs Gemma-2 eager only: the planner counts eager whatever --flash_attention says,
+    the report says so, and Ulysses (which needs SDPA) is refused as train.py refuses it."""
+    config = _family_config("gemma2", 2)
+    asked_sdpa, asked_eager = (estimate_cli.estimate(config, flash_attention=flash) for flash in (True, False))
+    assert asked_sdpa["attention"] == "eager" and asked_sdpa["activation_bytes"] == asked_eager["activation_bytes"]
+    config.save_pretrained(tmp_path / "gemma2")
+    estimate_cli.main(["--model", str(tmp_path / "gemma2"), "--gpus_per_node", "2", "--seq_len", "64"])
+    assert "eager attention" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="sp_size > 1 needs SDPA, but transformers runs model_type 'gemma2' with "
+                                         "eager attention only"):
+        estimate_cli.estimate(config, gpus_per_node=2, sp_size=2, seq_len=64)
 
 
 def test_tp_rank_counts_match_deepspeed_autotp():
@@ -390,16 +453,13 @@ def test_a_model_the_planner_cannot_read_is_refused_by_name(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config().save_pretrained(tmp_path / "gpt2")
-    _family_config("gemma2", 2).save_pretrained(tmp_path / "gemma2")
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.json").write_text("{not json")
     refusals = {"8b": "8b: not a preset \\(tiny, .*\\), and no such file or folder",
                 str(tmp_path / "empty"): "the folder has no config.json",
                 str(tmp_path / "broken.json"): "broken.json is not JSON",
                 str(tmp_path / "gpt2"): "model_type 'gpt2': not a decoder family this planner knows; the planner "
-                                        "estimates llama, mistral, qwen2, qwen3",
-                str(tmp_path / "gemma2"): "model_type 'gemma2': its parameters are counted .* but not the "
-                                          "activations of Gemma's layer"}
+                                        "estimates llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text"}
     for model, message in refusals.items():
         with pytest.raises(SystemExit, match=message):
             estimate_cli.main(["--model", model])
