@@ -164,6 +164,13 @@ def attention_implementation(model) -> str:
                    purpose="check that the model's attention is the one Ulysses sequence parallelism wraps")
 
 
+def supports_sdpa(model_class) -> bool:
+    """Whether a transformers model class runs SDPA when asked to (``_supports_sdpa``, a class flag with
+    no public getter; Gemma-2's is False). Checked against transformers 5.24."""
+    return bool(private(model_class, "_supports_sdpa", package="transformers", checked="5.24",
+                        purpose="tell which attention the memory planner counts for a model family"))
+
+
 def dataset_fingerprint(dataset) -> str:
     """The fingerprint ``datasets`` gives a dataset's content and history (``Dataset._fingerprint``),
     the key of its own cache. Checked against datasets 5.2."""

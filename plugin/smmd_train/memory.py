@@ -56,7 +56,15 @@ import transformers
 from smmd_scale.fused_linear import default_chunk_size
 
 from .autotp import kv_head_shares, near_even_shares
-from .presets import PRESETS, decoder_family, head_dim, largest_layer_params, parameter_count, preset_config
+from .presets import (
+    PRESETS,
+    decoder_family,
+    head_dim,
+    largest_layer_params,
+    parameter_count,
+    preset_config,
+    sliding_window_layers,
+)
 from .tables import markdown_table
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator detection to stdout
@@ -84,17 +92,9 @@ def has_sdpa(config) -> bool:
     Gemma-2, whose soft-capped attention runs eager whatever ``--flash_attention`` says."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])._supports_sdpa
+    from .compat import supports_sdpa
 
-
-def sliding_window_layers(config) -> int:
-    """How many decoder layers attend through a sliding window: those ``config.layer_types`` names
-    ``sliding_attention`` (Gemma-2/3, Qwen2/3), or every layer of a config with a ``sliding_window``
-    and no layer types (Mistral)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return config.num_hidden_layers if getattr(config, "sliding_window", None) else 0
-    return sum(kind == "sliding_attention" for kind in layer_types[:config.num_hidden_layers])
+    return supports_sdpa(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]))
 
 
 def model_config(model: str, vocab_size: Optional[int] = None):

@@ -190,3 +190,13 @@ def largest_layer_params(config, tp_size: int = 1) -> int:
     check_tensor_parallel_split(config, tp_size)
     embedding, head = _embedding_and_head_params(config, tp_size)
     return max(embedding, head, *_attention_params(config, tp_size).values(), *_mlp_params(config, tp_size).values())
+
+
+def sliding_window_layers(config) -> int:
+    """How many decoder layers attend through a sliding window: those ``config.layer_types`` names
+    ``sliding_attention`` (Gemma-2/3, Qwen2/3), or every layer of a config with a ``sliding_window``
+    and no layer types (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return config.num_hidden_layers if getattr(config, "sliding_window", None) else 0
+    return sum(kind == "sliding_attention" for kind in layer_types[:config.num_hidden_layers])

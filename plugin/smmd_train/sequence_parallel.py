@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .presets import sliding_window_layers
 
 IGNORE_INDEX = -100
 # The core attention Ulysses wraps: it must be one the model runs (HF's default on every accelerator);
@@ -79,6 +80,17 @@ def check_sequence_parallel(config, sp_size: int, seq_len: int, tp_size: int, wo
     if heads % sp_size:
         raise ValueError(f"--sp {sp_size} does not divide the model's num_attention_heads={heads}: Ulysses gives each "
                          f"rank heads / sp whole heads; use an --sp that divides {heads}")
+    window = getattr(text_config, "sliding_window", None)
+    sliding = sliding_window_layers(text_config)
+    if sliding and window and seq_len > window:
+        # DeepSpeed's Ulysses attention drops 4D masks and masks by position ids alone (causal), so a
+        # window would silently become full causal attention
+        raise ValueError(f"--sp {sp_size} with a sliding-window model: {sliding} of its "
+                         f"{text_config.num_hidden_layers} layers attend over a window of {window} tokens, and "
+                         f"--seq_len {seq_len} is longer; "
+                         "DeepSpeed's Ulysses attention drops the attention mask and masks by position alone, so "
+                         "those layers would attend over the whole sequence; use --sp 1, or --seq_len at most "
+                         f"{window}")
     if kv_heads % sp_size and sp_size % kv_heads:
         raise ValueError(f"--sp {sp_size} and the model's num_key_value_heads={kv_heads}: one must divide the other "
                          "(Ulysses splits the KV heads, or replicates them when there are fewer than sp)")

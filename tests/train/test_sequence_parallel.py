@@ -60,6 +60,24 @@ def test_refusals_name_the_values():
             check_sequence_parallel(config, sp_size, seq_len, tp_size, world_size)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3_text"])
+def test_a_sliding_window_longer_than_the_sequence_is_refused_under_sp(family):
+    """DeepSpeed's Ulysses attention drops the 4D mask (it masks by position ids, causally), so a
+    sliding-window layer would attend over the whole sequence: refused when the window is shorter than
+    the sequence, accepted when it covers it (the window then masks nothing)."""
+    import transformers
+
+    classes = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma3_text": "Gemma3TextConfig"}
+    extra = {"qwen2": {"use_sliding_window": True, "max_window_layers": 1}}.get(family, {})
+    config = getattr(transformers, classes[family])(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=16, **extra)
+    with pytest.raises(ValueError, match=r"--sp 2 with a sliding-window model: 1 of its 2 layers|"
+                                         r"--sp 2 with a sliding-window model: 2 of its 2 layers"):
+        check_sequence_parallel(config, 2, seq_len=48, tp_size=1, world_size=2)
+    check_sequence_parallel(config, 2, seq_len=16, tp_size=1, world_size=2)  # the window covers the sequence
+
+
 def _deepspeed_comm():
     """deepspeed.comm over the process group the worker already has (as train.py starts it)."""
     import deepspeed

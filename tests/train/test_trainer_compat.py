@@ -178,3 +178,12 @@ def test_a_missing_trainer_private_api_names_its_package_and_checked_version():
     with pytest.raises(UpstreamChanged, match=r"^python \S+ has no .*\._actions, which smmd-scale uses to list the "
                                               r"trainer's flags; it was checked against python 3\.11 "):
         compat.parser_actions(object())
+
+
+def test_supports_sdpa_reads_the_model_class_flag():
+    import transformers
+
+    from smmd_train.compat import supports_sdpa
+
+    assert supports_sdpa(transformers.LlamaForCausalLM) is True
+    assert supports_sdpa(transformers.Gemma2ForCausalLM) is False  # soft-capped attention runs eager
