@@ -9,6 +9,7 @@ from helpers.models import token_rows
 from test_fused_forward import batch, numeric_vocab, tiny
 
 import smmd_scale
+from smmd_scale import SMMDLoss
 
 
 def test_trainer_bf16_amp_with_an_fp32_head_trains_like_the_materialized_hook(tmp_path, generator):
@@ -17,7 +18,7 @@ def test_trainer_bf16_amp_with_an_fp32_head_trains_like_the_materialized_hook(tm
     for fused in (False, True):
         model = tiny("llama", tied=False, dtype=torch.bfloat16)
         model.lm_head.float()  # the head kept in fp32, as keep_in_fp32_modules or a stability recipe does
-        smmd_scale.install(model, numeric_vocab(), weight=1.0, fused_linear=fused)
+        smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=1.0, fused_linear=fused)
         arguments = transformers.TrainingArguments(
             output_dir=str(tmp_path / str(fused)), max_steps=5, per_device_train_batch_size=2,
             gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[], use_cpu=True, bf16=True,

@@ -97,11 +97,11 @@ def test_fused_loss_is_the_models_own_loss_plus_our_numeric_term(generator, fami
     inputs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask, num_items_in_batch=21)
     own, reference, reference_grads = own_loss_plus_numeric_term(model, **inputs)
 
-    installed = smmd_scale.install(model, numeric_vocab(), weight=WEIGHT)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=WEIGHT)
     materialized, materialized_grads = loss_and_grads(model, **inputs)
     materialized_stats = installed.last_stats
     installed.restore()
-    fused_install = smmd_scale.install(model, numeric_vocab(), weight=WEIGHT, fused_linear=True)
+    fused_install = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=WEIGHT, fused_linear=True)
     fused, fused_grads = loss_and_grads(model, **inputs)
 
     assert fused.logits is None and materialized.logits is not None and fused_install.last_path == "fused_linear"
@@ -128,7 +128,7 @@ def test_the_router_loss_follows_output_router_logits_as_the_model_does(generato
     if in_call is not None:
         inputs["output_router_logits"] = in_call
     own, reference, reference_grads = own_loss_plus_numeric_term(model, **inputs)
-    smmd_scale.install(model, numeric_vocab(), weight=WEIGHT, fused_linear=True)
+    smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=WEIGHT, fused_linear=True)
     fused, fused_grads = loss_and_grads(model, **inputs)
     assert_same(fused.loss, fused_grads, reference, reference_grads)
     routed = in_config if in_call is None else in_call
@@ -145,7 +145,7 @@ def test_the_hooks_ce_options_apply_on_top_of_the_familys_transform(generator, f
     inputs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask)
     results = []
     for fused in (False, True):
-        installed = smmd_scale.install(model, numeric_vocab(), weight=WEIGHT, fused_linear=fused)
+        installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=WEIGHT, fused_linear=fused)
         installed.hook.ce_options = {"z_loss": 0.01, "label_smoothing": 0.1}
         output, grads = loss_and_grads(model, **inputs)
         results.append((output.loss, grads, installed.hook.last_z))
@@ -154,7 +154,7 @@ def test_the_hooks_ce_options_apply_on_top_of_the_familys_transform(generator, f
     assert_same(fused, fused_grads, materialized, materialized_grads)
     assert fused_z.item() == pytest.approx(materialized_z.item(), rel=1e-10) and fused_z.item() > 0
 
-    installed = smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), fused_linear=True)
     installed.hook.ce_options = {"logit_scale": 2.0}
     if family == "mixtral":  # no transform of its own: the hook's scale applies on both paths alike
         model(**inputs)
@@ -167,7 +167,7 @@ def test_the_hooks_ce_options_apply_on_top_of_the_familys_transform(generator, f
 def test_evaluation_generation_and_explicit_logits_use_the_models_forward(generator):
     model = tiny("llama", tied=True)
     ids, labels = batch(generator)
-    installed = smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), fused_linear=True)
     model.train()
     assert model(input_ids=ids, labels=labels).logits is None
     kept = model(input_ids=ids, labels=labels, skip_logits=False)  # logits explicitly wanted
@@ -186,7 +186,7 @@ def test_evaluation_generation_and_explicit_logits_use_the_models_forward(genera
 def test_restore_puts_back_the_forward_and_the_loss_function(generator):
     model = tiny("qwen2", tied=False)
     original_forward = model.forward
-    installed = smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), fused_linear=True)
     assert "forward" in vars(model) and model.forward.__wrapped__ == original_forward
     installed.restore()
     assert "forward" not in vars(model) and "_loss_function" not in vars(model)
@@ -220,7 +220,7 @@ def granite():
 def test_models_the_fused_forward_cannot_reproduce_are_refused(build, match):
     model = build()
     with pytest.raises(ValueError, match=match):
-        smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+        smmd_scale.install(model, SMMDLoss(numeric_vocab()), fused_linear=True)
     assert "forward" not in vars(model) and "_loss_function" not in vars(model)  # nothing was installed
 
 
@@ -238,7 +238,7 @@ def test_a_logit_transform_the_op_cannot_apply_is_refused(monkeypatch, family, o
     with pytest.raises(ValueError, match=rf"cannot train \w+ \({family}\) exactly: its forward transforms the logits "
                                          rf"before the loss and this smmd_scale's linear_numeric_cross_entropy has no "
                                          rf"{option} option"):
-        smmd_scale.install(model, numeric_vocab(), fused_linear=True)
+        smmd_scale.install(model, SMMDLoss(numeric_vocab()), fused_linear=True)
     assert "forward" not in vars(model) and "_loss_function" not in vars(model)
 
 
@@ -251,7 +251,7 @@ def test_trainer_fused_equals_materialized(tmp_path, generator, family):
     histories = {}
     for fused in (False, True):
         model = tiny(family, tied=True, dtype=torch.float32)
-        smmd_scale.install(model, numeric_vocab(), weight=1.0, fused_linear=fused)
+        smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=1.0, fused_linear=fused)
         arguments = transformers.TrainingArguments(
             output_dir=str(tmp_path / str(fused)), max_steps=6, per_device_train_batch_size=2,
             gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no",

@@ -8,7 +8,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import smmd_scale
-from smmd_scale import NumericVocab
+from smmd_scale import NumericVocab, SMMDLoss
 
 VOCAB_SIZE = 96
 NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
@@ -32,13 +32,13 @@ def batch(generator, rows=2, length=12):
 
 def test_install_and_restore():
     model = tiny_llama()
-    installed = smmd_scale.install(model, numeric_vocab(), weight=0.5)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=0.5)
     assert model.loss_function is installed.hook and not installed.vocab_parallel
     installed.restore()
     assert model.loss_function is ForCausalLMLoss
     custom = lambda **kwargs: torch.tensor(0.0)  # noqa: E731  (a user's own hook is put back too)
     model.loss_function = custom
-    installed = smmd_scale.install(model, numeric_vocab())
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()))
     installed.restore()
     assert model.loss_function is custom
 
@@ -49,7 +49,7 @@ def test_weight_zero_equals_hf_loss_and_gradients(generator, num_items):
     reference_model, model = tiny_llama(), tiny_llama()
     reference_loss = reference_model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
     reference_loss.backward()
-    installed = smmd_scale.install(model, numeric_vocab(), weight=0.0)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=0.0)
     loss = model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
     loss.backward()
     assert loss.item() == pytest.approx(reference_loss.item(), rel=1e-6)
@@ -61,7 +61,7 @@ def test_weight_zero_equals_hf_loss_and_gradients(generator, num_items):
 def test_hook_computes_ce_plus_smmd_on_shifted_labels(generator):
     ids, labels = batch(generator)
     model = tiny_llama().double()
-    installed = smmd_scale.install(model, numeric_vocab(), weight=0.3)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=0.3)
     output = model(input_ids=ids, labels=labels)
     shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
     total, ce, smmd = reference_total(output.logits.detach(), shifted, NUMERIC_IDS, list(range(10)), weight=0.3)
@@ -77,7 +77,7 @@ def test_gradient_accumulation_keeps_smmd_at_its_mean_scale(generator):
     sum to exactly the one-batch loss: SMMD is not counted twice."""
     ids, labels = batch(generator)
     model = tiny_llama().double()
-    smmd_scale.install(model, numeric_vocab(), weight=2.0)
+    smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=2.0)
     single = model(input_ids=ids, labels=labels).loss
     items = int((labels[:, 1:] != -100).sum())
     accumulated = sum(model(input_ids=ids, labels=labels, num_items_in_batch=2 * items).loss for _ in range(2))
@@ -86,12 +86,12 @@ def test_gradient_accumulation_keeps_smmd_at_its_mean_scale(generator):
 
 def test_install_rejects_a_vocab_built_for_another_width():
     with pytest.raises(ValueError, match="logits have 96 columns .* vocab_size=100"):
-        smmd_scale.install(tiny_llama(), NumericVocab([1, 2], [1.0, 2.0], vocab_size=100))
+        smmd_scale.install(tiny_llama(), SMMDLoss(NumericVocab([1, 2], [1.0, 2.0], vocab_size=100)))
 
 
 def test_ignore_index_mismatch_is_named(generator):
     model = tiny_llama()
-    smmd_scale.install(model, numeric_vocab())
+    smmd_scale.install(model, SMMDLoss(numeric_vocab()))
     ids, labels = batch(generator)
     logits = model(input_ids=ids).logits
     with pytest.raises(ValueError, match="ignore_index=-1 .* ignore_index=-100"):
@@ -104,7 +104,7 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
     ids, labels = batch(generator, rows=4, length=16)
 
     model = tiny_llama()
-    installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=1.0)
     calls = []
     hook_call = installed.hook.__call__
 
@@ -126,7 +126,7 @@ def test_trainer_trains_with_the_hook(tmp_path, generator):
 
 
 def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
-    """install(..., numeric_loss=NTLoss(vocab)) trains on CE + weight x NTL-WAS: the same value as the
+    """install(model, NTLoss(vocab), ...) trains on CE + weight x NTL-WAS: the same value as the
     ntloss package's NTL-WAS on the model's logits (its float32 distance table: parity near 1e-7)."""
     from ntloss import NTLoss as PackageNTLoss
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -143,8 +143,7 @@ def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
     ids, labels = batch(generator)
     model = tiny_llama().double()
     numeric_vocab = NumericVocab.from_tokenizer(tokenizer, vocab_size=VOCAB_SIZE)
-    installed = smmd_scale.install(model, numeric_vocab, weight=0.4,
-                                   numeric_loss=smmd_scale.NTLoss(numeric_vocab, squash_factor=9.0))
+    installed = smmd_scale.install(model, smmd_scale.NTLoss(numeric_vocab, squash_factor=9.0), weight=0.4)
     output = model(input_ids=ids, labels=labels)
     shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
     ce = torch.nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB_SIZE), shifted.reshape(-1))
@@ -153,7 +152,9 @@ def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
     assert installed.hook.last_losses[2].item() == pytest.approx(ntl.item(), rel=1e-6) and ntl.item() > 0
     assert installed.last_stats["numeric_tokens"] > 0
     assert installed.last_stats["ntl_was"] == pytest.approx(ntl.item(), rel=1e-6)
-    with pytest.raises(TypeError, match=r"pass SMMD options \(\['mode'\]\) to SMMDLoss inside numeric_loss"):
+    # The second-round call (a vocabulary, numeric_loss=...) still refuses SMMD options beside a non-SMMD loss.
+    with pytest.warns(FutureWarning, match=r"install\(model, vocab, \.\.\.\) is deprecated"), \
+            pytest.raises(TypeError, match=r"pass SMMD options \(\['mode'\]\) to SMMDLoss inside numeric_loss"):
         smmd_scale.install(model, numeric_vocab, numeric_loss=smmd_scale.NTLoss(numeric_vocab), mode="mmd")
 
 
@@ -161,7 +162,7 @@ def _trainer_weights(tmp_path, rows, accumulation, attach):
     """Weights after 3 SGD steps of 4 sequences each (micro-batch 4 / accumulation) with the hook."""
     ids, labels = rows
     model = tiny_llama(seed=3)
-    installed = smmd_scale.install(model, numeric_vocab(), weight=1.0)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=1.0)
     arguments = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulation}{attach}"), max_steps=3,
                                   per_device_train_batch_size=4 // accumulation,
                                   gradient_accumulation_steps=accumulation, learning_rate=0.5, optim="sgd",

@@ -10,7 +10,7 @@ from helpers.reference import reference_ntl, reference_smmd
 from transformers import Trainer, TrainingArguments
 
 import smmd_scale
-from smmd_scale import NumericVocab
+from smmd_scale import NumericVocab, SMMDLoss
 
 VOCAB_SIZE = 96
 NUMERIC_IDS = list(range(20, 30))  # ten "digit" tokens with values 0..9
@@ -34,8 +34,7 @@ def train(tmp_path, generator, numeric_loss=None, weight=0.5, attach=True, **arg
     ids, labels = rows(generator)
     model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
     vocab = NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)
-    installed = smmd_scale.install(model, vocab, weight=weight, numeric_loss=numeric_loss(vocab) if numeric_loss
-                                   else None)
+    installed = smmd_scale.install(model, numeric_loss(vocab) if numeric_loss else SMMDLoss(vocab), weight=weight)
     calls, hook = [], installed.hook
 
     def recording_hook(logits, labels, **kwargs):
@@ -159,7 +158,7 @@ def test_evaluation_logs_are_left_alone_and_a_callback_alone_adds_to_log_history
     """Added by hand (Trainer(callbacks=...)), the callback still fills log_history; eval logs keep their keys."""
     ids, labels = rows(generator)
     model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
-    installed = smmd_scale.install(model, NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE))
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)))
     trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), eval_dataset=models.token_rows(
         ids, labels), callbacks=[smmd_scale.NumericLossCallback(installed)], args=TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1, eval_strategy="steps",
@@ -177,7 +176,7 @@ def _data_parallel_trainer(rank, world_size, tmp_path, ids, labels):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
-    installed = smmd_scale.install(model, NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE), weight=0.5)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)), weight=0.5)
     calls, hook = [], installed.hook
 
     def recording_hook(logits, labels, **kwargs):

@@ -236,7 +236,7 @@ def test_the_hf_hook_passes_its_ce_options_to_both_paths(generator, fused):
     ids, labels = batch(generator)
     model = tiny("llama", tied=False)
     options = dict(logit_softcap=3.0, logit_scale=0.8, z_loss=1e-3, label_smoothing=0.1)
-    installed = smmd_scale.install(model, numeric_vocab(), weight=0.5, fused_linear=fused)
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()), weight=0.5, fused_linear=fused)
     installed.hook.ce_options = dict(options)
     loss = model(input_ids=ids, labels=labels).loss
     assert installed.last_path == ("fused_linear" if fused else "logits")

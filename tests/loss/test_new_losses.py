@@ -364,7 +364,7 @@ def hf_batch(generator, rows=2, length=14):
 
 @pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused-linear"])
 def test_the_hf_hook_trains_on_ce_plus_each_new_loss(generator, fused_linear):
-    """install(model, vocab, numeric_loss=...) on a float64 Llama: the model's loss, its gradients and the
+    """install(model, numeric_loss, ...) on a float64 Llama: the model's loss, its gradients and the
     hook's statistics are CE + weight x the loss called directly on the model's logits and shifted labels."""
     from helpers import models
 
@@ -373,7 +373,7 @@ def test_the_hf_hook_trains_on_ce_plus_each_new_loss(generator, fused_linear):
     shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), IGNORE)], dim=1)
     for name, numeric in hf_losses(vocab).items():
         model = models.tiny_llama(HF_VOCAB_SIZE, hidden_size=32, max_positions=64, seed=1).double()
-        installed = smmd_scale.install(model, vocab, weight=0.4, numeric_loss=numeric, fused_linear=fused_linear)
+        installed = smmd_scale.install(model, numeric, weight=0.4, fused_linear=fused_linear)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         assert installed.last_path == ("fused_linear" if fused_linear else "logits"), name

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers.distributed import run_ranks, values_or_raise
 from helpers.models import saved_activation_bytes, tiny_llama
 
-from smmd_scale import DigitEntropyLoss, NumberLevelNTLoss, NumericVocab
+from smmd_scale import DigitEntropyLoss, NumberLevelNTLoss, NumericVocab, SMMDLoss
 from smmd_train.presets import preset_config
 from smmd_train.sequence_parallel import IGNORE_INDEX, check_sequence_parallel, forward_inputs
 
@@ -145,11 +145,11 @@ def _shares_add_up(rank, world_size, fused_linear, seed, digits=False):
         input_ids = crossing_digits(seed, batch=2, seq_len=16)
     else:
         vocab = NumericVocab(NUMERIC_IDS, list(range(len(NUMERIC_IDS))), VOCAB_SIZE)
-        numeric_loss, input_ids = None, random_ids(seed, batch=2, seq_len=16)
+        numeric_loss, input_ids = SMMDLoss(vocab), random_ids(seed, batch=2, seq_len=16)
 
     def model_and_loss():
         model = tiny_llama(VOCAB_SIZE, hidden_size=32, heads=4, kv_heads=2, seed=seed, attn_implementation="sdpa")
-        return model.train(), smmd_scale.install(model, vocab, fused_linear=fused_linear, numeric_loss=numeric_loss)
+        return model.train(), smmd_scale.install(model, numeric_loss, fused_linear=fused_linear)
 
     reference, _ = model_and_loss()
     whole = reference(input_ids=input_ids, labels=input_ids).loss
