@@ -32,6 +32,7 @@ from .loss_reporter import LossReporter, loss_reporter
 from .model import check_local_sources, model_config
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
+from .run_config import agreeing_keys
 from .schedule import MAX_WARMUP_FRACTION, Schedule, warmup_steps_for
 from .sequence_parallel import check_sequence_parallel
 
@@ -97,7 +98,7 @@ def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> R
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     explicit = {name: getattr(args, name) for name in args.explicit}
     json_config = load_config(args.deepspeed_config)
-    check_flags_agree(json_config, explicit)
+    check_flags_agree(json_config, explicit, agreeing_keys())
     raw_config = set_tensor_parallel(json_config, args.tp)
     config = model_config(args.model, tokenizer, args.seq_len, args.trust_remote_code)
     tp_size = tensor_parallel_size(raw_config)

@@ -1,0 +1,102 @@
+"""The typed run configuration (``smmd_train.run_config``) built from train.py's real command lines:
+flags and the DeepSpeed config's numbers resolved once, a mistyped field name failing where it is
+written, and every flag of the parser declared by exactly one field."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+from helpers.launching import REPO, train_flags
+
+from smmd_train.arguments import build_parser, parse_args
+from smmd_train.run_config import PARSER_ONLY, SECTIONS, Optimization, RunConfig, RunRefused
+
+ZERO3 = REPO / "ds_configs" / "zero3.json"
+
+
+def config_of(tmp_path, **options) -> RunConfig:
+    values = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path / "tok", data=["a.jsonl", "b.jsonl"],
+                  max_steps=5, output_dir=tmp_path / "run")
+    values.update(options)
+    return RunConfig.from_args(parse_args(train_flags(**values)))
+
+
+def test_the_flags_fill_the_sections(tmp_path):
+    config = config_of(tmp_path, seq_len=64, tp=2, sp=1, lr=1e-3, numeric_loss=["smmd:0.5", "ntl-was:0.3"],
+                       smmd_sigmas=[1.0, 3.0], z_loss=1e-4, resume=True, eval_data=["held.jsonl"])
+    assert config.model_data.model == "tiny" and config.model_data.data == ("a.jsonl", "b.jsonl")
+    assert config.model_data.seq_len == 64 and config.model_data.eval_data == ("held.jsonl", )
+    assert config.model_data.cache_dir == str(tmp_path / "run" / "cache")
+    assert (config.optimization.max_steps, config.optimization.lr, config.optimization.warmup_steps) == (5, 1e-3, None)
+    assert (config.layout.tp, config.layout.sp) == (2, 1)
+    assert config.deepspeed["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": True}
+    assert config.loss.numeric_loss == (("smmd", 0.5), ("ntl-was", 0.3))
+    assert config.loss.options["smmd_sigmas"] == (1.0, 3.0) and config.loss.options["ntl_squash_factor"] is None
+    assert config.loss.z_loss == 1e-4 and config.loss.framework_loss is False
+    assert config.checkpointing.resume is True and config.checkpointing.output_dir == str(tmp_path / "run")
+    assert config.logging.tensorboard is True
+    assert config.logging.tensorboard_dir == str(tmp_path / "run" / "tensorboard")
+    assert config.command_line["tp"] == 2 and config.command_line["data"] == ["a.jsonl", "b.jsonl"]
+
+
+def test_the_deepspeed_config_s_numbers_rule_where_no_flag_is_given(tmp_path):
+    raw = json.loads(ZERO3.read_text())
+    raw.update(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2,
+               tensor_parallel={"autotp_size": 2, "vocab_parallel_lm_head": True})
+    raw["optimizer"]["params"]["lr"] = 2e-3
+    raw["tensorboard"].update(output_path=str(tmp_path / "tb"), job_name="first")
+    (tmp_path / "ds.json").write_text(json.dumps(raw))
+    config = config_of(tmp_path, deepspeed_config=tmp_path / "ds.json")
+    assert (config.optimization.micro_batch_size, config.optimization.gradient_accumulation_steps) == (3, 2)
+    assert (config.optimization.lr, config.optimization.weight_decay) == (2e-3, 0.1)  # weight_decay "auto": the flag's
+    assert config.layout.tp == 2 and config.logging.tensorboard_dir == str(tmp_path / "tb" / "first")
+    assert config.deepspeed_dict()["optimizer"]["params"]["lr"] == 2e-3
+
+
+def test_a_flag_that_contradicts_the_deepspeed_config_is_refused_one_line_each(tmp_path):
+    raw = json.loads(ZERO3.read_text())
+    raw.update(train_micro_batch_size_per_gpu=4)
+    raw["optimizer"]["params"]["lr"] = 1e-3
+    (tmp_path / "ds.json").write_text(json.dumps(raw))
+    with pytest.raises(RunRefused) as refused:
+        config_of(tmp_path, deepspeed_config=tmp_path / "ds.json", micro_batch_size=2, lr=3e-4)
+    assert str(refused.value).splitlines() == [
+        "--micro_batch_size 2 but the DeepSpeed config says train_micro_batch_size_per_gpu=4: drop the flag, or make "
+        "them agree, or set train_micro_batch_size_per_gpu to \"auto\"",
+        "--lr 0.0003 but the DeepSpeed config says optimizer.params.lr=0.001: drop the flag, or make them agree, or "
+        "set optimizer.params.lr to \"auto\""]
+    with pytest.raises(RunRefused, match="nowhere.json: no such file"):
+        config_of(tmp_path, deepspeed_config=tmp_path / "nowhere.json")
+
+
+def test_a_mistyped_field_fails_where_it_is_written(tmp_path):
+    config = config_of(tmp_path)
+    with pytest.raises(AttributeError, match="lrr"):
+        config.optimization.lrr  # noqa: B018  (the read is the test)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.optimization.lr = 1.0
+    with pytest.raises(AttributeError):  # slots: no instance dict to take a new name, even past the frozen check
+        object.__setattr__(config.layout, "tp_size", 2)
+    with pytest.raises(TypeError, match="lrr"):
+        Optimization(**{**{item.name: 1 for item in dataclasses.fields(Optimization)}, "lrr": 1.0})
+    with pytest.raises(TypeError):  # the sections are read-only mappings too
+        config.loss.options["smmd_sigmas"] = (1.0, )
+
+
+def test_every_flag_sets_exactly_one_field():
+    """The parser's flags and the fields' declared flags are the same set, each flag in one field (a
+    deprecated spelling in its replacement's), apart from :data:`PARSER_ONLY`."""
+    declared = {}
+    for section in (*SECTIONS.values(), RunConfig):
+        for item in dataclasses.fields(section):
+            for flag in item.metadata.get("flags", ()):
+                declared.setdefault(flag, []).append(f"{section.__name__}.{item.name}")
+    assert {flag: fields for flag, fields in declared.items() if len(fields) > 1} == {}
+    parser_flags = {option for action in build_parser()._actions for option in action.option_strings
+                    if option.startswith("--") and not (isinstance(action, argparse.BooleanOptionalAction)
+                                                        and option.startswith("--no-"))}
+    assert set(PARSER_ONLY) <= parser_flags
+    assert sorted(parser_flags - set(PARSER_ONLY) - set(declared)) == []  # a flag with no field
+    assert sorted(set(declared) - parser_flags) == []  # a field naming a flag the parser lacks
+    assert not set(PARSER_ONLY) & set(declared)
