@@ -68,20 +68,20 @@ def blocks_fingerprint(blocks) -> str:
     return f"{count} blocks x {width} tokens, sha256 {digest.hexdigest()[:12]}"
 
 
-def objective_record(args, vocab) -> dict:
-    """What a run on smmd_scale's numeric loss computes, flag by flag (``args``:
-    ``smmd_train.arguments.parse_args``; ``vocab``: the plan's numeric vocabulary). A run on the model's
+def objective_record(settings, vocab) -> dict:
+    """What a run on smmd_scale's numeric loss computes, flag by flag (``settings``: the run's
+    ``smmd_train.run_config.Loss``; ``vocab``: the plan's numeric vocabulary). A run on the model's
     own loss records ``{"--framework_loss": True}`` instead (``smmd_train.loss_reporter``)."""
     record = {"--framework_loss": False,
-              "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in args.numeric_loss),
-              "--numeric_policy": args.numeric_policy}
-    if args.numeric_policy != "digits":  # the digits policy has no bound
-        record["--numeric_max_value"] = args.numeric_max_value
+              "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in settings.numeric_loss),
+              "--numeric_policy": settings.numeric_policy}
+    if settings.numeric_policy != "digits":  # the digits policy has no bound
+        record["--numeric_max_value"] = settings.numeric_max_value
     record["numeric vocabulary"] = vocab_fingerprint(vocab)
-    for name, _ in args.numeric_loss:
+    for name, _ in settings.numeric_loss:
         for flag in LOSS_FLAGS[name]:
-            record[f"--{flag}"] = getattr(args, flag)
-    record.update({"--z_loss": args.z_loss, "--label_smoothing": args.label_smoothing})
+            record[f"--{flag}"] = settings.options[flag]
+    record.update({"--z_loss": settings.z_loss, "--label_smoothing": settings.label_smoothing})
     return _as_json(record)
 
 

@@ -31,13 +31,10 @@ from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .experiment import check_resumed_experiment, experiment_record
 from .plan import RunPlan, plan_run
+from .run_config import RunConfig, RunRefused
 from .sequence_parallel import micro_batch_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
-
-
-class RunRefused(ValueError):
-    """The options, the DeepSpeed config or the data cannot make a run; one line per problem."""
 
 
 def log(*parts) -> None:
@@ -89,7 +86,8 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
 
     accelerator = get_accelerator()
     try:
-        plan = plan_run(args, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
+        plan = plan_run(RunConfig.from_args(args), launch.world_size, accelerator.device_name(),
+                        native_bf16(accelerator))
         check_tensor_parallel_within_node(plan.topology.tp_size, launch.local_size)
         run = PreparedRun(args=args, launch=launch, plan=plan, resume_tag=plan_resume(args, plan))
         if until == "plan":

@@ -15,6 +15,7 @@ from smmd_train.arguments import build_parser, parse_args
 from smmd_train.dashboards import LOSS_OPTION_COLUMNS, RUN_HPARAMS, UNUSED_OPTION, loss_option_hparams
 from smmd_train.experiment import LOSS_FLAGS, objective_record
 from smmd_train.loss_reporter import numeric_loss
+from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 
@@ -55,7 +56,7 @@ def test_each_option_s_flag_reaches_the_built_loss(tmp_path, name):
     values = {option.column: other_value(option) for option in entry.options}
     args = args_with(tmp_path, numeric_loss=[name], numeric_policy="digits", **values)
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 16)
-    loss = numeric_loss(args, vocab)
+    loss = numeric_loss(RunConfig.from_args(args).loss, vocab)
     for option in entry.options:
         assert getattr(loss, option.keyword) == option.keyword_value(values[option.column]), option.flag
 
@@ -91,7 +92,7 @@ def test_the_resume_record_holds_the_options_of_the_run_s_losses(tmp_path):
                           for name, entry in NUMERIC_LOSSES.items()}
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 16)
     args = args_with(tmp_path, numeric_loss=["smmd", "ntl-mse:0.5"], smmd_squash_factor=4.0)
-    record = objective_record(args, vocab)
+    record = objective_record(RunConfig.from_args(args).loss, vocab)
     options = {option.flag for option in all_options()}
     recorded = {key for key in record if key in options}
     assert recorded == {"--smmd_mode", "--smmd_kernel", "--smmd_sigmas", "--smmd_squash_factor", "--ntl_reweigh"}

@@ -16,6 +16,7 @@ from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_ten
 from smmd_train.dashboards import RUN_HPARAMS, run_hparams
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
+from smmd_train.run_config import RunConfig
 
 SEQ_LEN = 48
 ZERO3 = REPO / "ds_configs" / "zero3.json"
@@ -74,16 +75,20 @@ def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
     import smmd_scale
     from smmd_train.loss_reporter import numeric_loss
 
+    def loss_of(args):
+        return RunConfig.from_args(args).loss
+
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 20)
     base = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path)
     default = parse_args(train_flags(**base))
-    assert default.numeric_loss == [("smmd", 1.0)] and isinstance(numeric_loss(default, vocab), smmd_scale.SMMDLoss)
+    assert default.numeric_loss == [("smmd", 1.0)] and isinstance(numeric_loss(loss_of(default), vocab),
+                                                                           smmd_scale.SMMDLoss)
     ntl = parse_args(train_flags(**base, numeric_loss=["ntl-mse"], ntl_reweigh=False))
     assert "--no-ntl_reweigh" in train_flags(ntl_reweigh=False) and "--ntl_reweigh" in train_flags(ntl_reweigh=True)
-    built = numeric_loss(ntl, vocab)
+    built = numeric_loss(loss_of(ntl), vocab)
     assert isinstance(built, smmd_scale.NTLoss) and built.kind == "mse" and not built.reweigh
     mixed = parse_args(train_flags(**base, numeric_loss=["smmd", "ntl-was:0.3"], ntl_squash_factor=9.0))
-    built = numeric_loss(mixed, vocab)
+    built = numeric_loss(loss_of(mixed), vocab)
     assert [(term.name, weight) for term, weight in built.weighted_terms()] == [("smmd", 1.0), ("ntl_was", 0.3)]
     assert built.weighted_terms()[1][0].squash_factor == 9.0
 
@@ -174,11 +179,11 @@ def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir
     corpus = write_corpus(tmp_path / "data.jsonl", 20)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
                           until="plan")
-    assert ce_options(args) == {"z_loss": 1e-4, "label_smoothing": 0.1}
+    assert ce_options(RunConfig.from_args(args).loss) == {"z_loss": 1e-4, "label_smoothing": 0.1}
     hparams = run_hparams(args, plan, "single")
     assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
     args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
-    assert ce_options(args) == {}
+    assert ce_options(RunConfig.from_args(args).loss) == {}
 
 
 def test_help_shows_each_option_s_default(capsys):
