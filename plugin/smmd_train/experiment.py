@@ -6,7 +6,7 @@ before any model is built (``smmd_train.run.prepare_run``) and refuses each diff
 (``old -> new``) unless ``--allow_objective_change`` says to continue with this run's, which the
 log then names.
 
-    record = experiment_record(args, plan.loss, plan.numeric_vocab, train_blocks)   # {"objective", "data"}
+    record = experiment_record(config.model_data, plan.loss, plan.numeric_vocab, blocks)  # {"objective", "data"}
     experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
 
 The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights; the deprecated
@@ -85,11 +85,12 @@ def objective_record(settings, vocab) -> dict:
     return _as_json(record)
 
 
-def data_record(args, blocks) -> dict:
-    """What the run trains on: its packed ``blocks`` and the flags they come from."""
+def data_record(inputs, blocks) -> dict:
+    """What the run trains on: its packed ``blocks`` and the flags they come from (``inputs``: the run's
+    ``smmd_train.run_config.ModelData``)."""
     return _as_json({"packed blocks": blocks_fingerprint(blocks),
-                     "--data": [os.path.abspath(path) for path in args.data], "--text_field": args.text_field,
-                     "--seq_len": args.seq_len, "--tokenizer": _as_path(args.tokenizer or args.model)})
+                     "--data": [os.path.abspath(path) for path in inputs.data], "--text_field": inputs.text_field,
+                     "--seq_len": inputs.seq_len, "--tokenizer": _as_path(inputs.tokenizer or inputs.model)})
 
 
 def _as_path(name: str) -> str:
@@ -97,10 +98,10 @@ def _as_path(name: str) -> str:
     return os.path.abspath(name) if os.path.exists(name) else name
 
 
-def experiment_record(args, loss, vocab, blocks) -> dict:
-    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``; ``loss``:
-    the run's ``smmd_train.loss_reporter.LossReporter``."""
-    return {"objective": loss.objective_record(vocab), "data": data_record(args, blocks)}
+def experiment_record(inputs, loss, vocab, blocks) -> dict:
+    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``; ``inputs``:
+    the run's ``smmd_train.run_config.ModelData``; ``loss``: its ``smmd_train.loss_reporter.LossReporter``."""
+    return {"objective": loss.objective_record(vocab), "data": data_record(inputs, blocks)}
 
 
 def experiment_changes(saved: dict, current: dict) -> list:

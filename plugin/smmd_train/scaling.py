@@ -332,8 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             options[config.name] = run_options(sweep, train_config, config, output_dir)  # a bad batch fails the sweep
             try:
-                plan = prepare_run(parse_train_args([*train_argv, *train_flags(**options[config.name])]),
-                                   Launch(0, config.world_size, 0, config.world_size, "plan"), until="plan").plan
+                run_config = RunConfig.from_args(parse_train_args([*train_argv, *train_flags(**options[config.name])]))
+                plan = prepare_run(run_config, Launch(0, config.world_size, 0, config.world_size, "plan"),
+                                   until="plan").plan
             except ValueError as error:
                 refused[config.name] = str(error)
                 continue

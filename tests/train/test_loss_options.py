@@ -76,15 +76,16 @@ def test_a_checked_option_s_bad_value_is_one_line_naming_its_flag(tmp_path, caps
 def test_hparams_show_the_options_of_the_run_s_losses_and_mark_the_others_unused(tmp_path):
     assert set(LOSS_OPTION_COLUMNS) <= set(RUN_HPARAMS)
     args = args_with(tmp_path, numeric_loss=["ntl-was:0.3"], ntl_squash_factor=9.0, smmd_sigmas=[1.0, 3.0])
-    columns = loss_option_hparams(args, args.numeric_loss)
+    columns = loss_option_hparams(RunConfig.from_args(args).loss.options, args.numeric_loss)
     assert tuple(columns) == LOSS_OPTION_COLUMNS
     in_use = {option.column for option in options_in_use(args.numeric_loss)}
     assert in_use == {"ntl_reweigh", "ntl_squash_factor"}
     assert columns["ntl_squash_factor"] == 9.0 and columns["ntl_reweigh"] is True
     assert all(columns[column] == UNUSED_OPTION for column in set(columns) - in_use)  # --smmd_sigmas too
     args = args_with(tmp_path, smmd_sigmas=[1.0, 3.0])
-    assert loss_option_hparams(args, args.numeric_loss)["smmd_sigmas"] == "1 3"
-    assert set(loss_option_hparams(args, ()).values()) == {UNUSED_OPTION}
+    options = RunConfig.from_args(args).loss.options
+    assert loss_option_hparams(options, args.numeric_loss)["smmd_sigmas"] == "1 3"
+    assert set(loss_option_hparams(options, ()).values()) == {UNUSED_OPTION}
 
 
 def test_the_resume_record_holds_the_options_of_the_run_s_losses(tmp_path):

@@ -3,6 +3,7 @@ flags and the DeepSpeed config's numbers resolved once, a mistyped field name fa
 written, and every flag of the parser declared by exactly one field."""
 
 import argparse
+import ast
 import dataclasses
 import json
 
@@ -100,3 +101,55 @@ def test_every_flag_sets_exactly_one_field():
     assert sorted(parser_flags - set(PARSER_ONLY) - set(declared)) == []  # a flag with no field
     assert sorted(set(declared) - parser_flags) == []  # a field naming a flag the parser lacks
     assert not set(PARSER_ONLY) & set(declared)
+
+
+# Where train.py's parsed command line may be read: the parser's module and the configuration's.
+NAMESPACE_READERS = {"plugin/smmd_train/arguments.py", "plugin/smmd_train/run_config.py"}
+
+
+def namespace_reads(source: str) -> list:
+    """``"line N"`` for each place in ``source`` where the result of ``smmd_train.arguments.parse_args``
+    (under any name it is imported as) goes anywhere but straight into ``RunConfig.from_args``: directly,
+    or through a variable every read of which does."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    parsers = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").rpartition(".")[2] == "arguments" for alias in node.names
+               if alias.name == "parse_args"}
+
+    def into_from_args(node) -> bool:
+        parent = parents.get(node)
+        return (isinstance(parent, ast.Call) and node in parent.args and isinstance(parent.func, ast.Attribute)
+                and parent.func.attr == "from_args" and getattr(parent.func.value, "id", None) == "RunConfig")
+
+    found = []
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) in parsers) or into_from_args(call):
+            continue
+        assigned = parents.get(call)
+        if isinstance(assigned, ast.Assign) and [type(target) for target in assigned.targets] == [ast.Name]:
+            scope = assigned
+            while not isinstance(scope, (ast.FunctionDef, ast.Module)):
+                scope = parents[scope]
+            name = assigned.targets[0].id
+            reads = [node for node in ast.walk(scope) if isinstance(node, ast.Name) and node.id == name
+                     and isinstance(node.ctx, ast.Load)]
+            found += [f"line {node.lineno}" for node in reads if not into_from_args(node)]
+        else:
+            found.append(f"line {call.lineno}")
+    return found
+
+
+def test_no_module_but_the_configuration_s_own_reads_the_parsed_command_line():
+    planted = ("from smmd_train.arguments import parse_args as parse\n"
+               "config = RunConfig.from_args(parse(argv))\n"
+               "def main(argv):\n    args = parse(argv)\n    run(RunConfig.from_args(args))\n    return args.seq_len\n"
+               "def other(argv):\n    return plan(parse(argv))\n")
+    assert namespace_reads(planted) == ["line 6", "line 8"]
+    offenders = {}
+    for folder in ("plugin", "launch", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            relative = str(path.relative_to(REPO))
+            if relative not in NAMESPACE_READERS and namespace_reads(path.read_text()):
+                offenders[relative] = namespace_reads(path.read_text())
+    assert offenders == {}
