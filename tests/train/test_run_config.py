@@ -153,3 +153,17 @@ def test_no_module_but_the_configuration_s_own_reads_the_parsed_command_line():
             if relative not in NAMESPACE_READERS and namespace_reads(path.read_text()):
                 offenders[relative] = namespace_reads(path.read_text())
     assert offenders == {}
+
+
+def test_every_hparams_column_is_a_field_s_or_the_plan_s():
+    """The HParams columns the fields declare, and those the plan or the launch decides, are the dashboard's."""
+    from smmd_train.dashboards import RUN_HPARAMS
+
+    declared = []
+    for section in SECTIONS.values():
+        for item in dataclasses.fields(section):
+            column = item.metadata["hparam"]
+            declared += [] if column is None else [column] if isinstance(column, str) else list(column)
+    of_the_plan = {"world_size", "dp_size", "zero_stage", "offload", "global_batch", "launcher"}
+    assert len(declared) == len(set(declared)) and not set(declared) & of_the_plan
+    assert set(declared) | of_the_plan == set(RUN_HPARAMS)
