@@ -30,17 +30,6 @@ CPU_SETTINGS = (
 )
 
 
-# train.py flags that set a number the DeepSpeed config may also hold: flag -> (section path, key).
-# Given both, they must agree (check_flags_agree); given only one, it is the run's number.
-FLAG_KEYS = {
-    "micro_batch_size": ((), "train_micro_batch_size_per_gpu"),
-    "gradient_accumulation_steps": ((), "gradient_accumulation_steps"),
-    "lr": (("optimizer", "params"), "lr"),
-    "weight_decay": (("optimizer", "params"), "weight_decay"),
-    "tp": (("tensor_parallel", ), "autotp_size"),
-}
-
-
 @dataclass(frozen=True)
 class Topology:
     world_size: int
@@ -95,13 +84,14 @@ def flag_sources() -> dict:
     return dict(pair.split("=", 1) for pair in os.environ.get("SMMD_FLAG_SOURCES", "").split())
 
 
-def check_flags_agree(config: dict, explicit: dict) -> None:
+def check_flags_agree(config: dict, explicit: dict, flag_keys: dict) -> None:
     """Refuse a flag given on the command line (``explicit``: flag -> value) that contradicts a number
-    the DeepSpeed ``config`` sets (:data:`FLAG_KEYS`), naming both, and the launcher variable that gave
+    the DeepSpeed ``config`` sets (``flag_keys``: flag -> (section path, key), from
+    ``smmd_train.run_config.agreeing_keys``), naming both, and the launcher variable that gave
     the flag (:func:`flag_sources`), one line per conflict: one of them would be silently ignored, and
     the run's records would show a number it did not use."""
     conflicts, sources = [], flag_sources()
-    for flag, (path, key) in FLAG_KEYS.items():
+    for flag, (path, key) in flag_keys.items():
         section = _section(config, path)
         if flag not in explicit or section is None or section.get(key, AUTO) == AUTO:
             continue

@@ -128,37 +128,40 @@ UNUSED_OPTION = "unused"
 RUN_SHOWN = ("world_size", "tp_size", "numeric_loss", "fused_linear", "lr")
 
 
-def run_hparams(args, plan, launcher: str) -> dict:
+def run_hparams(config, plan, launcher: str) -> dict:
     """A train.py run's :data:`RUN_HPARAMS` from its plan (smmd_train.plan.RunPlan): the numbers the
     DeepSpeed config and the flags share come from the resolved config (what the run used); the
     loss's columns from the plan's loss (``smmd_train.loss_reporter``); the rest (sequence length,
-    model, steps) from its arguments."""
+    model, steps) from its configuration (``smmd_train.run_config.RunConfig``, whose fields name
+    their columns)."""
     topology, ds_config = plan.topology, plan.ds_config
     zero = ds_config.get("zero_optimization", {})
     optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
         "sp_size": topology.sp_size, **plan.loss.hparams(),
-        "fused_linear": bool(args.fused_linear),
-        **loss_option_hparams(args, plan.loss.terms()), "z_loss": args.z_loss, "label_smoothing": args.label_smoothing,
+        "fused_linear": bool(config.loss.fused_linear), **loss_option_hparams(config.loss.options, plan.loss.terms()),
+        "z_loss": config.loss.z_loss, "label_smoothing": config.loss.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": ds_config["train_micro_batch_size_per_gpu"],
         "grad_accum": ds_config["gradient_accumulation_steps"], "global_batch": ds_config["train_batch_size"],
-        "seq_len": args.seq_len, "model": str(args.model), "lr": optimizer.get("lr", args.lr),
+        "seq_len": config.model_data.seq_len, "model": str(config.model_data.model),
+        "lr": optimizer.get("lr", config.optimization.lr),
         "warmup_steps": plan.warmup_steps,
-        "max_steps": args.max_steps, "launcher": launcher,
+        "max_steps": config.optimization.max_steps, "launcher": launcher,
     }
     return values
 
 
-def loss_option_hparams(args, terms) -> dict:
+def loss_option_hparams(options, terms) -> dict:
     """The :data:`LOSS_OPTION_COLUMNS` of a run on the numeric losses ``terms`` (``[(name, weight)]``;
-    none for the model's own loss): each option they read as the flag gave it (several values joined
+    none for the model's own loss) with the loss ``options`` (column -> value, ``RunConfig.loss.options``):
+    each option they read as the flag gave it (several values joined
     by spaces, None as "none"), :data:`UNUSED_OPTION` for the others."""
     in_use = options_in_use(terms)
     values = {}
     for option in all_options():
-        value = getattr(args, option.column)
+        value = options[option.column]
         if option not in in_use:
             value = UNUSED_OPTION
         elif isinstance(value, (list, tuple)):

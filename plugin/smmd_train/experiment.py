@@ -6,7 +6,7 @@ before any model is built (``smmd_train.run.prepare_run``) and refuses each diff
 (``old -> new``) unless ``--allow_objective_change`` says to continue with this run's, which the
 log then names.
 
-    record = experiment_record(args, plan.loss, plan.numeric_vocab, train_blocks)   # {"objective", "data"}
+    record = experiment_record(config.model_data, plan.loss, plan.numeric_vocab, blocks)  # {"objective", "data"}
     experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
 
 The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights; the deprecated
@@ -68,28 +68,29 @@ def blocks_fingerprint(blocks) -> str:
     return f"{count} blocks x {width} tokens, sha256 {digest.hexdigest()[:12]}"
 
 
-def objective_record(args, vocab) -> dict:
-    """What a run on smmd_scale's numeric loss computes, flag by flag (``args``:
-    ``smmd_train.arguments.parse_args``; ``vocab``: the plan's numeric vocabulary). A run on the model's
+def objective_record(settings, vocab) -> dict:
+    """What a run on smmd_scale's numeric loss computes, flag by flag (``settings``: the run's
+    ``smmd_train.run_config.Loss``; ``vocab``: the plan's numeric vocabulary). A run on the model's
     own loss records ``{"--framework_loss": True}`` instead (``smmd_train.loss_reporter``)."""
     record = {"--framework_loss": False,
-              "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in args.numeric_loss),
-              "--numeric_policy": args.numeric_policy}
-    if args.numeric_policy != "digits":  # the digits policy has no bound
-        record["--numeric_max_value"] = args.numeric_max_value
+              "--numeric_loss": " ".join(f"{name}:{weight:g}" for name, weight in settings.numeric_loss),
+              "--numeric_policy": settings.numeric_policy}
+    if settings.numeric_policy != "digits":  # the digits policy has no bound
+        record["--numeric_max_value"] = settings.numeric_max_value
     record["numeric vocabulary"] = vocab_fingerprint(vocab)
-    for name, _ in args.numeric_loss:
+    for name, _ in settings.numeric_loss:
         for flag in LOSS_FLAGS[name]:
-            record[f"--{flag}"] = getattr(args, flag)
-    record.update({"--z_loss": args.z_loss, "--label_smoothing": args.label_smoothing})
+            record[f"--{flag}"] = settings.options[flag]
+    record.update({"--z_loss": settings.z_loss, "--label_smoothing": settings.label_smoothing})
     return _as_json(record)
 
 
-def data_record(args, blocks) -> dict:
-    """What the run trains on: its packed ``blocks`` and the flags they come from."""
+def data_record(inputs, blocks) -> dict:
+    """What the run trains on: its packed ``blocks`` and the flags they come from (``inputs``: the run's
+    ``smmd_train.run_config.ModelData``)."""
     return _as_json({"packed blocks": blocks_fingerprint(blocks),
-                     "--data": [os.path.abspath(path) for path in args.data], "--text_field": args.text_field,
-                     "--seq_len": args.seq_len, "--tokenizer": _as_path(args.tokenizer or args.model)})
+                     "--data": [os.path.abspath(path) for path in inputs.data], "--text_field": inputs.text_field,
+                     "--seq_len": inputs.seq_len, "--tokenizer": _as_path(inputs.tokenizer or inputs.model)})
 
 
 def _as_path(name: str) -> str:
@@ -97,10 +98,10 @@ def _as_path(name: str) -> str:
     return os.path.abspath(name) if os.path.exists(name) else name
 
 
-def experiment_record(args, loss, vocab, blocks) -> dict:
-    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``; ``loss``:
-    the run's ``smmd_train.loss_reporter.LossReporter``."""
-    return {"objective": loss.objective_record(vocab), "data": data_record(args, blocks)}
+def experiment_record(inputs, loss, vocab, blocks) -> dict:
+    """The record a commit marker carries (``checkpoint.run_record``): ``{"objective", "data"}``; ``inputs``:
+    the run's ``smmd_train.run_config.ModelData``; ``loss``: its ``smmd_train.loss_reporter.LossReporter``."""
+    return {"objective": loss.objective_record(vocab), "data": data_record(inputs, blocks)}
 
 
 def experiment_changes(saved: dict, current: dict) -> list:

@@ -6,7 +6,7 @@ up and what each micro-batch reported.
     NumericLossReporter   smmd_scale's CE + numeric loss (``--numeric_loss``), installed on the LM head
     ModelLossReporter     the model's own loss (``--framework_loss``): CE alone, no numeric statistics
 
-    reporter = loss_reporter(args)                    # from train.py's arguments alone
+    reporter = loss_reporter(config)                  # from the run's configuration alone
     reporter.label, reporter.hparams()                # the sweep's run names, the HParams columns
     warnings = reporter.plan(vocab, dot_token_ids, vocab_size)    # builds the numeric loss
     reporter.install(engine)                          # the log line; then, per micro-batch:
@@ -21,9 +21,9 @@ from abc import ABC, abstractmethod
 from .arguments import in_flag_words
 
 
-def loss_reporter(args) -> LossReporter:
-    """The reporter of the loss ``args`` (``smmd_train.arguments.parse_args``) train on."""
-    return ModelLossReporter(args) if args.framework_loss else NumericLossReporter(args)
+def loss_reporter(config) -> LossReporter:
+    """The reporter of the loss the run of ``config`` (``smmd_train.run_config.RunConfig``) trains on."""
+    return ModelLossReporter(config) if config.loss.framework_loss else NumericLossReporter(config)
 
 
 class LossReporter(ABC):
@@ -36,8 +36,9 @@ class LossReporter(ABC):
     numeric_loss = None
     evaluates = False
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, config):
+        self.config = config  # smmd_train.run_config.RunConfig
+        self.settings = config.loss  # its loss section
 
     @property
     @abstractmethod
@@ -87,36 +88,36 @@ class NumericLossReporter(LossReporter):
 
     evaluates = True
 
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self, config):
+        super().__init__(config)
         self.installed = None  # smmd_scale.InstalledLoss, from install()
 
     @property
     def label(self) -> str:
-        if all(weight == 0 for _, weight in self.args.numeric_loss):
+        if all(weight == 0 for _, weight in self.settings.numeric_loss):
             return "ce"
-        return "+".join(name for name, _ in self.args.numeric_loss)
+        return "+".join(name for name, _ in self.settings.numeric_loss)
 
     def terms(self) -> tuple:
-        return tuple(self.args.numeric_loss)
+        return tuple(self.settings.numeric_loss)
 
     def hparams(self) -> dict:
-        return {"numeric_loss": " + ".join(f"{weight:g} {name}" for name, weight in self.args.numeric_loss)}
+        return {"numeric_loss": " + ".join(f"{weight:g} {name}" for name, weight in self.settings.numeric_loss)}
 
     def objective_record(self, vocab) -> dict:
         from .experiment import objective_record
 
-        return objective_record(self.args, vocab)
+        return objective_record(self.settings, vocab)
 
     def plan(self, vocab, dot_token_ids, vocab_size: int) -> list:
-        self.numeric_loss = numeric_loss(self.args, vocab, dot_token_ids)
+        self.numeric_loss = numeric_loss(self.settings, vocab, dot_token_ids)
         return numeric_scale_warnings(self.numeric_loss, vocab_size)
 
     def install(self, engine) -> str:
         import smmd_scale
 
-        self.installed = smmd_scale.install(engine, self.numeric_loss, fused_linear=self.args.fused_linear,
-                                            ce_options=ce_options(self.args))
+        self.installed = smmd_scale.install(engine, self.numeric_loss, fused_linear=self.settings.fused_linear,
+                                            ce_options=ce_options(self.settings))
         return f"{self.installed!r} ({'vocab-parallel' if self.installed.vocab_parallel else 'full logits'})"
 
     def counts_steps(self, tp_size: int) -> bool:
@@ -127,11 +128,11 @@ class NumericLossReporter(LossReporter):
 
     def record_micro_batch(self, monitor, loss) -> None:
         installed = self.installed
-        if self.args.fused_linear and installed.last_path != "fused_linear":
+        if self.settings.fused_linear and installed.last_path != "fused_linear":
             raise RuntimeError("--fused_linear is installed but this training step computed the logits (the fused "
                                "path runs only for a training-mode forward with labels)")
         monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats,
-                                   z=installed.hook.last_z if self.args.z_loss else None)
+                                   z=installed.hook.last_z if self.settings.z_loss else None)
 
 
 class ModelLossReporter(LossReporter):
@@ -151,7 +152,7 @@ class ModelLossReporter(LossReporter):
         return {"--framework_loss": True}
 
     def plan(self, vocab, dot_token_ids, vocab_size: int) -> list:
-        if self.args.eval_data:
+        if self.config.model_data.eval_data:
             return ["--eval_data is not evaluated with --framework_loss: the held-out metrics come from the "
                     "installed numeric loss, which a --framework_loss run does not have"]
         return []
@@ -171,21 +172,24 @@ class ModelLossReporter(LossReporter):
         monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
 
 
-def ce_options(args) -> dict:
-    """The loss options train.py sets (``--z_loss``, ``--label_smoothing``), those that are on. Soft-capping
-    and a logit scale are the model's own (its config), which the installed loss reads."""
-    return {name: getattr(args, name) for name in ("z_loss", "label_smoothing") if getattr(args, name)}
+def ce_options(settings) -> dict:
+    """The CE options of ``settings`` (a ``smmd_train.run_config.Loss``: ``--z_loss``, ``--label_smoothing``),
+    those that are on. Soft-capping and a logit scale are the model's own (its config), which the installed
+    loss reads."""
+    return {name: value for name, value in (("z_loss", settings.z_loss), ("label_smoothing", settings.label_smoothing))
+            if value}
 
 
-def numeric_loss(args, vocab, dot_token_ids=()):
-    """The run's numeric loss from ``--numeric_loss`` and the options its registry entries declare, on
+def numeric_loss(settings, vocab, dot_token_ids=()):
+    """The run's numeric loss from ``settings`` (a ``smmd_train.run_config.Loss``: ``--numeric_loss`` and the
+    options its registry entries declare), on
     ``vocab``: one loss, or their weighted sum (``smmd_scale.WeightedNumericLosses``).
     ``dot_token_ids``: the tokenizer's decimal points, for a loss that reads decimals (DEL)."""
     from smmd_scale.registry import LossOptionError, build_numeric_loss, options_from
 
-    options = options_from(lambda option: getattr(args, option.column))
+    options = options_from(lambda option: settings.options[option.column])
     try:
-        return build_numeric_loss(vocab, args.numeric_loss, options, dot_token_ids=dot_token_ids)
+        return build_numeric_loss(vocab, settings.numeric_loss, options, dot_token_ids=dot_token_ids)
     except LossOptionError as error:  # in the words of the refusing loss's own flags
         flags = {option.keyword: option.flag for option in error.entry.options}
         raise ValueError(in_flag_words(str(error), flags)) from None

@@ -2,11 +2,11 @@
 architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary, the
 numeric loss, and whether the DeepSpeed ops the config needs can be compiled
 (``smmd_train.preflight``). Every rank computes the same plan from the same arguments, so a bad combination
-(a flag that contradicts the DeepSpeed config, a bad loss option such as ``--smmd_sigmas -1``)
+(a layout the model cannot split, a bad loss option such as ``--smmd_sigmas -1``)
 raises the same error on every rank, before the model is built, and it can be checked in a single
 process without a launcher.
 
-    plan = plan_run(parse_args(argv), world_size=8, accelerator="cuda", bf16_supported=True)
+    plan = plan_run(RunConfig.from_args(parse_args(argv)), world_size=8, accelerator="cuda", bf16_supported=True)
     plan.topology.tp_size, plan.ds_config["train_batch_size"], plan.numeric_loss
 """
 
@@ -17,21 +17,13 @@ from typing import Optional
 
 from .arguments import in_flag_words
 from .autotp import check_tensor_parallel_split
-from .config import (
-    Topology,
-    check_flags_agree,
-    check_tensor_parallel_world,
-    load_config,
-    resolve_config,
-    set_tensor_parallel,
-    tensor_parallel_size,
-    tensorboard_dir,
-)
+from .config import Topology, check_tensor_parallel_world, resolve_config
 from .data import check_tokenizer_fits_model
 from .loss_reporter import LossReporter, loss_reporter
 from .model import check_local_sources, model_config
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
+from .run_config import RunConfig
 from .schedule import MAX_WARMUP_FRACTION, Schedule, warmup_steps_for
 from .sequence_parallel import check_sequence_parallel
 
@@ -85,52 +77,49 @@ def context_warning(config, seq_len: int) -> Optional[str]:
     return None
 
 
-def plan_run(args, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
-    """The plan for ``args`` (``smmd_train.arguments.parse_args``) on ``world_size`` ranks of
+def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
+    """The plan for ``config`` (``smmd_train.run_config.RunConfig``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
     from transformers import AutoTokenizer
 
     import smmd_scale
     from smmd_scale.vocab import dot_token_ids
 
-    check_local_sources(args.model, args.tokenizer)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    explicit = {name: getattr(args, name) for name in args.explicit}
-    json_config = load_config(args.deepspeed_config)
-    check_flags_agree(json_config, explicit)
-    raw_config = set_tensor_parallel(json_config, args.tp)
-    config = model_config(args.model, tokenizer, args.seq_len, args.trust_remote_code)
-    tp_size = tensor_parallel_size(raw_config)
-    refuse_together(lambda: check_tensor_parallel_split(config, tp_size),
+    inputs, optimization, loss_settings = config.model_data, config.optimization, config.loss
+    check_local_sources(inputs.model, inputs.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(inputs.tokenizer or inputs.model,
+                                              trust_remote_code=inputs.trust_remote_code)
+    model = model_config(inputs.model, tokenizer, inputs.seq_len, inputs.trust_remote_code)
+    tp_size, sp_size = config.layout.tp, config.layout.sp
+    refuse_together(lambda: check_tensor_parallel_split(model, tp_size),
                     lambda: check_tensor_parallel_world(tp_size, world_size),
-                    lambda: check_sequence_parallel(config, args.sp, args.seq_len, tp_size, world_size))
-    warnings = [*args.deprecated, check_tokenizer_fits_model(tokenizer, config.vocab_size),
-                context_warning(config, args.seq_len)]
+                    lambda: check_sequence_parallel(model, sp_size, inputs.seq_len, tp_size, world_size))
+    warnings = [*config.deprecated, check_tokenizer_fits_model(tokenizer, model.vocab_size),
+                context_warning(model, inputs.seq_len)]
     ds_config, topology = resolve_config(
-        raw_config, world_size=world_size, micro_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.lr,
-        weight_decay=args.weight_decay, bf16_supported=bf16_supported, hidden_size=config.hidden_size,
-        accelerator=accelerator, sp_size=args.sp)
+        config.deepspeed_dict(), world_size=world_size, micro_batch_size=optimization.micro_batch_size,
+        gradient_accumulation_steps=optimization.gradient_accumulation_steps, learning_rate=optimization.lr,
+        weight_decay=optimization.weight_decay, bf16_supported=bf16_supported, hidden_size=model.hidden_size,
+        accelerator=accelerator, sp_size=sp_size)
     compiled = ops_to_compile(ds_config, accelerator)
     build_notes, build_problems = check_ops(compiled, BuildEnvironment.detect()) if compiled else ([], [])
     if build_problems:  # else deepspeed.initialize would fail on every rank, after the model was built
         raise ValueError("\n".join(build_problems))
     warnings += build_notes
-    warmup_steps = warmup_steps_for(args.warmup_steps, args.max_steps)
-    if args.warmup_steps is not None and warmup_steps != args.warmup_steps:  # asked for, and changed
-        warnings.append(f"--warmup_steps {args.warmup_steps} -> {warmup_steps}: warmup is at least one step and at "
-                        f"most {MAX_WARMUP_FRACTION:.0%} of --max_steps {args.max_steps}")
-    loss = loss_reporter(args)
+    warmup_steps = warmup_steps_for(optimization.warmup_steps, optimization.max_steps)
+    if optimization.warmup_steps is not None and warmup_steps != optimization.warmup_steps:  # asked for, and changed
+        warnings.append(f"--warmup_steps {optimization.warmup_steps} -> {warmup_steps}: warmup is at least one step "
+                        f"and at most {MAX_WARMUP_FRACTION:.0%} of --max_steps {optimization.max_steps}")
+    loss = loss_reporter(config)
     try:
-        vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=args.numeric_policy,
-                                                       max_value=args.numeric_max_value, vocab_size=config.vocab_size)
-        warnings += loss.plan(vocab, dot_token_ids(tokenizer), config.vocab_size)
+        vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=loss_settings.numeric_policy,
+                                                       max_value=loss_settings.numeric_max_value,
+                                                       vocab_size=model.vocab_size)
+        warnings += loss.plan(vocab, dot_token_ids(tokenizer), model.vocab_size)
     except ValueError as error:
         raise ValueError(in_flag_words(str(error))) from None
-    return RunPlan(tokenizer=tokenizer, model_config=config, ds_config=ds_config, topology=topology,
-                   pretrained_dir=None if args.model in PRESETS else args.model,
-                   tensorboard=bool((raw_config.get("tensorboard") or {}).get("enabled", False)),
-                   tensorboard_dir=tensorboard_dir(raw_config, args.output_dir, explicit.get("tensorboard_dir")),
-                   schedule=Schedule(ds_config.get("optimizer", {}).get("params", {}).get("lr", args.lr), warmup_steps,
-                                     args.max_steps, args.min_lr_ratio), numeric_vocab=vocab,
-                   loss=loss, warnings=[warning for warning in warnings if warning])
+    return RunPlan(tokenizer=tokenizer, model_config=model, ds_config=ds_config, topology=topology,
+                   pretrained_dir=None if inputs.model in PRESETS else inputs.model,
+                   tensorboard=config.logging.tensorboard, tensorboard_dir=config.logging.tensorboard_dir,
+                   schedule=Schedule(optimization.lr, warmup_steps, optimization.max_steps, optimization.min_lr_ratio),
+                   numeric_vocab=vocab, loss=loss, warnings=[warning for warning in warnings if warning])

@@ -8,8 +8,9 @@
              makes the LM head vocabulary-parallel), the planned numeric loss installed on the head
 
     launch = init_distributed()
-    run = prepare_run(args, launch)                         # all of it: what launch/train.py trains
-    run = prepare_run(args, Launch(0, 4, 0, 4, "single"), until="data")  # the checks alone: one process,
+    config = RunConfig.from_args(parse_args(argv))          # flags + DeepSpeed config (smmd_train.run_config)
+    run = prepare_run(config, launch)                       # all of it: what launch/train.py trains
+    run = prepare_run(config, Launch(0, 4, 0, 4, "single"), until="data")  # the checks alone: one process,
                                                             # no launcher (the sweep's pre-launch check, tests)
 
 A bad option of the plan or the data raises :class:`RunRefused` (a ValueError, one line per problem)
@@ -31,13 +32,10 @@ from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .experiment import check_resumed_experiment, experiment_record
 from .plan import RunPlan, plan_run
+from .run_config import Checkpointing, ModelData, RunConfig, RunRefused
 from .sequence_parallel import micro_batch_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
-
-
-class RunRefused(ValueError):
-    """The options, the DeepSpeed config or the data cannot make a run; one line per problem."""
 
 
 def log(*parts) -> None:
@@ -50,7 +48,7 @@ def log(*parts) -> None:
 class PreparedRun:
     """What :func:`prepare_run` built; the fields of the stages not run stay None."""
 
-    args: object
+    config: RunConfig
     launch: Launch
     plan: RunPlan
     train_blocks: object = None  # datasets.Dataset of packed [seq_len] blocks
@@ -77,11 +75,11 @@ class PreparedRun:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch_size * self.accumulation * self.plan.topology.dp_size * self.args.seq_len
+        return self.micro_batch_size * self.accumulation * self.plan.topology.dp_size * self.config.model_data.seq_len
 
 
-def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
-    """Set up the run of ``args`` (``smmd_train.arguments.parse_args``) on ``launch``'s ranks, up to
+def prepare_run(config: RunConfig, launch: Launch, until: str = "engine") -> PreparedRun:
+    """Set up the run of ``config`` (``smmd_train.run_config.RunConfig``) on ``launch``'s ranks, up to
     and including the stage ``until`` (one of :data:`STAGES`)."""
     if until not in STAGES:
         raise ValueError(f"until={until!r} must be one of {STAGES}")
@@ -89,18 +87,19 @@ def prepare_run(args, launch: Launch, until: str = "engine") -> PreparedRun:
 
     accelerator = get_accelerator()
     try:
-        plan = plan_run(args, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
+        plan = plan_run(config, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
         check_tensor_parallel_within_node(plan.topology.tp_size, launch.local_size)
-        run = PreparedRun(args=args, launch=launch, plan=plan, resume_tag=plan_resume(args, plan))
+        run = PreparedRun(config=config, launch=launch, plan=plan, resume_tag=plan_resume(config.checkpointing, plan))
         if until == "plan":
             return run
-        run.train_blocks = _packed(args, plan, args.data)
-        run.eval_blocks = _packed(args, plan, args.eval_data) if args.eval_data else None
-        run.experiment = experiment_record(args, plan.loss, plan.numeric_vocab, run.train_blocks)
+        inputs, checkpointing = config.model_data, config.checkpointing
+        run.train_blocks = _packed(inputs, plan, inputs.data)
+        run.eval_blocks = _packed(inputs, plan, inputs.eval_data) if inputs.eval_data else None
+        run.experiment = experiment_record(inputs, plan.loss, plan.numeric_vocab, run.train_blocks)
         if run.resume_tag is not None:
             plan.warnings += check_resumed_experiment(
-                run.resume_tag, read_commit(args.output_dir, run.resume_tag), run.experiment, args.seed,
-                len(run.train_blocks), args.allow_objective_change)
+                run.resume_tag, read_commit(checkpointing.output_dir, run.resume_tag), run.experiment,
+                config.optimization.seed, len(run.train_blocks), checkpointing.allow_objective_change)
     except (ValueError, FileNotFoundError) as error:
         raise RunRefused(str(error)) from error
     if until == "engine":
@@ -129,7 +128,7 @@ def check_tensor_parallel_within_node(tp_size: int, ranks_per_node: int) -> None
                          "(data parallelism across the nodes)")
 
 
-def plan_resume(args, plan: RunPlan) -> Optional[str]:
+def plan_resume(checkpointing: Checkpointing, plan: RunPlan) -> Optional[str]:
     """The committed checkpoint in ``--output_dir`` this run continues (None: it starts at step 0),
     decided before any model exists and alike on every rank (``checkpoint.agreed_resume_tag``).
 
@@ -143,17 +142,18 @@ def plan_resume(args, plan: RunPlan) -> Optional[str]:
     from .checkpoint import agreed_resume_tag, check_resume_layout
     from .schedule import resumed_schedule
 
-    tag = agreed_resume_tag(args.output_dir)
+    output_dir = checkpointing.output_dir
+    tag = agreed_resume_tag(output_dir)
     if tag is None:
         return None
-    committed = read_commit(args.output_dir, tag)
-    if not args.resume:
-        if args.overwrite_output_dir:
+    committed = read_commit(output_dir, tag)
+    if not checkpointing.resume:
+        if checkpointing.overwrite_output_dir:
             return None
-        raise ValueError(f"--output_dir {args.output_dir} holds a committed checkpoint of an earlier run ({tag}, "
+        raise ValueError(f"--output_dir {output_dir} holds a committed checkpoint of an earlier run ({tag}, "
                          f"step {committed['step']}): pass --resume to continue that run, or --overwrite_output_dir to "
                          "start a new one there (its checkpoints, metrics.jsonl and TensorBoard events are removed)")
-    conversion = check_resume_layout(args.output_dir, tag, committed, plan.topology,
+    conversion = check_resume_layout(output_dir, tag, committed, plan.topology,
                                      plan.ds_config.get("zero_optimization", {}).get("stage", 0),
                                      plan.ds_config["train_batch_size"])
     if conversion is not None:
@@ -164,9 +164,9 @@ def plan_resume(args, plan: RunPlan) -> Optional[str]:
     return tag
 
 
-def _packed(args, plan: RunPlan, paths):
-    return rank_zero_first(lambda: pack_files(paths, plan.tokenizer, args.seq_len, text_field=args.text_field,
-                                              num_proc=args.num_proc, cache_dir=args.cache_dir))
+def _packed(inputs: ModelData, plan: RunPlan, paths):
+    return rank_zero_first(lambda: pack_files(paths, plan.tokenizer, inputs.seq_len, text_field=inputs.text_field,
+                                              num_proc=inputs.num_proc, cache_dir=inputs.cache_dir))
 
 
 def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, pretrained_dir: Optional[str] = None,
@@ -211,12 +211,13 @@ def _build_engine(run: PreparedRun) -> None:
 
     from .data import PackedBatches
 
-    args, plan, topology = run.args, run.plan, run.plan.topology
+    inputs, plan, topology = run.config.model_data, run.plan, run.plan.topology
     log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel x "
         f"{topology.sp_size} sequence-parallel ({run.launch.launcher})")
     run.engine, run.flops_per_token = build_engine(
-        plan.model_config, plan.ds_config, topology.tp_size, args.seq_len, pretrained_dir=plan.pretrained_dir,
-        trust_remote_code=args.trust_remote_code, gradient_checkpointing=args.gradient_checkpointing,
+        plan.model_config, plan.ds_config, topology.tp_size, inputs.seq_len, pretrained_dir=plan.pretrained_dir,
+        trust_remote_code=inputs.trust_remote_code,
+        gradient_checkpointing=run.config.optimization.gradient_checkpointing,
         lr_scheduler=plan.schedule.scheduler(), sp_size=topology.sp_size)
     run.dp_rank = groups.get_data_parallel_rank() if topology.tp_size > 1 else dist.get_rank() // topology.sp_size
     run.dp_group = groups.get_data_parallel_group() if topology.tp_size > 1 else None
@@ -227,8 +228,8 @@ def _build_engine(run: PreparedRun) -> None:
 
         run.sp_size, run.sp_group = topology.sp_size, parallel_state_sp.get_sequence_parallel_group()
         run.sp_rank, run.sp_loss_scale = dist.get_rank(run.sp_group), shard_loss_scale(run.engine, topology.sp_size)
-    run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size, args.seed,
-                                accumulation=run.accumulation)
+    run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size,
+                                run.config.optimization.seed, accumulation=run.accumulation)
     log(f"loss: {plan.loss.install(run.engine)}")
 
 
@@ -289,9 +290,9 @@ def open_monitor(run: PreparedRun, start_step: int = 0):
     return TrainingMonitor(run.engine, world_size=topology.world_size, tp_size=topology.tp_size,
                            dp_size=topology.dp_size, sp_size=topology.sp_size, dp_group=run.dp_group,
                            flops_per_token=run.flops_per_token,
-                           metrics_path=str(Path(run.args.output_dir, "metrics.jsonl")),
+                           metrics_path=str(Path(run.config.checkpointing.output_dir, "metrics.jsonl")),
                            tensorboard_dir=plan.tensorboard_dir if plan.tensorboard else None,
-                           hparams=run_hparams(run.args, plan, run.launch.launcher),
+                           hparams=run_hparams(run.config, plan, run.launch.launcher),
                            start_step=start_step)
 
 
@@ -300,9 +301,9 @@ def write_run_config(run: PreparedRun) -> None:
     if dist.get_rank() != 0:
         return
     plan, topology = run.plan, run.plan.topology
-    Path(run.args.output_dir, "run_config.json").write_text(json.dumps(
-        {"args": vars(run.args), "deepspeed_config": plan.ds_config, "world_size": topology.world_size,
-         "tp_size": topology.tp_size, "dp_size": topology.dp_size, "sp_size": topology.sp_size,
-         "launcher": run.launch.launcher,
+    Path(run.config.checkpointing.output_dir, "run_config.json").write_text(json.dumps(
+        {"args": dict(run.config.command_line), "deepspeed_config": plan.ds_config,
+         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
+         "sp_size": topology.sp_size, "launcher": run.launch.launcher,
          "tensorboard_dir": plan.tensorboard_dir, "model_config": run.engine.module.config.to_dict(),
          "numeric_vocab": repr(plan.numeric_vocab)}, indent=1, default=str))

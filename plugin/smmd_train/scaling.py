@@ -54,6 +54,7 @@ from .arguments import parse_args as parse_train_args
 from .launcher import launch_command, run_to_completion
 from .loss_reporter import loss_reporter
 from .metrics_file import METRICS_FILE, read_metrics
+from .run_config import RunConfig
 from .tables import markdown_table
 
 # train.py options that the sweep sets per run.
@@ -192,32 +193,30 @@ def plan_sweep(sweep, accelerator: str, label: str = "") -> tuple:
     return configs, refused, warnings
 
 
-def run_label(train_args) -> str:
+def run_label(train_config: RunConfig) -> str:
     """What every run of the sweep trains, for its run names: ``zero3-smmd``, ``zero3-smmd+ntl-was-fused``,
     ``zero3-ce`` (CE only: --framework_loss, or every weight in --numeric_loss 0; ``LossReporter.label``)."""
-    from .config import load_config
-
-    stage = (load_config(train_args.deepspeed_config).get("zero_optimization") or {}).get("stage", 0)
-    return f"zero{stage}-{loss_reporter(train_args).label}" + ("-fused" if train_args.fused_linear else "")
+    stage = (train_config.deepspeed.get("zero_optimization") or {}).get("stage", 0)
+    return f"zero{stage}-{loss_reporter(train_config).label}" + ("-fused" if train_config.loss.fused_linear else "")
 
 
-def run_options(sweep, train_args, config: Config, output_dir: Path) -> dict:
+def run_options(sweep, train_config: RunConfig, config: Config, output_dir: Path) -> dict:
     """train.py options (``train_flags`` keywords) for one run of the sweep."""
     options = {"output_dir": str(output_dir / "runs" / config.name),
                "tensorboard_dir": str(output_dir / "tensorboard" / config.name), "tp": config.tp, "sp": config.sp,
-               "cache_dir": train_args.cache_dir,  # the runs share one tokenized, packed copy of the data
+               "cache_dir": train_config.model_data.cache_dir,  # the runs share one tokenized, packed copy of the data
                "overwrite_output_dir": True}  # an unfinished or re-run configuration starts clean
     if not sweep.weak:
-        per_step = config.dp * train_args.micro_batch_size
+        per_step = config.dp * train_config.optimization.micro_batch_size
         if sweep.global_batch % per_step:
             raise ValueError(f"--global_batch {sweep.global_batch} is not a multiple of data-parallel size "
-                             f"{config.dp} x micro batch {train_args.micro_batch_size} ({config.name})")
+                             f"{config.dp} x micro batch {train_config.optimization.micro_batch_size} ({config.name})")
         options["gradient_accumulation_steps"] = sweep.global_batch // per_step
     return options
 
 
-def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
-    """train.py's own parse of the options the sweep passes through; refuses those the sweep sets."""
+def check_train_options(train_argv: Sequence[str], sweep) -> RunConfig:
+    """train.py's own configuration of the options the sweep passes through; refuses those the sweep sets."""
     given = {arg[2:].split("=", 1)[0] for arg in train_argv if arg.startswith("--")}
     owned = sorted(given & set(SWEEP_OWNED))
     if owned:
@@ -228,7 +227,7 @@ def check_train_options(train_argv: Sequence[str], sweep) -> argparse.Namespace:
                          "(or pass --weak to keep each replica's batch fixed)")
     if sweep.weak and sweep.global_batch is not None:
         raise ValueError("--global_batch is for strong scaling (--weak keeps each replica's batch fixed)")
-    return parse_train_args([*train_argv, "--output_dir", sweep.output_dir])
+    return RunConfig.from_args(parse_train_args([*train_argv, "--output_dir", sweep.output_dir]))
 
 
 def run_state(output_dir: Path, config: Config) -> Optional[dict]:
@@ -321,19 +320,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     accelerator = get_accelerator()
     output_dir = Path(sweep.output_dir)
     try:
-        train_args = check_train_options(train_argv, sweep)
+        train_config = check_train_options(train_argv, sweep)
         if not sweep.weak and sweep.global_batch is None:
             smallest_group = min(sweep.tp) * min(sweep.sp)
-            sweep.global_batch = max(size // smallest_group for size in sweep.world_sizes) * train_args.micro_batch_size
-        configs, refused, warnings = plan_sweep(sweep, accelerator.device_name(), run_label(train_args))
+            sweep.global_batch = (max(size // smallest_group for size in sweep.world_sizes)
+                                  * train_config.optimization.micro_batch_size)
+        configs, refused, warnings = plan_sweep(sweep, accelerator.device_name(), run_label(train_config))
         options = {}
         for config in configs:  # train.py's own plan for each run, before any is launched
             if config.name in refused:
                 continue
-            options[config.name] = run_options(sweep, train_args, config, output_dir)  # a bad batch fails the sweep
+            options[config.name] = run_options(sweep, train_config, config, output_dir)  # a bad batch fails the sweep
             try:
-                plan = prepare_run(parse_train_args([*train_argv, *train_flags(**options[config.name])]),
-                                   Launch(0, config.world_size, 0, config.world_size, "plan"), until="plan").plan
+                run_config = RunConfig.from_args(parse_train_args([*train_argv, *train_flags(**options[config.name])]))
+                plan = prepare_run(run_config, Launch(0, config.world_size, 0, config.world_size, "plan"),
+                                   until="plan").plan
             except ValueError as error:
                 refused[config.name] = str(error)
                 continue

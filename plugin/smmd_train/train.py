@@ -21,9 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-# Only the parser at the top: cli() reads the command line before DeepSpeed and transformers load
-# (seconds, on every rank), so a mistyped flag is refused at once; main() imports the rest.
+# Only the parser and the configuration at the top: cli() reads the command line and the DeepSpeed config
+# before DeepSpeed and transformers load (seconds, on every rank), so a mistyped flag is refused at once;
+# main() imports the rest.
 from .arguments import parse_args
+from .run_config import RunConfig, RunRefused
 
 
 def seed_everything(seed: int) -> None:
@@ -35,8 +37,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(args) -> None:
-    """Train the run of ``args`` (:func:`smmd_train.arguments.parse_args`)."""
+def main(config: RunConfig) -> None:
+    """Train the run of ``config`` (:class:`smmd_train.run_config.RunConfig`)."""
     from tqdm import tqdm
 
     from .checkpoint import Checkpointer, TrainState, clear_run, run_record
@@ -46,27 +48,29 @@ def main(args) -> None:
     from .guard import NonFiniteGuard
     from .run import log, open_monitor, prepare_run, train_step, write_run_config
 
-    launch = init_distributed(args.process_group_timeout_minutes)
-    seed_everything(args.seed)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    optimization, checkpointing, inputs = config.optimization, config.checkpointing, config.model_data
+    output_dir = checkpointing.output_dir
+    launch = init_distributed(config.layout.process_group_timeout_minutes)
+    seed_everything(optimization.seed)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
 
     # Plan, data, model, engine, numeric loss: a bad option or config fails (on every rank) before the model exists.
-    run = prepare_run(args, launch)
+    run = prepare_run(config, launch)
     for warning in run.plan.warnings:
         log(f"warning: {warning}")
 
     # Resume: model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG.
-    guard = NonFiniteGuard(args.max_skipped_steps)
+    guard = NonFiniteGuard(optimization.max_skipped_steps)
     state = TrainState(run.batches, guard)
-    checkpointer = Checkpointer(run.engine, args.output_dir, args.save_steps, args.max_steps,
+    checkpointer = Checkpointer(run.engine, output_dir, checkpointing.save_steps, optimization.max_steps,
                                 run_record(run.plan.topology, run.plan.schedule.as_dict(), run.experiment))
     if run.resume_tag is not None:
         checkpointer.resume(state, run.resume_tag)
         log(f"resumed from {run.resume_tag} at step {state.step}")
-    elif args.resume:
-        log(f"no committed checkpoint in {args.output_dir}; starting from step 0")
-    elif args.overwrite_output_dir:
-        removed = run_on_rank_zero(lambda: clear_run(args.output_dir, run.plan.tensorboard_dir))
+    elif checkpointing.resume:
+        log(f"no committed checkpoint in {output_dir}; starting from step 0")
+    elif checkpointing.overwrite_output_dir:
+        removed = run_on_rank_zero(lambda: clear_run(output_dir, run.plan.tensorboard_dir))
         if removed:
             log(f"--overwrite_output_dir: removed {len(removed)} file(s) and checkpoint(s) of an earlier run")
 
@@ -74,15 +78,15 @@ def main(args) -> None:
     write_run_config(run)
     if state.step == 0:
         monitor.log_run_shape()
-    evaluator = Evaluator(run, monitor, args.eval_steps, args.eval_batches)
+    evaluator = Evaluator(run, monitor, inputs.eval_steps, inputs.eval_batches)
 
     # Train. A step whose loss is NaN/inf on any rank is skipped on every rank (NonFiniteGuard).
-    progress = tqdm(total=args.max_steps, initial=state.step, disable=launch.rank != 0, desc="train",
+    progress = tqdm(total=optimization.max_steps, initial=state.step, disable=launch.rank != 0, desc="train",
                     dynamic_ncols=True)
     note = (lambda text: progress.write(f"[train] {text}")) if launch.rank == 0 else (lambda text: None)
     began, first_step = time.monotonic(), state.step
     run.engine.train()  # from_pretrained returns a model in eval mode (no dropout, and no fused linear head)
-    for step in range(state.step + 1, args.max_steps + 1):
+    for step in range(state.step + 1, optimization.max_steps + 1):
         metrics = train_step(run, step, guard, monitor)
         state.step = step
         guard.raise_if_exhausted(checkpointer.last_tag)
@@ -92,13 +96,13 @@ def main(args) -> None:
         if evaluation is not None:
             note(f"step {step}: {describe(evaluation)}")
         if checkpointer.maybe_save(state) is not None:
-            note(f"step {step}: saved checkpoint {Path(args.output_dir, checkpointer.last_tag)}")
+            note(f"step {step}: saved checkpoint {Path(output_dir, checkpointer.last_tag)}")
     progress.close()
 
-    evaluation = evaluator.finish(args.max_steps)
-    summary = monitor.finish(args.max_steps)
-    if args.export_hf:
-        export_hf(run.engine, args.export_hf, run.plan.tokenizer)
+    evaluation = evaluator.finish(optimization.max_steps)
+    summary = monitor.finish(optimization.max_steps)
+    if checkpointing.export_hf:
+        export_hf(run.engine, checkpointing.export_hf, run.plan.tokenizer)
     for line in end_of_run(run, state.step - first_step, time.monotonic() - began, summary, evaluation,
                            checkpointer.last_tag):
         log(line)
@@ -109,8 +113,8 @@ def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, check
     metrics, and where the checkpoint, the metrics, TensorBoard and the export went."""
     from .evaluation import describe
 
-    args, plan = run.args, run.plan
-    lines = [f"done: {steps} step(s) in {seconds:.1f} s, to step {args.max_steps}"]
+    checkpointing, plan = run.config.checkpointing, run.plan
+    lines = [f"done: {steps} step(s) in {seconds:.1f} s, to step {run.config.optimization.max_steps}"]
     losses = [f"{name} {summary[f'summary/final_loss_{name}']:.4f}" for name in ("total", "ce", "numeric")
               if f"summary/final_loss_{name}" in summary]
     if losses:
@@ -122,11 +126,11 @@ def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, check
     if evaluation is not None:
         lines.append(describe(evaluation))
     if checkpoint_tag is not None:
-        lines.append(f"checkpoint: {Path(args.output_dir, checkpoint_tag)} (continue with --resume)")
-    lines.append(f"metrics: {Path(args.output_dir, 'metrics.jsonl')}" +
+        lines.append(f"checkpoint: {Path(checkpointing.output_dir, checkpoint_tag)} (continue with --resume)")
+    lines.append(f"metrics: {Path(checkpointing.output_dir, 'metrics.jsonl')}" +
                  (f"; TensorBoard: tensorboard --logdir {plan.tensorboard_dir}" if plan.tensorboard else ""))
-    if args.export_hf:
-        lines.append(f"Hugging Face model: {args.export_hf}")
+    if checkpointing.export_hf:
+        lines.append(f"Hugging Face model: {checkpointing.export_hf}")
     return lines
 
 
@@ -137,11 +141,10 @@ def cli(argv=None) -> None:
     args = parse_args(argv, description=__doc__)
     from .distributed import shutdown_distributed
     from .guard import NonFiniteLossError
-    from .run import RunRefused
 
     exit_code = 0
     try:
-        main(args)
+        main(RunConfig.from_args(args))
     except RunRefused as error:  # raised on every rank, before the model was built
         if os.environ.get("RANK", "0") == "0":
             for problem in str(error).splitlines():

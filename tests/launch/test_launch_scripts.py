@@ -30,9 +30,10 @@ import json, sys
 from smmd_train.arguments import parse_args
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
+from smmd_train.run_config import RunConfig
 try:
-    run = prepare_run(parse_args(sys.argv[sys.argv.index({TRAIN_SCRIPT!r}) + 1:]), Launch(0, 1, 0, 1, "single"),
-                      until="plan")
+    config = RunConfig.from_args(parse_args(sys.argv[sys.argv.index({TRAIN_SCRIPT!r}) + 1:]))
+    run = prepare_run(config, Launch(0, 1, 0, 1, "single"), until="plan")
 except RunRefused as error:
     sys.exit("refused: " + str(error))
 print(json.dumps({{"ds_config": run.plan.ds_config, "lr": run.plan.schedule.lr}}))

@@ -446,13 +446,14 @@ def test_train_plans_the_new_losses_from_the_command_line(tmp_path, tokenizer_di
     from smmd_train.arguments import parse_args
     from smmd_train.distributed import Launch
     from smmd_train.run import prepare_run
+    from smmd_train.run_config import RunConfig
 
     corpus = write_corpus(tmp_path / "train.jsonl", 50)
     flags = train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
                         data=[corpus], seq_len=48, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run",
                         numeric_loss=["dist2:0.5", "gauss-ls:0.3", "del"], numeric_policy="digits", dist2_tau=2.0,
                         gauss_ls_sigma=0.5, del_scale=0.02)
-    planned = prepare_run(parse_args(flags), Launch(0, 1, 0, 1, "single"), until="plan").plan
+    planned = prepare_run(RunConfig.from_args(parse_args(flags)), Launch(0, 1, 0, 1, "single"), until="plan").plan
     (dist2, dist2_weight), (gauss, gauss_weight), (digit_entropy, del_weight) = planned.numeric_loss.weighted_terms()
     assert (type(dist2), dist2.tau, dist2_weight) == (DIST2Loss, 2.0, 0.5)
     assert (type(gauss), gauss.sigma, gauss_weight) == (GaussianLabelSmoothingLoss, 0.5, 0.3)

@@ -263,6 +263,7 @@ def test_train_plans_ntl_number_from_the_command_line(tmp_path, tokenizer_dir):
     from smmd_train.arguments import parse_args
     from smmd_train.distributed import Launch
     from smmd_train.run import prepare_run
+    from smmd_train.run_config import RunConfig
 
     corpus = write_corpus(tmp_path / "train.jsonl", 50)
 
@@ -270,7 +271,7 @@ def test_train_plans_ntl_number_from_the_command_line(tmp_path, tokenizer_dir):
         flags = train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
                             data=[corpus], seq_len=48, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run",
                             **options)
-        return prepare_run(parse_args(flags), Launch(0, 1, 0, 1, "single"), until="plan").plan
+        return prepare_run(RunConfig.from_args(parse_args(flags)), Launch(0, 1, 0, 1, "single"), until="plan").plan
 
     planned = plan(numeric_loss=["smmd:1", "ntl-number:0.3"], numeric_policy="digits", ntl_reweigh=False)
     (_, smmd_weight), (number_level, weight) = planned.numeric_loss.weighted_terms()

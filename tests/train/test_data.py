@@ -745,18 +745,20 @@ def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_lin
     from smmd_train.arguments import parse_args
     from smmd_train.distributed import Launch
     from smmd_train.run import RunRefused, prepare_run
+    from smmd_train.run_config import RunConfig
 
     records = random_records(rng, 12)
     sft = write_records(tmp_path / "sft.jsonl", records)
     flags = dict(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
                  data=[sft], eval_data=[sft], seq_len=96, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run")
-    run = prepare_run(parse_args(train_flags(**flags)), Launch(0, 1, 0, 1, "single"), until="data")
+    run = prepare_run(RunConfig.from_args(parse_args(train_flags(**flags))), Launch(0, 1, 0, 1, "single"),
+                      until="data")
     assert run.train_blocks.column_names == ["input_ids", "labels"] and len(run.train_blocks) == len(records)
     assert run.eval_blocks.column_names == ["input_ids", "labels"]
 
     broken = write_records(tmp_path / "broken.jsonl", records, extra_lines=[(3, '{"prompt": "a", "completion": ')])
     with pytest.raises(RunRefused) as refused:
-        prepare_run(parse_args(train_flags(**{**flags, "data": [broken], "eval_data": None})),
+        prepare_run(RunConfig.from_args(parse_args(train_flags(**{**flags, "data": [broken], "eval_data": None}))),
                     Launch(0, 1, 0, 1, "single"), until="data")
     assert str(refused.value) == f"{broken}:4:31: not valid JSON: Expecting value; each line of a JSON-lines file " \
                                  "must be one JSON object"

@@ -15,6 +15,7 @@ from smmd_train.arguments import build_parser, parse_args
 from smmd_train.dashboards import LOSS_OPTION_COLUMNS, RUN_HPARAMS, UNUSED_OPTION, loss_option_hparams
 from smmd_train.experiment import LOSS_FLAGS, objective_record
 from smmd_train.loss_reporter import numeric_loss
+from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 
@@ -55,7 +56,7 @@ def test_each_option_s_flag_reaches_the_built_loss(tmp_path, name):
     values = {option.column: other_value(option) for option in entry.options}
     args = args_with(tmp_path, numeric_loss=[name], numeric_policy="digits", **values)
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 16)
-    loss = numeric_loss(args, vocab)
+    loss = numeric_loss(RunConfig.from_args(args).loss, vocab)
     for option in entry.options:
         assert getattr(loss, option.keyword) == option.keyword_value(values[option.column]), option.flag
 
@@ -75,15 +76,16 @@ def test_a_checked_option_s_bad_value_is_one_line_naming_its_flag(tmp_path, caps
 def test_hparams_show_the_options_of_the_run_s_losses_and_mark_the_others_unused(tmp_path):
     assert set(LOSS_OPTION_COLUMNS) <= set(RUN_HPARAMS)
     args = args_with(tmp_path, numeric_loss=["ntl-was:0.3"], ntl_squash_factor=9.0, smmd_sigmas=[1.0, 3.0])
-    columns = loss_option_hparams(args, args.numeric_loss)
+    columns = loss_option_hparams(RunConfig.from_args(args).loss.options, args.numeric_loss)
     assert tuple(columns) == LOSS_OPTION_COLUMNS
     in_use = {option.column for option in options_in_use(args.numeric_loss)}
     assert in_use == {"ntl_reweigh", "ntl_squash_factor"}
     assert columns["ntl_squash_factor"] == 9.0 and columns["ntl_reweigh"] is True
     assert all(columns[column] == UNUSED_OPTION for column in set(columns) - in_use)  # --smmd_sigmas too
     args = args_with(tmp_path, smmd_sigmas=[1.0, 3.0])
-    assert loss_option_hparams(args, args.numeric_loss)["smmd_sigmas"] == "1 3"
-    assert set(loss_option_hparams(args, ()).values()) == {UNUSED_OPTION}
+    options = RunConfig.from_args(args).loss.options
+    assert loss_option_hparams(options, args.numeric_loss)["smmd_sigmas"] == "1 3"
+    assert set(loss_option_hparams(options, ()).values()) == {UNUSED_OPTION}
 
 
 def test_the_resume_record_holds_the_options_of_the_run_s_losses(tmp_path):
@@ -91,7 +93,7 @@ def test_the_resume_record_holds_the_options_of_the_run_s_losses(tmp_path):
                           for name, entry in NUMERIC_LOSSES.items()}
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 16)
     args = args_with(tmp_path, numeric_loss=["smmd", "ntl-mse:0.5"], smmd_squash_factor=4.0)
-    record = objective_record(args, vocab)
+    record = objective_record(RunConfig.from_args(args).loss, vocab)
     options = {option.flag for option in all_options()}
     recorded = {key for key in record if key in options}
     assert recorded == {"--smmd_mode", "--smmd_kernel", "--smmd_sigmas", "--smmd_squash_factor", "--ntl_reweigh"}

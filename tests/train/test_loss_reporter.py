@@ -10,6 +10,7 @@ from helpers.launching import REPO, train_flags
 
 from smmd_train.arguments import parse_args
 from smmd_train.loss_reporter import ModelLossReporter, NumericLossReporter, loss_reporter
+from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 # The modules that may read --framework_loss: the parser (its checks) and the one choice of reporter.
@@ -17,8 +18,9 @@ CHOOSERS = {"plugin/smmd_train/arguments.py", "plugin/smmd_train/loss_reporter.p
 
 
 def reporter_of(tmp_path, **options):
-    return loss_reporter(parse_args(train_flags(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path,
-                                                data=["x"], max_steps=1, output_dir=tmp_path, **options)))
+    return loss_reporter(RunConfig.from_args(parse_args(train_flags(
+        deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path,
+        **options))))
 
 
 def test_the_numeric_loss_and_the_model_s_own_answer_alike(tmp_path):

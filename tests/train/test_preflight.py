@@ -12,6 +12,7 @@ from smmd_train.arguments import parse_args
 from smmd_train.config import load_config, resolve_config
 from smmd_train.plan import plan_run
 from smmd_train.preflight import BuildEnvironment, check_ops, ops_to_compile
+from smmd_train.run_config import RunConfig
 
 NOTHING_PREBUILT = {"fused_adam": False, "cpu_adam": False, "async_io": False}
 
@@ -70,12 +71,13 @@ def test_the_plan_refuses_a_gpu_run_that_cannot_build_its_optimizer(tmp_path, to
     monkeypatch.setattr(BuildEnvironment, "detect", classmethod(lambda cls: environment(tmp_path)))
     flags = dict(model="tiny", tokenizer=tokenizer_dir, data=["unused.jsonl"], max_steps=2, output_dir=tmp_path)
     with pytest.raises(ValueError, match="needs nvcc"):
-        plan_run(parse_args(train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", **flags)), 8, "cuda",
-                 True)
+        plan_run(RunConfig.from_args(parse_args(train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json",
+                                                             **flags))), 8, "cuda", True)
     torch_adam = load_config(str(REPO / "ds_configs" / "zero3.json"))
     torch_adam["optimizer"]["params"]["torch_adam"] = True
     (tmp_path / "torch_adam.json").write_text(json.dumps(torch_adam))
-    plan = plan_run(parse_args(train_flags(deepspeed_config=tmp_path / "torch_adam.json", **flags)), 8, "cuda", True)
+    config = RunConfig.from_args(parse_args(train_flags(deepspeed_config=tmp_path / "torch_adam.json", **flags)))
+    plan = plan_run(config, 8, "cuda", True)
     assert plan.ds_config["optimizer"]["params"]["torch_adam"] is True
 
 

@@ -96,12 +96,13 @@ def _prepare_on_broken_data(rank, world_size, tokenizer_dir: str, data: str, out
     from smmd_train.arguments import parse_args
     from smmd_train.distributed import Launch
     from smmd_train.run import RunRefused, prepare_run
+    from smmd_train.run_config import RunConfig
 
-    args = parse_args(train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny",
-                                  tokenizer=tokenizer_dir, data=[data], seq_len=48, max_steps=2,
-                                  output_dir=output_dir))
+    config = RunConfig.from_args(parse_args(train_flags(
+        deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir, data=[data],
+        seq_len=48, max_steps=2, output_dir=output_dir)))
     try:
-        prepare_run(args, Launch(rank, world_size, rank, world_size, "test"), until="data")
+        prepare_run(config, Launch(rank, world_size, rank, world_size, "test"), until="data")
     except RunRefused as error:
         return str(error)
     return None

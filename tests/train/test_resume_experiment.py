@@ -20,6 +20,7 @@ from smmd_train.data import PackedBatches
 from smmd_train.distributed import Launch
 from smmd_train.experiment import LOSS_FLAGS, experiment_changes
 from smmd_train.run import RunRefused, prepare_run
+from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 BASE = dict(numeric_loss=["smmd:1", "ntl-was:0.3"])
@@ -36,16 +37,17 @@ def prepared(tokenizer_dir, corpus, output_dir, **options):
     values = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tokenizer_dir, data=[corpus], seq_len=48,
                   micro_batch_size=2, max_steps=6, warmup_steps=1, output_dir=output_dir, **BASE)
     values.update(options)
-    return prepare_run(parse_args(train_flags(**values)), Launch(0, 2, 0, 2, "single"), until="data")
+    return prepare_run(RunConfig.from_args(parse_args(train_flags(**values))), Launch(0, 2, 0, 2, "single"),
+                       until="data")
 
 
 def checkpoint_of(run, step=4) -> str:
     """Commit a checkpoint of ``run`` at ``step`` the way ``checkpoint.save`` does (the shards are
     not read before the engine exists): its record, and its data position from the run's batches."""
     topology, tag = run.plan.topology, tag_for_step(step)
-    batches = PackedBatches(run.train_blocks, 2, 0, topology.dp_size, run.args.seed)
-    Path(run.args.output_dir, tag).mkdir(parents=True)
-    commit(run.args.output_dir, tag, commit_record(
+    batches = PackedBatches(run.train_blocks, 2, 0, topology.dp_size, run.config.optimization.seed)
+    Path(run.config.checkpointing.output_dir, tag).mkdir(parents=True)
+    commit(run.config.checkpointing.output_dir, tag, commit_record(
         step, topology.world_size, 3, {"data": batches.state_dict()},
         run_record(topology, run.plan.schedule.as_dict(), run.experiment)))
     return tag

@@ -18,6 +18,7 @@ from smmd_train.checkpoint import clear_run, commit, commit_record, run_record, 
 from smmd_train.config import Topology
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
+from smmd_train.run_config import RunConfig
 from smmd_train.schedule import lr_factor
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
@@ -42,8 +43,8 @@ def plan(tmp_path, tokenizer_dir, output_dir, world_size=2, **options):
     values = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tokenizer_dir, data=[corpus], seq_len=48,
                   micro_batch_size=2, max_steps=6, warmup_steps=1, lr=3e-3, output_dir=output_dir)
     values.update(options)
-    return prepare_run(parse_args(train_flags(**values)), Launch(0, world_size, 0, world_size, "single"),
-                       until="plan")
+    return prepare_run(RunConfig.from_args(parse_args(train_flags(**values))),
+                       Launch(0, world_size, 0, world_size, "single"), until="plan")
 
 
 def test_a_forgotten_resume_is_refused_naming_both_ways_on(tmp_path, tokenizer_dir):

@@ -13,6 +13,7 @@ import smmd_scale
 from smmd_scale.value_kernel import build_kernel
 from smmd_train.arguments import parse_args
 from smmd_train.loss_reporter import numeric_loss
+from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 
@@ -27,7 +28,7 @@ def test_the_flags_set_the_planned_kernel(tmp_path, generator, squash_factor, si
     values = torch.randperm(1000, generator=generator)[:int(torch.randint(3, 40, (1, ), generator=generator))]
     vocab = smmd_scale.NumericVocab(list(range(len(values))), values.tolist(), 1000)
     args = args_with(tmp_path, smmd_squash_factor=squash_factor, smmd_sigmas=None if sigma is None else [sigma])
-    loss = numeric_loss(args, vocab)
+    loss = numeric_loss(RunConfig.from_args(args).loss, vocab)
     squash, sigma = (9.0, 2.0) if squash_factor is None else (float(squash_factor), sigma)
     assert (loss.squash_factor, loss.sigmas) == (squash, (sigma, ))
     # The closed form: distances |v_i - v_j|, their non-zero ones mapped affinely onto [1, squash] when squash > 1.

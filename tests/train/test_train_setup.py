@@ -16,6 +16,7 @@ from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_ten
 from smmd_train.dashboards import RUN_HPARAMS, run_hparams
 from smmd_train.distributed import Launch
 from smmd_train.run import RunRefused, prepare_run
+from smmd_train.run_config import RunConfig
 
 SEQ_LEN = 48
 ZERO3 = REPO / "ds_configs" / "zero3.json"
@@ -31,7 +32,8 @@ def argv(tokenizer_dir, corpus, output_dir, **options) -> list:
 def prepared(arguments: list, world_size: int = 1, until: str = "data"):
     """train.py's own set-up (its parser, then ``prepare_run``) up to ``until``, in this process."""
     args = parse_args(arguments)
-    return args, prepare_run(args, Launch(0, world_size, 0, world_size, "single"), until=until).plan
+    return args, prepare_run(RunConfig.from_args(args), Launch(0, world_size, 0, world_size, "single"),
+                             until=until).plan
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,16 +76,20 @@ def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
     import smmd_scale
     from smmd_train.loss_reporter import numeric_loss
 
+    def loss_of(args):
+        return RunConfig.from_args(args).loss
+
     vocab = smmd_scale.NumericVocab(list(range(10)), list(range(10)), 20)
     base = dict(deepspeed_config=ZERO3, model="tiny", tokenizer=tmp_path, data=["x"], max_steps=1, output_dir=tmp_path)
     default = parse_args(train_flags(**base))
-    assert default.numeric_loss == [("smmd", 1.0)] and isinstance(numeric_loss(default, vocab), smmd_scale.SMMDLoss)
+    assert default.numeric_loss == [("smmd", 1.0)] and isinstance(numeric_loss(loss_of(default), vocab),
+                                                                           smmd_scale.SMMDLoss)
     ntl = parse_args(train_flags(**base, numeric_loss=["ntl-mse"], ntl_reweigh=False))
     assert "--no-ntl_reweigh" in train_flags(ntl_reweigh=False) and "--ntl_reweigh" in train_flags(ntl_reweigh=True)
-    built = numeric_loss(ntl, vocab)
+    built = numeric_loss(loss_of(ntl), vocab)
     assert isinstance(built, smmd_scale.NTLoss) and built.kind == "mse" and not built.reweigh
     mixed = parse_args(train_flags(**base, numeric_loss=["smmd", "ntl-was:0.3"], ntl_squash_factor=9.0))
-    built = numeric_loss(mixed, vocab)
+    built = numeric_loss(loss_of(mixed), vocab)
     assert [(term.name, weight) for term, weight in built.weighted_terms()] == [("smmd", 1.0), ("ntl_was", 0.3)]
     assert built.weighted_terms()[1][0].squash_factor == 9.0
 
@@ -174,11 +180,11 @@ def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir
     corpus = write_corpus(tmp_path / "data.jsonl", 20)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
                           until="plan")
-    assert ce_options(args) == {"z_loss": 1e-4, "label_smoothing": 0.1}
-    hparams = run_hparams(args, plan, "single")
+    assert ce_options(RunConfig.from_args(args).loss) == {"z_loss": 1e-4, "label_smoothing": 0.1}
+    hparams = run_hparams(RunConfig.from_args(args), plan, "single")
     assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
     args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
-    assert ce_options(args) == {}
+    assert ce_options(RunConfig.from_args(args).loss) == {}
 
 
 def test_help_shows_each_option_s_default(capsys):
@@ -424,7 +430,7 @@ def test_the_config_s_numbers_rule_when_no_flag_contradicts_them(tmp_path, token
     assert plan.ds_config["train_micro_batch_size_per_gpu"] == 3 and plan.ds_config["train_batch_size"] == 6
     assert plan.tensorboard_dir == str(tmp_path / "tb" / "first") and plan.warnings == []
     # HParams record what the run uses: the resolved config's numbers, not the flags' defaults.
-    hparams = run_hparams(args, plan, "single")
+    hparams = run_hparams(RunConfig.from_args(args), plan, "single")
     assert (hparams["micro_batch"], hparams["grad_accum"], hparams["lr"]) == (3, 2, 1e-3)
     assert args.micro_batch_size == 1  # the flag's default, which the config overrode without a word
 
@@ -490,7 +496,7 @@ def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, to
     assert len(plan.warnings) == 3 and all("\n" not in warning for warning in plan.warnings)
     assert [warning.split()[0] for warning in plan.warnings] == ["--smmd_policy", "--smmd_max_value", "--smmd_weight"]
     assert "use --numeric_policy" in plan.warnings[0] and "--numeric_loss" in plan.warnings[2]
-    assert run_hparams(args, plan, "single")["numeric_loss"] == "0.5 smmd"
+    assert run_hparams(RunConfig.from_args(args), plan, "single")["numeric_loss"] == "0.5 smmd"
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -551,7 +557,7 @@ def test_a_good_setup_plans_the_run(tmp_path, tokenizer_dir):
     assert plan.tensorboard is True and "tensorboard" not in plan.ds_config and "scheduler" not in plan.ds_config
     assert plan.warmup_steps == 1  # the default 100, capped at 10% of --max_steps 2 (rounded up), silently
     # What the run records for TensorBoard's HParams view: the experiment's columns, from the plan.
-    hparams = run_hparams(args, plan, "single")
+    hparams = run_hparams(RunConfig.from_args(args), plan, "single")
     assert tuple(hparams) == RUN_HPARAMS and hparams["numeric_loss"] == "1 smmd"
     assert (hparams["world_size"], hparams["tp_size"], hparams["global_batch"], hparams["warmup_steps"]) == (4, 2, 4, 1)
 
@@ -618,7 +624,7 @@ def test_bf16_auto_means_native_bf16(monkeypatch):
 
 def test_tensor_parallelism_across_nodes_is_refused_before_the_model(tmp_path, tokenizer_dir):
     arguments = argv(tokenizer_dir, write_corpus(tmp_path / "train.jsonl", 200), tmp_path / "run", tp=2)
-    args = parse_args(arguments)
+    config = RunConfig.from_args(parse_args(arguments))
     with pytest.raises(RunRefused, match=r"--tp 2 spans nodes: this node runs 1 ranks.*use --tp 1 or less"):
-        prepare_run(args, Launch(0, 4, 0, 1, "slurm"), until="plan")
-    assert prepare_run(args, Launch(0, 4, 0, 2, "slurm"), until="plan").plan.topology.tp_size == 2
+        prepare_run(config, Launch(0, 4, 0, 1, "slurm"), until="plan")
+    assert prepare_run(config, Launch(0, 4, 0, 2, "slurm"), until="plan").plan.topology.tp_size == 2
