@@ -44,7 +44,10 @@ def budget_rows(work_dir: Path, runs: list, selections: list) -> list:
     probe_path, pilot_path = work_dir / "probe.json", work_dir / "pilot.json"
     probe = json.loads(probe_path.read_text()) if probe_path.is_file() else {}
     pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else {"runs": []}
-    selection_rows = [row for selection in selections for row in [*selection["candidates"], selection["reference"]]]
+    # every arm's selection shares one CE reference run: counted once
+    references = {json.dumps(selection["reference"], sort_keys=True): selection["reference"]
+                  for selection in selections}
+    selection_rows = [row for selection in selections for row in selection["candidates"]] + list(references.values())
     stages = [("probe", 1 if probe else 0, probe.get("cpu_seconds", 0.0) / 3600),
               ("pilot", len(pilot["runs"]), _cpu_hours(pilot["runs"])),
               ("selection", len(selection_rows), _cpu_hours(selection_rows)),
