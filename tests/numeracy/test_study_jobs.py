@@ -82,3 +82,30 @@ def test_the_shared_selection_reference_must_have_been_made_with_the_same_option
     grid = {"settings": {}, "data": {}, "work_dir": tmp_path, "env": {}, "began": 0.0, "study": {}}
     with pytest.raises(SystemExit, match="reference run made with"):
         study_a.select_on_validation("smmd", {}, {}, grid, 1000, study_a.evaluate_a)
+
+
+def test_evaluations_under_jobs_run_one_at_a_time(tmp_path):
+    """Training runs overlap under --jobs, in-process evaluations do not (loading a model is not
+    thread-safe: a tied head once came back unmaterialized in a parallel evaluation)."""
+    import json
+
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def evaluate(hf_dir, qa_path):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        threading.Event().wait(0.2)  # long enough for the other thread to arrive while this one runs
+        with lock:
+            active[0] -= 1
+        return {"metrics": {"val": {}}, "answers": []}
+
+    def trained(name: str):
+        run = tmp_path / name
+        (run / "hf").mkdir(parents=True)
+        (run / "hf" / "config.json").write_text("{}")
+        (run / "run.json").write_text(json.dumps({"train_seconds": 1.0, "train_cpu_seconds": 1.0}))
+        return lambda: study_a.execute({}, {"qa_eval": "unused"}, "ce", {}, 0, run, {}, evaluate)
+
+    records = study_a.in_parallel(2, [trained("a"), trained("b")])
+    assert peak[0] == 1 and all(record["eval"] == {"val": {}} for record in records)
