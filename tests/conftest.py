@@ -1,4 +1,6 @@
+import json
 import os
+import resource
 import zlib
 from pathlib import Path
 
@@ -98,6 +100,29 @@ LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py
                  "tests/numeracy/test_numeracy_study.py", "tests/launch/test_demo.py",
                  "tests/launch/test_benchmarks.py", "tests/launch/test_launch_parallel.py",
                  "tests/train/test_scaling.py")
+
+
+# SMMD_TEST_CPU_LOG=<file>: each test's CPU seconds (the worker's own and its waited-for child processes',
+# from getrusage) appended as JSON lines, phase by phase: where CI's CPU goes, independent of the load.
+CPU_LOG = os.environ.get("SMMD_TEST_CPU_LOG")
+
+
+def _cpu_seconds():
+    mine, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return mine.ru_utime + mine.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        return (yield)
+    before = _cpu_seconds()
+    result = yield
+    after = _cpu_seconds()
+    with open(CPU_LOG, "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "self": round(after[0] - before[0], 2),
+                              "children": round(after[1] - before[1], 2)}) + "\n")
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

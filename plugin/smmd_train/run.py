@@ -199,8 +199,9 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
         ulysses = destroy_at_shutdown(UlyssesAttention(model, sp_size, ds_config["train_micro_batch_size_per_gpu"],
                                                        seq_len))
         mpu = ulysses.mpu
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                           lr_scheduler=lr_scheduler, mpu=mpu)
+    with compat.muon_left_unimported(ds_config):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                               lr_scheduler=lr_scheduler, mpu=mpu)
     destroy_at_shutdown(engine)
     del zero_init
     return engine, model_flops_per_token

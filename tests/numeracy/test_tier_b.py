@@ -221,7 +221,7 @@ def test_arms_use_the_digit_vocabulary_and_ntls_default_distances():
 
 @pytest.mark.slow
 def test_quick_pipeline_runs_and_checks_itself(tmp_path):
-    # About 2-3 minutes on one core: 6 tiny runs of 120 steps, two at a time (--jobs 2: the path a grid
+    # About 2 minutes on one core: 6 tiny runs of 60 steps, two at a time (--jobs 2: the path a grid
     # takes side by side), their evaluation and the report.
     from benchmarks.numeracy import run_study
 

@@ -62,8 +62,9 @@ def build_engine(family: str, tied: bool, offload: bool):
     zero_init = HfDeepSpeedConfig(dict(config))
     model = tiny_causal_lm(family, VOCAB, tied=tied, hidden_size=16 * args.heads, heads=args.heads,
                            kv_heads=args.kv_heads, intermediate_size=128, dtype=torch.float32)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                           mpu=groups if args.tp > 1 else None)
+    with compat.muon_left_unimported(config):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                               mpu=groups if args.tp > 1 else None)
     del zero_init
     return destroy_at_shutdown(engine)
 

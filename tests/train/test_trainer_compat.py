@@ -187,3 +187,44 @@ def test_supports_sdpa_reads_the_model_class_flag():
 
     assert supports_sdpa(transformers.LlamaForCausalLM) is True
     assert supports_sdpa(transformers.Gemma2ForCausalLM) is False  # soft-capped attention runs eager
+
+
+MUON_CHECK = r"""
+import json, os, sys
+import torch
+import deepspeed
+from smmd_train import compat
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo")
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+model = torch.nn.Linear(4, 4)
+with compat.muon_left_unimported(config):
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    inside = {"stand_in": MUON in sys.modules and not hasattr(sys.modules[MUON], "__file__")}
+seen = {"kernels_compiled": "deepspeed.runtime.zero.muon.original_muon" in sys.modules,
+        "left_after": MUON in sys.modules, "steps": type(engine.optimizer).__name__, **inside}
+with compat.muon_left_unimported({"optimizer": {"type": "Muon"}}):
+    seen["stand_in_for_muon"] = MUON in sys.modules
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+seen["real_after"] = issubclass(MuonWithAuxAdam, torch.optim.Optimizer)
+engine.destroy()
+print(json.dumps(seen))
+"""
+
+
+def test_a_zero3_engine_builds_without_compiling_deepspeed_s_muon_kernels():
+    # A fresh interpreter: the suite's own process may have imported Muon already.
+    import json
+    import subprocess
+
+    from smmd_train.launcher import free_port
+
+    completed = subprocess.run([sys.executable, "-c", MUON_CHECK, str(free_port())], capture_output=True, text=True,
+                               timeout=300, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    seen = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert seen == {"stand_in": True, "kernels_compiled": False, "left_after": False,
+                    "steps": "DeepSpeedZeroOptimizer_Stage3", "stand_in_for_muon": False, "real_after": True}, seen
