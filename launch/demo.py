@@ -3,7 +3,7 @@ nothing downloaded.
 
     bash launch/demo.sh                 # sets up .venv, then runs this: the study's 2,000 steps per run
     bash launch/demo.sh --arm ntl_was   # another of the study's arms beside CE
-    python launch/demo.py --help        # this text; needs nothing installed
+    bash launch/demo.sh --help          # this text; needs nothing installed
 
 Time after set-up, measured 2026-11-27 on this project's 2-core machine (the demo at nice 5):
 296 s with no other job running (load average 0.9 at the start, 0.9-2.3 during: the demo's own two
@@ -61,7 +61,11 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
+
+from smmd_train.options import option, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
@@ -82,27 +86,33 @@ def study_results() -> dict:
     return json.loads(STUDY_RESULTS.read_text()) if STUDY_RESULTS.is_file() else {}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bash launch/demo.sh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default=str(REPO / "demo_runs"), help="everything the demo writes")
-    parser.add_argument("--model", default="tiny", help="preset trained from scratch (tiny on CPU)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the study's)")
-    parser.add_argument("--arm", choices=list(ARM_LABELS), default=DEFAULT_ARM,
-                        help="the study's arm to run beside CE (default: %(default)s)")
-    parser.add_argument("--tp_steps", type=int, default=50, help="the last steps of the numeric-loss run that "
-                        "train again from its checkpoint under ZeRO-3 + AutoTP (default: %(default)s)")
-    parser.add_argument("--gpus", type=int, default=2, help="processes of that segment (deepspeed launcher)")
-    parser.add_argument("--tp", type=int, default=2, help="its AutoTP degree")
-    parser.add_argument("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
-    parser.add_argument("--fused_linear", action="store_true", help="train every run with train.py --fused_linear")
-    parser.add_argument("--one_at_a_time", action="store_true", help="train the two 1-process runs one after the "
-                        "other instead of side by side (one process per core); the same steps and losses")
-    parser.add_argument("--seed", type=int, default=0, help="training seed of both runs (the data are fixed)")
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process and "
-                        "of the evaluation; fixed so the numbers repeat (a different thread count sums in "
-                        "another order and changes them)")
-    return parser.parse_args(argv)
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    work_dir: str = option("--work_dir", default=str(REPO / "demo_runs"), help="everything the demo writes")
+    model: str = option("--model", default="tiny", help="preset trained from scratch (tiny on CPU)")
+    steps: Optional[int] = option("--steps", type=int, help="optimizer steps per run (default: the study's)")
+    arm: str = option("--arm", choices=list(ARM_LABELS), default=DEFAULT_ARM,
+                      help="the study's arm to run beside CE (default: %(default)s)")
+    tp_steps: int = option("--tp_steps", type=int, default=50, help="the last steps of the numeric-loss run that "
+                           "train again from its checkpoint under ZeRO-3 + AutoTP (default: %(default)s)")
+    gpus: int = option("--gpus", type=int, default=2, help="processes of that segment (deepspeed launcher)")
+    tp: int = option("--tp", type=int, default=2, help="its AutoTP degree")
+    deepspeed_config: str = option("--deepspeed_config", default=str(REPO / "ds_configs" / "zero3.json"))
+    fused_linear: bool = option("--fused_linear", action="store_true",
+                                help="train every run with train.py --fused_linear")
+    one_at_a_time: bool = option("--one_at_a_time", action="store_true", help="train the two 1-process runs one "
+                                 "after the other instead of side by side (one process per core); the same steps "
+                                 "and losses")
+    seed: int = option("--seed", type=int, default=0, help="training seed of both runs (the data are fixed)")
+    threads: int = option("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process and "
+                          "of the evaluation; fixed so the numbers repeat (a different thread count sums in "
+                          "another order and changes them)")
+
+
+def parse_args(argv=None) -> DemoOptions:
+    options, _ = parse_options(DemoOptions, argv, prog="bash launch/demo.sh", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    return options
 
 
 def refuse(message: str) -> None:
@@ -394,7 +404,7 @@ def main(argv=None) -> None:
     if reproduced:
         print("\n" + reproduced)
     seconds = time.monotonic() - began
-    (work / "demo_results.json").write_text(json.dumps({"args": vars(args), "settings": settings, "rows": rows,
+    (work / "demo_results.json").write_text(json.dumps({"args": asdict(args), "settings": settings, "rows": rows,
                                                         "tp_check": check, "seconds": seconds}, indent=1))
     print(f"\nper-split reports: {work}/*/tier_a_eval.json; everything: {work}/demo_results.json")
     write_experiment(str(work / "tensorboard"), differs=experiment_differs([loss for _, _, loss, _ in plans]))

@@ -10,9 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 for argument in "$@"; do
-  # demo.py parses its arguments before importing anything, so any python 3 prints the help.
+  # demo.py parses its arguments before importing anything but the standard library and
+  # smmd_train.options (which imports nothing else), so any python 3 prints the help.
   if [ "$argument" = "--help" ] || [ "$argument" = "-h" ]; then
-    exec python3 launch/demo.py --help
+    PYTHONPATH=plugin exec python3 launch/demo.py --help
   fi
 done
 

@@ -18,14 +18,17 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from smmd_train.options import option, parse_options
+
 
 def _locate(checkpoint: str) -> tuple:
     """(run output dir, tag) from OUTPUT_DIR or OUTPUT_DIR/TAG."""
-    from smmd_train.checkpoint import find_resume_tag, is_committed
+    from smmd_train.commits import find_resume_tag, is_committed
 
     path = Path(checkpoint)
     if (path / "run_config.json").is_file():
@@ -83,22 +86,26 @@ def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     export_hf(engine, target, AutoTokenizer.from_pretrained(arguments["tokenizer"] or arguments["model"]))
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    checkpoint: str = option(help="a run's --output_dir, or OUTPUT_DIR/TAG")
+    target: str = option(help="where to write the Hugging Face model")
+    local_rank: int = option("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a run's --output_dir, or OUTPUT_DIR/TAG")
-    parser.add_argument("target", help="where to write the Hugging Face model")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args(argv)
+    options, _ = parse_options(ExportOptions, argv, description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from smmd_train.export import checkpoint_layout
 
-    run_dir, tag = _locate(args.checkpoint)
+    run_dir, tag = _locate(options.checkpoint)
     run = json.loads((run_dir / "run_config.json").read_text())
     if checkpoint_layout(run_dir, tag, run)[1] == 1 and "RANK" not in os.environ:
-        export_offline(run_dir, tag, run, args.target)
+        export_offline(run_dir, tag, run, options.target)
     else:
-        export_distributed(run_dir, tag, run, args.target)
-    print(f"exported {run_dir}/{tag} -> {args.target}")
+        export_distributed(run_dir, tag, run, options.target)
+    print(f"exported {run_dir}/{tag} -> {options.target}")
 
 
 if __name__ == "__main__":

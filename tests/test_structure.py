@@ -1,7 +1,8 @@
 """The shape of the code in plugin/, launch/ and benchmarks/: imports run one way (no circle, also
-through imports inside functions), no module reaches for another module's private names, and private
+through imports inside functions), no module reaches for another module's private names, private
 upstream APIs are reached only through the inventories (``smmd_scale/compat.py``,
-``smmd_train/compat.py``, ``smmd_numeracy/compat.py``). Each check is a function of the files it reads,
+``smmd_train/compat.py``, ``smmd_numeracy/compat.py``), and outside benchmarks/ only the configuration
+modules turn a command line into argparse's namespace. Each check is a function of the files it reads,
 and each is shown to fail on a planted offence."""
 
 import ast
@@ -15,6 +16,11 @@ PLUGIN = REPO / "plugin"
 INVENTORIES = {"smmd_scale.compat", "smmd_train.compat", "smmd_numeracy.compat"}
 # Underscored names the standard library documents as public.
 PUBLIC_UNDERSCORED = {"os._exit"}
+# The modules of plugin/ and launch/ that may turn a command line into argparse's namespace: train.py's
+# configuration, the small tools' option dataclasses (smmd_train.options), and the inventory, which builds
+# the namespace DeepSpeed's ds_to_universal entry point takes. Every other module reads typed fields.
+NAMESPACE_MODULES = {"smmd_train.arguments", "smmd_train.run_config", "smmd_train.options", "smmd_train.compat"}
+PARSE_METHODS = {"parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args"}
 
 
 def modules_under(root, folders) -> dict:
@@ -165,6 +171,22 @@ def private_upstream_uses(path, project_packages=("smmd_scale", "smmd_train", "s
     return found
 
 
+def namespace_uses(path) -> list:
+    """``["file:line: what"]`` for every place the file parses a command line into argparse's namespace
+    (``parser.parse_args(...)`` and the other ``parse_*`` methods) or names ``Namespace``."""
+    found = []
+    for node in ast.walk(syntax_tree(path)):
+        where = f"{path}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in PARSE_METHODS:
+            found.append(f"{where}: {ast.unparse(node.func)}(...)")
+        elif (isinstance(node, ast.Attribute) and node.attr == "Namespace") or (
+                isinstance(node, ast.Name) and node.id == "Namespace"):
+            found.append(f"{where}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            found += [f"{where}: from argparse import Namespace" for alias in node.names if alias.name == "Namespace"]
+    return found
+
+
 def test_imports_have_no_circle():
     assert {"smmd_scale.loss", "smmd_scale.numeric_loss", "smmd_scale.call_plan", "launch.train",
             "benchmarks.numeracy.run_study", "benchmarks.numeracy.study_a"} <= set(MODULES)
@@ -181,6 +203,14 @@ def test_private_upstream_apis_are_reached_only_through_the_inventories():
     assert INVENTORIES <= set(MODULES)
     offenders = [use for name, path in MODULES.items() if name not in INVENTORIES
                  for use in private_upstream_uses(path)]
+    assert not offenders, offenders
+
+
+def test_only_the_configuration_modules_read_argparse_s_namespace():
+    assert NAMESPACE_MODULES <= set(MODULES)
+    offenders = [use for name, path in MODULES.items() if name not in NAMESPACE_MODULES
+                 and name.split(".")[0] in ("smmd_scale", "smmd_train", "smmd_numeracy", "launch")
+                 for use in namespace_uses(path)]
     assert not offenders, offenders
 
 
@@ -286,3 +316,31 @@ def test_planted_private_upstream_accesses_are_found(tmp_path):
     (tmp_path / "data.py").write_text(data.replace("compat.dataset_fingerprint(dataset)", "dataset._fingerprint", 1))
     found = [use.split(":", 2)[2].strip() for use in private_upstream_uses(tmp_path / "data.py")]
     assert found == ["dataset._fingerprint"]
+
+
+def test_planted_namespace_reads_are_found(tmp_path):
+    path = tmp_path / "planted.py"
+    path.write_text(textwrap.dedent("""
+        import argparse
+        from argparse import Namespace
+        from types import SimpleNamespace
+
+        from smmd_train.options import parse_options
+
+
+        def main(argv, parser, Options):
+            args = parser.parse_args(argv)
+            known, rest = parser.parse_known_args(argv)
+            made = argparse.Namespace(model="tiny")
+            options, _ = parse_options(Options, argv)
+            return SimpleNamespace(weak=True), args, known, made, options
+        """))
+    found = sorted(use.split(":", 2)[2].strip() for use in namespace_uses(path))
+    assert found == sorted(["from argparse import Namespace", "parser.parse_args(...)", "parser.parse_known_args(...)",
+                            "argparse.Namespace"]), found
+    # A real tool with a parser of its own put back is refused.
+    tool = (PLUGIN / "smmd_train" / "gguf_convert.py").read_text()
+    assert not namespace_uses(PLUGIN / "smmd_train" / "gguf_convert.py")
+    (tmp_path / "gguf_convert.py").write_text(tool + "\n\nARGS = argparse.ArgumentParser().parse_args()\n")
+    found = [use.split(":", 2)[2].strip() for use in namespace_uses(tmp_path / "gguf_convert.py")]
+    assert found == ["argparse.ArgumentParser().parse_args(...)"]

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 from .evaluation import evaluate_qa, load_qa
@@ -29,20 +32,24 @@ _COLUMNS = (("task", "task", ""), ("count", "count", ""), ("exact_match", "exact
             ("numeric_tokens", "num_tokens", ""))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", help="a local HF model dir (config.json and weights, e.g. from export_hf.py)")
-    parser.add_argument("--data", required=True, help='JSONL of {"prompt", "answer", optional "task"}')
-    parser.add_argument("--tokenizer", help="tokenizer dir (default: the model dir)")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--max_new_tokens", type=int, default=8)
-    parser.add_argument("--limit", type=int, help="evaluate only the first N items")
-    parser.add_argument("--output", help="report path (default MODEL_DIR/numeric_eval.json)")
-    parser.add_argument("--dtype", choices=list(_DTYPES), default="float32", help="bfloat16 needs CUDA")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="allow model/tokenizer code shipped inside the model dir to run (off by default)")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True, kw_only=True)
+class EvaluateOptions:
+    model_dir: str = option(help="a local HF model dir (config.json and weights, e.g. from export_hf.py)")
+    data: str = option("--data", required=True, help='JSONL of {"prompt", "answer", optional "task"}')
+    tokenizer: Optional[str] = option("--tokenizer", help="tokenizer dir (default: the model dir)")
+    batch_size: int = option("--batch_size", type=int, default=32)
+    max_new_tokens: int = option("--max_new_tokens", type=int, default=8)
+    limit: Optional[int] = option("--limit", type=int, help="evaluate only the first N items")
+    output: Optional[str] = option("--output", help="report path (default MODEL_DIR/numeric_eval.json)")
+    dtype: str = option("--dtype", choices=list(_DTYPES), default="float32", help="bfloat16 needs CUDA")
+    trust_remote_code: bool = option("--trust_remote_code", action="store_true",
+                                     help="allow model/tokenizer code shipped inside the model dir to run (off by "
+                                     "default)")
 
+
+def parse_args(argv=None) -> EvaluateOptions:
+    args, parser = parse_options(EvaluateOptions, argv, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if not (Path(args.model_dir) / "config.json").is_file():
         parser.error(f"{args.model_dir} is not a Hugging Face model dir (no config.json there)")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
@@ -58,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_model_and_tokenizer(args: argparse.Namespace) -> tuple:
+def load_model_and_tokenizer(args: EvaluateOptions) -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,9 +2,10 @@
 run's set-up in one call (``run``: plan, data, model and engine, the numeric loss; one train step),
 the plan (``plan``: tokenizer, architecture, resolved DeepSpeed config from ``config``, numeric
 vocabulary and loss), data loading and packing (``data``), model presets and creation (``presets``,
-``model``), process-group start-up (``distributed``), committed checkpoints and the train state
-(``checkpoint``), held-out evaluation (``evaluation``), the non-finite step guard (``guard``),
-Hugging Face export (``export``), the training monitor (``monitor``) and its TensorBoard views
-(``dashboards``), scaling sweeps (``scaling``) and the memory planner behind ``launch/estimate.py``
-(``memory``). Needs the ``train`` extra.
+``model``), process-group start-up (``distributed``), checkpoints and the train state (``checkpoint``;
+which are committed: ``commits``; resumed under another layout: ``universal``), whether an output
+dir is resumed, refused or overwritten (``resume``), held-out evaluation (``evaluation``), the
+non-finite step guard (``guard``), Hugging Face export (``export``), the training monitor
+(``monitor``) and its TensorBoard views (``dashboards``), scaling sweeps (``scaling``) and the memory
+planner behind ``launch/estimate.py`` (``memory``). Needs the ``train`` extra.
 """

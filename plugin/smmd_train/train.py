@@ -41,11 +41,12 @@ def main(config: RunConfig) -> None:
     """Train the run of ``config`` (:class:`smmd_train.run_config.RunConfig`)."""
     from tqdm import tqdm
 
-    from .checkpoint import Checkpointer, TrainState, clear_run, run_record
-    from .distributed import init_distributed, run_on_rank_zero
+    from .checkpoint import Checkpointer, TrainState, run_record
+    from .distributed import init_distributed
     from .evaluation import Evaluator, describe
     from .export import export_hf
     from .guard import NonFiniteGuard
+    from .resume import resume_or_start
     from .run import log, open_monitor, prepare_run, train_step, write_run_config
 
     optimization, checkpointing, inputs = config.optimization, config.checkpointing, config.model_data
@@ -59,20 +60,15 @@ def main(config: RunConfig) -> None:
     for warning in run.plan.warnings:
         log(f"warning: {warning}")
 
-    # Resume: model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG.
+    # Resume (model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG),
+    # overwrite an earlier run or start at step 0, as the plan decided.
     guard = NonFiniteGuard(optimization.max_skipped_steps)
     state = TrainState(run.batches, guard)
     checkpointer = Checkpointer(run.engine, output_dir, checkpointing.save_steps, optimization.max_steps,
                                 run_record(run.plan.topology, run.plan.schedule.as_dict(), run.experiment))
-    if run.resume_tag is not None:
-        checkpointer.resume(state, run.resume_tag)
-        log(f"resumed from {run.resume_tag} at step {state.step}")
-    elif checkpointing.resume:
-        log(f"no committed checkpoint in {output_dir}; starting from step 0")
-    elif checkpointing.overwrite_output_dir:
-        removed = run_on_rank_zero(lambda: clear_run(output_dir, run.plan.tensorboard_dir))
-        if removed:
-            log(f"--overwrite_output_dir: removed {len(removed)} file(s) and checkpoint(s) of an earlier run")
+    started = resume_or_start(run, checkpointer, state)
+    if started:
+        log(started)
 
     monitor = open_monitor(run, start_step=state.step)
     write_run_config(run)

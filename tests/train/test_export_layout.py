@@ -8,7 +8,8 @@ import json
 
 from helpers.launching import REPO
 
-from smmd_train.checkpoint import commit, commit_record, run_record, tag_for_step
+from smmd_train.checkpoint import commit_record, run_record, tag_for_step
+from smmd_train.commits import commit
 from smmd_train.config import Topology, load_config, resolve_config, set_tensor_parallel
 from smmd_train.export import checkpoint_layout, layout_config
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.distributed import run_ranks, values_or_raise
 
-from smmd_train.checkpoint import COMMIT_FILE, LATEST_FILE, agreed_resume_tag, tag_for_step
+from smmd_train.checkpoint import tag_for_step
+from smmd_train.commits import COMMIT_FILE, LATEST_FILE, agreed_resume_tag
 
 pytestmark = pytest.mark.gloo
 

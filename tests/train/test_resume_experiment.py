@@ -15,7 +15,8 @@ from helpers.launching import REPO, train_flags
 
 from smmd_scale.registry import NUMERIC_LOSSES
 from smmd_train.arguments import parse_args
-from smmd_train.checkpoint import commit, commit_record, run_record, tag_for_step
+from smmd_train.checkpoint import commit_record, run_record, tag_for_step
+from smmd_train.commits import commit
 from smmd_train.data import PackedBatches
 from smmd_train.distributed import Launch
 from smmd_train.experiment import LOSS_FLAGS, experiment_changes

@@ -14,9 +14,11 @@ from helpers.corpora import write_corpus
 from helpers.launching import REPO, train_flags
 
 from smmd_train.arguments import parse_args
-from smmd_train.checkpoint import clear_run, commit, commit_record, run_record, tag_for_step
+from smmd_train.checkpoint import commit_record, run_record, tag_for_step
+from smmd_train.commits import commit
 from smmd_train.config import Topology
 from smmd_train.distributed import Launch
+from smmd_train.resume import clear_run
 from smmd_train.run import RunRefused, prepare_run
 from smmd_train.run_config import RunConfig
 from smmd_train.schedule import lr_factor

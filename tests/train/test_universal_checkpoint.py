@@ -1,4 +1,4 @@
-"""The pure pieces of a resume under another layout (smmd_train.checkpoint): the re-split of a ZeRO-3
+"""The pure pieces of a resume under another layout (smmd_train.universal): the re-split of a ZeRO-3
 sub-group partitioned over the whole world into the data-parallel partitions ds_to_universal reads,
 the {"param": tensor} form of a universal checkpoint's states, and the refusals of the conversion and
 its command line. test_launch.py resumes real checkpoints under another --tp and world size."""
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from smmd_train import checkpoint
-from smmd_train.checkpoint import COMMIT_FILE, UNIVERSAL_DIR, convert_to_universal, repartition_over_dp
+from smmd_train import checkpoint, universal
+from smmd_train.commits import COMMIT_FILE
+from smmd_train.universal import UNIVERSAL_DIR, convert_to_universal, repartition_over_dp
 
 
 def zero3_partitions(parameters: list, ranks: int) -> list:
@@ -53,10 +54,10 @@ def test_a_world_partitioned_group_is_re_split_over_the_data_parallel_ranks(tp_s
 
 def test_a_bare_universal_state_is_wrapped_for_the_autotp_loader():
     tensor = torch.randn(6)
-    wrapped = checkpoint.wrapped_universal_state(tensor)
+    wrapped = universal.wrapped_universal_state(tensor)
     assert list(wrapped) == ["param"] and wrapped["param"] is tensor
     already = {"param": tensor, "cat_dim": 0}
-    assert checkpoint.wrapped_universal_state(already) is already
+    assert universal.wrapped_universal_state(already) is already
 
 
 def test_only_a_committed_zero3_checkpoint_converts_and_a_failure_leaves_no_conversion(tmp_path):
@@ -85,7 +86,7 @@ def _load_a_checkpoint_that_cannot_convert(rank, world_size, output_dir):
     import torch.distributed as dist
 
     try:
-        checkpoint.load_universal(None, output_dir, "step00000004")  # fails before the engine is used
+        universal.load_universal(None, output_dir, "step00000004")  # fails before the engine is used
     except ValueError as error:
         message = f"{type(error).__name__}: {error}"
     dist.barrier()  # the default group is still usable
