@@ -20,6 +20,12 @@ def pytest_report_header(config):
     return f"smmd-scale random seed: SMMD_TEST_SEED={SESSION_SEED}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # -q (CI's command) hides the header: the seed is printed again at the end, so a failure in a CI
+    # log can be replayed.
+    terminalreporter.write_line(f"smmd-scale random seed: SMMD_TEST_SEED={SESSION_SEED}")
+
+
 @pytest.fixture(autouse=True)
 def _seeded_global_generator(request):
     # Tests that draw a rank function's seed with torch.randint(...) use torch's global generator, which

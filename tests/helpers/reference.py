@@ -73,8 +73,9 @@ def reference_total(logits, targets, token_ids, values, weight=1.0, num_items_in
             ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index)
     else:
         ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")
-        ce = ce / num_items_in_batch
-        smmd = smmd * (flat_targets != ignore_index).sum() / num_items_in_batch
+        count = max(num_items_in_batch, 1)  # docs/objective.md: a count of 0 divides as 1
+        ce = ce / count
+        smmd = smmd * (flat_targets != ignore_index).sum() / count
     return ce + weight * smmd, ce, smmd
 
 

@@ -130,6 +130,17 @@ def test_fused_random_inputs_match_reference(generator, num_items, device):
         assert (fast_logits.grad.cpu() - slow_logits.grad).abs().max().item() <= 1e-10
 
 
+def test_a_batch_without_targets_and_a_count_of_zero_adds_zero(generator):
+    # Found by fresh random inputs: one (1, 1) batch whose only target was ignored, counted as 0 items.
+    vocab, logits, targets = random_problem(generator, shape=(2, 3))
+    targets[:] = -100
+    logits.requires_grad_(True)
+    out = numeric_cross_entropy(logits, targets, SMMDLoss(vocab), weight=0.7, num_items_in_batch=0)
+    out.total.backward()
+    assert out.total.item() == out.ce.item() == out.numeric.item() == 0.0
+    assert logits.grad.abs().max().item() == 0.0
+
+
 @pytest.mark.parametrize("offset", FP32_OFFSETS)
 def test_fp32_cross_entropy_accuracy_at_large_logits(generator, offset, device):
     """Per-token CE within 4e-6 and its gradient within 6e-7 of float64 at any logit magnitude."""
