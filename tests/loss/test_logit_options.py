@@ -16,6 +16,7 @@ from test_fused_linear import problem
 
 import smmd_scale
 from smmd_scale import NTLoss, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
+from smmd_scale.steps import tanh_of_capped_
 
 # Each option alone, the Gemma-2 and Cohere heads, and everything at once.
 OPTION_SETS = {
@@ -106,6 +107,52 @@ def test_softcap_bounds_what_the_numeric_loss_reads(generator):
     flat = numeric_cross_entropy(torch.zeros(*targets.shape, head.shape[0], dtype=torch.float64), targets, smmd)
     assert relative(capped.numeric, flat.numeric) < 1e-2
     assert relative(capped.ce, flat.ce) < 1e-2
+
+
+class ClaimsGpu(torch.Tensor):
+    """A CPU tensor that answers ``is_cpu`` like an accelerator's: code that branches on the device
+    takes its other branch, computed on the CPU."""
+
+    @property
+    def is_cpu(self):
+        return False
+
+
+@pytest.mark.parametrize("dtype, ulp", [(torch.float32, 2.0**-24), (torch.float64, 2.0**-53)])
+def test_the_tanh_of_the_capped_logits_is_tanh_to_a_few_ulp_on_every_device(dtype, ulp):
+    """The soft-capped heads' tanh (expm1-based on the CPU, torch's elsewhere) against float64 tanh,
+    relative to each value, over a dense grid from 0 into saturation and beyond, with -0, +-inf and
+    NaN: within 4 ulp (each of the CPU formula's expm1, + 2 and / rounds once, expm1 to within an
+    ulp), never beyond +-1 and exactly +-1 where tanh is within a quarter ulp of it; a scale and a
+    cap folded in as the head does."""
+    options = smmd_scale.call_plan.CrossEntropyOptions.checked(1.5, 3.0, 0.0, 0.0, None)  # tanh(x / 2)
+    grid = torch.cat([torch.linspace(0, 60, 400_000, dtype=torch.float64), torch.logspace(-30, 2, 2_000,
+                                                                                        dtype=torch.float64)])
+    raw = torch.cat([grid, -grid]).to(dtype).reshape(-1, 1200)  # rows of a block, as the head holds them
+    expected = torch.tanh(raw.double() / 2)
+    for as_device in (lambda t: t, lambda t: t.as_subclass(ClaimsGpu)):
+        got = tanh_of_capped_(as_device(raw.clone()), options).as_subclass(torch.Tensor)
+        assert (got.double() - expected).abs().le(4 * ulp * expected.abs()).all()
+        assert got.abs().le(1).all() and got[expected.abs() > 1 - ulp / 4].abs().eq(1).all()
+        specials = torch.tensor([-0.0, float("inf"), -float("inf"), float("nan")], dtype=dtype)
+        capped = tanh_of_capped_(as_device(specials), options).as_subclass(torch.Tensor)
+        assert capped[0] == 0 and torch.signbit(capped[0]) and capped[1:3].tolist() == [1.0, -1.0]
+        assert torch.isnan(capped[3])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
+def test_softcap_gradient_deep_in_saturation_equals_the_float64_reference(generator, fused):
+    """Logits up to ~40x the cap, where tanh is 1 to the last bit for most of them and its derivative
+    1 - tanh^2 is read back from it: loss and gradients still the float64 reference's to 1e-10."""
+    vocab, hidden, head, bias, targets = problem(generator, with_bias=True)
+    hidden = hidden * 30
+    numeric_loss, numeric_reference = numeric_loss_and_reference(vocab, "ntl")
+    options = dict(logit_softcap=2.5, z_loss=1e-2)
+    out, grads, upstream = run_op(fused, hidden, head, bias, targets, numeric_loss, 0.7, **options)
+    expected, expected_grads = reference(hidden, head, bias, targets, numeric_reference, vocab.token_ids, 0.7,
+                                         upstream, **options)
+    assert (hidden @ head.T).abs().max() > 40 * 2.5
+    assert_matches(out, grads, expected, expected_grads, "saturated")
 
 
 def test_large_cap_with_underflowing_probabilities_stays_finite(generator):
