@@ -3,19 +3,23 @@
 Per variant (each of ``--families``; tied or untied embeddings; the materialized loss or
 ``fused_linear``; with ``--offload``, ZeRO-3 with and without parameter and optimizer offload), in one
 process: a tiny causal LM of that family (LlamaForCausalLM by default; the families of
-``helpers.models.FAMILY_CONFIGS``, so the launching test puts tests/ on PYTHONPATH; ``--heads``,
-``--kv_heads`` and ``--vocab`` set its shape, e.g. 9 heads over 3 KV heads and a 50,257 vocabulary,
-which AutoTP splits unevenly) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
+``helpers.models.FAMILY_CONFIGS``, so the launching test puts tests/ on PYTHONPATH; each ``--shape``
+sets heads, KV heads, vocabulary and embeddings, e.g. 9 heads over 3 KV heads and a 50,257 vocabulary,
+which AutoTP splits unevenly; several shapes train one after the other in the same processes, which
+start once) from a config under ZeRO-3 (fp32, torch AdamW), AutoTP with
 a vocabulary-parallel LM head when ``--tp`` > 1, ``smmd_scale.install`` on the engine and a few
-optimizer steps on fixed batches. Rank 0 writes, per variant, the per-step losses and gradient norms, the installed
-loss's statistics, each rank's LM head shard and first q_proj rows and, for a fused variant, the
-relative differences of its final weights to its materialized twin's (per tensor and the largest). Variants of a family
-other than Llama are named ``<family>-<variant>``. The ordered shutdown at
+optimizer steps on fixed batches. Rank 0 writes, per shape (``<out>/<name>.json``) and variant, the
+per-step losses and gradient norms, the installed loss's statistics, each rank's LM head shard and
+first q_proj rows and, for a fused variant, the relative differences of its final weights to its
+materialized twin's (per tensor and the largest). Variants of a family other than Llama are named
+``<family>-<variant>``. The ordered shutdown at
 the end must leave no process group alive (else the rank exits 1).
 """
 
 import argparse
 import json
+from pathlib import Path
+from typing import NamedTuple
 
 import deepspeed
 import torch
@@ -31,21 +35,34 @@ from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdo
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
-parser.add_argument("--heads", type=int, default=4, help="query heads of 16 (hidden 16 x heads)")
-parser.add_argument("--kv_heads", type=int, default=2, help="AutoTP splits them, unevenly too; TP may not exceed them")
-parser.add_argument("--vocab", type=int, default=2048, help="the vocabulary (AutoTP splits it unevenly too)")
+parser.add_argument("--shape", nargs=5, action="append", metavar=("NAME", "HEADS", "KV_HEADS", "VOCAB", "EMBEDDINGS"),
+                    help="a model shape to train, its results in <out>/<NAME>.json (repeat for several, one after "
+                    "the other in the same processes): query heads of 16 (hidden 16 x heads), KV heads (AutoTP "
+                    "splits them, unevenly too; TP may not exceed them), the vocabulary (AutoTP splits it unevenly "
+                    "too), embeddings 'untied', 'tied' or 'untied,tied'; default: main 4 2 2048 untied,tied")
 parser.add_argument("--offload", action="store_true", help="also train each variant with ZeRO-3 offload")
-parser.add_argument("--embeddings", nargs="+", default=["untied", "tied"], choices=["untied", "tied"])
 parser.add_argument("--families", nargs="+", default=["llama"], choices=sorted(FAMILY_CONFIGS))
 parser.add_argument("--untied_only", nargs="*", default=[], choices=sorted(FAMILY_CONFIGS),
                     help="families to train with untied embeddings only")
-parser.add_argument("--out", required=True)
+parser.add_argument("--out", required=True, help="a directory")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
-VOCAB, BATCH, LENGTH = args.vocab, 4, 24
+BATCH, LENGTH = 4, 24
 
 
-def build_engine(family: str, tied: bool, offload: bool):
+class Shape(NamedTuple):
+    name: str
+    heads: int
+    kv_heads: int
+    vocab: int
+    embeddings: tuple
+
+
+SHAPES = [Shape(name, int(heads), int(kv_heads), int(vocab), tuple(embeddings.split(",")))
+          for name, heads, kv_heads, vocab, embeddings in (args.shape or [("main", 4, 2, 2048, "untied,tied")])]
+
+
+def build_engine(shape: Shape, family: str, tied: bool, offload: bool):
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "torch_adam": True, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}
@@ -60,8 +77,8 @@ def build_engine(family: str, tied: bool, offload: bool):
                 {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
                 {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"}]}
     zero_init = HfDeepSpeedConfig(dict(config))
-    model = tiny_causal_lm(family, VOCAB, tied=tied, hidden_size=16 * args.heads, heads=args.heads,
-                           kv_heads=args.kv_heads, intermediate_size=128, dtype=torch.float32)
+    model = tiny_causal_lm(family, shape.vocab, tied=tied, hidden_size=16 * shape.heads, heads=shape.heads,
+                           kv_heads=shape.kv_heads, intermediate_size=128, dtype=torch.float32)
     with compat.muon_left_unimported(config):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                mpu=groups if args.tp > 1 else None)
@@ -73,30 +90,40 @@ def main() -> None:
     init_distributed(timeout_minutes=5)
     if args.tp > 1:
         compat.init_tensor_parallel_groups(args.tp)
+    for shape in SHAPES:
+        result = train_shape(shape)
+        if dist.get_rank() == 0:
+            with open(Path(args.out) / f"{shape.name}.json", "w") as handle:
+                json.dump(result, handle)
 
-    # Numeric tokens on both sides of the TP=2 split (1024 for 2048): ids 100..119 and VOCAB // 2 + 76 ..
-    upper = VOCAB // 2 + 76
+
+def train_shape(shape: Shape) -> dict:
+    """Every variant of ``shape`` (each family, embedding, offload, materialized and fused); rank 0's
+    record of them."""
+    vocab_size = shape.vocab
+    # Numeric tokens on both sides of the TP=2 split (1024 for 2048): ids 100..119 and vocab_size // 2 + 76 ..
+    upper = vocab_size // 2 + 76
     vocab = smmd_scale.NumericVocab(list(range(100, 120)) + list(range(upper, upper + 10)),
-                                    list(range(20)) + list(range(10)), VOCAB)
+                                    list(range(20)) + list(range(10)), vocab_size)
     generator = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.steps):
-        ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+        ids = torch.randint(0, vocab_size, (BATCH, LENGTH), generator=generator)
         numeric = torch.rand(BATCH, LENGTH, generator=generator) < 0.4
         ids[numeric] = vocab.token_ids[torch.randint(0, len(vocab), (int(numeric.sum()), ), generator=generator)]
         batches.append(ids)
 
-    result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": VOCAB, "hidden_size": 16 * args.heads,
+    result = {"tp": args.tp, "tokens": BATCH * LENGTH, "vocab_size": vocab_size, "hidden_size": 16 * shape.heads,
               "variants": {}}
     materialized_weights = {}
     variants = [(family, offload, embedding == "tied") for family in args.families
-                for offload in ((False, True) if args.offload else (False, )) for embedding in args.embeddings
+                for offload in ((False, True) if args.offload else (False, )) for embedding in shape.embeddings
                 if embedding == "untied" or family not in args.untied_only]
     for family, offload, tied in variants:
         for fused in (False, True):
             name = f"{'tied' if tied else 'untied'}{'-offload' if offload else ''}{'-fused' if fused else ''}"
             name = name if family == "llama" else f"{family}-{name}"
-            engine = build_engine(family, tied, offload)
+            engine = build_engine(shape, family, tied, offload)
             variant = {}
             if args.tp > 1 and not fused:
                 # DeepSpeed installed its own CE-only vocab-parallel loss; ours with weight 0 must agree with it.
@@ -144,10 +171,7 @@ def main() -> None:
             result["variants"][name] = variant
             installed.restore()
             del engine
-
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle)
+    return result
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ processes (4 for TP=4): ZeRO-3 with AutoTP TP=2 and 4 and a vocabulary-parallel 
 linear head (install(..., fused_linear=True)) against the materialized loss under ZeRO-3 (with and
 without CPU offload) and ZeRO-3 + AutoTP, tied and untied embeddings, for Llama and for every other
 family the fused head supports (Mistral, Qwen2, Qwen3, Gemma-2/3 with soft-capping, Cohere with its
-logit scale, Mixtral and Qwen2/Qwen3-MoE with their router loss). One launch trains every variant of
-its layout (tests/scripts/deepspeed_training.py)."""
+logit scale, Mixtral and Qwen2/Qwen3-MoE with their router loss). One launch per process count and TP
+degree trains every variant of each of its layouts' model shapes (tests/scripts/deepspeed_training.py)."""
 
 import json
 import os
@@ -19,36 +19,41 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "deepspeed_training.py"
 
 
-# Each layout: (processes, the script's options). An AutoTP layout's TP=1 twin is "tp1" + its shape.
-UNEVEN_TP2 = ("--heads", 9, "--kv_heads", 3, "--vocab", 50257)  # SmolLM2-135M's heads, GPT-2's vocabulary
-UNEVEN_TP4 = ("--heads", 6, "--kv_heads", 6, "--vocab", 32002, "--embeddings", "untied")
-LAUNCHES = {"tp1": (1, ()), "tp2": (2, ("--tp", 2)),
-            "tp1kv4": (1, ("--kv_heads", 4, "--embeddings", "untied")),
-            "tp4": (4, ("--tp", 4, "--kv_heads", 4, "--embeddings", "untied")),
-            "tp1-uneven2": (1, UNEVEN_TP2), "tp2-uneven2": (2, ("--tp", 2, *UNEVEN_TP2)),
-            "tp1-uneven4": (1, UNEVEN_TP4), "tp4-uneven4": (4, ("--tp", 4, *UNEVEN_TP4)),
-            "dp2": (2, ("--offload", "--embeddings", "untied"))}
+# A model shape: query heads, KV heads, vocabulary, embeddings (tests/scripts/deepspeed_training.py --shape).
+SHAPES = {"even": (4, 2, 2048, "untied,tied"), "even-untied": (4, 2, 2048, "untied"), "kv4": (4, 4, 2048, "untied"),
+          "uneven2": (9, 3, 50257, "untied,tied"),  # SmolLM2-135M's heads, GPT-2's vocabulary
+          "uneven4": (6, 6, 32002, "untied")}
+# Each launch: (processes, the script's options, {layout: shape}); the shapes of a launch train one after the
+# other in the same processes (a process start costs seconds of imports). An AutoTP layout's TP=1 twin is
+# "tp1" + its shape.
+LAUNCHES = {"tp1": (1, (), {"tp1": "even", "tp1kv4": "kv4", "tp1-uneven2": "uneven2", "tp1-uneven4": "uneven4"}),
+            "tp2": (2, ("--tp", 2), {"tp2": "even", "tp2-uneven2": "uneven2"}),
+            "tp4": (4, ("--tp", 4), {"tp4": "kv4", "tp4-uneven4": "uneven4"}),
+            "dp2": (2, ("--offload", ), {"dp2": "even-untied"})}
 TWINS = {"tp2": "tp1", "tp4": "tp1kv4", "tp2-uneven2": "tp1-uneven2", "tp4-uneven4": "tp1-uneven4"}
 FAMILIES = sorted(set(FAMILY_CONFIGS) - {"llama"})
 # DeepSpeed 0.19.8's vocabulary-parallel head refuses to shard an embedding tied to it whose forward is
 # its own, which Gemma-2's scaled embedding is (it allows Gemma-3's): tied Gemma-2 is trained at TP=1 only.
-FAMILY_LAUNCHES = {"families-tp1": (1, ("--families", *FAMILIES)),
-                   "families-tp2": (2, ("--tp", 2, "--families", *FAMILIES, "--untied_only", "gemma2"))}
+FAMILY_LAUNCHES = {"families-tp1": (1, ("--families", *FAMILIES), {"families-tp1": "even"}),
+                   "families-tp2": (2, ("--tp", 2, "--families", *FAMILIES, "--untied_only", "gemma2"),
+                                    {"families-tp2": "even"})}
 FAMILY_VARIANTS = [(family, embeddings, layout) for family in FAMILIES for embeddings in ("untied", "tied")
                    for layout in sorted(FAMILY_LAUNCHES)
                    if (family, embeddings, layout) != ("gemma2", "tied", "families-tp2")]
 
 
 def train(directory, launches: dict) -> dict:
-    """Each launch's result; the script imports the tiny models of tests/helpers."""
+    """Each layout's result; the script imports the tiny models of tests/helpers."""
     env = environment(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
     commands = {}
-    for layout, (processes, options) in launches.items():
-        out = ("--out", directory / f"{layout}.json")
-        commands[layout] = ([sys.executable, SCRIPT, *options, *out] if processes == 1 else
-                            launch_command(SCRIPT, *options, *out, processes=processes))
+    for launch, (processes, options, layouts) in launches.items():
+        shapes = [part for layout, shape in layouts.items() for part in ("--shape", layout, *SHAPES[shape])]
+        out = ("--out", directory)
+        commands[launch] = ([sys.executable, SCRIPT, *options, *shapes, *out] if processes == 1 else
+                            launch_command(SCRIPT, *options, *shapes, *out, processes=processes))
     run_many(commands, timeout=1200, env=env)
-    return {layout: json.loads((directory / f"{layout}.json").read_text()) for layout in launches}
+    return {layout: json.loads((directory / f"{layout}.json").read_text())
+            for _, _, layouts in launches.values() for layout in layouts}
 
 
 @pytest.fixture(scope="module")
