@@ -215,6 +215,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_a_zero3_engine_builds_without_compiling_deepspeed_s_muon_kernels():
     # A fresh interpreter: the suite's own process may have imported Muon already.
     import json
