@@ -28,12 +28,14 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from scipy import integrate, optimize, stats
 
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 HERE = Path(__file__).resolve().parent
@@ -498,15 +500,19 @@ def strict_json(value):
     return value
 
 
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    work_dir: str = option("--work_dir", default=str(HERE / "runs" / "quick"), help="a run_study.py work dir")
+    results_dir: str = option("--results_dir", default=str(HERE / "results"), help="where the report is written")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default=str(HERE / "runs" / "quick"), help="a run_study.py work dir")
-    parser.add_argument("--results_dir", default=str(HERE / "results"), help="where the report is written")
-    args = parser.parse_args(argv)
-    analysis = write_report(args.work_dir, args.results_dir)
+    options, _ = parse_options(AnalyzeOptions, argv, description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    analysis = write_report(options.work_dir, options.results_dir)
     print(f"exact match (%), mean ± std over seeds {analysis['seeds']}:")
     print(cells_table(analysis, "exact_match", 100.0))
-    print(f"\nreport: {Path(args.results_dir) / 'summary.md'}, results.json, study.png")
+    print(f"\nreport: {Path(options.results_dir) / 'summary.md'}, results.json, study.png")
 
 
 if __name__ == "__main__":

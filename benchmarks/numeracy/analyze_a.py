@@ -30,13 +30,16 @@ import argparse
 import functools
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from scipy import optimize, stats
 
 from benchmarks.numeracy.analyze import ALPHA, describe, holm, paired_power, paired_test, strict_json
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 HERE = Path(__file__).resolve().parent
@@ -485,13 +488,17 @@ def write_report(work_dir, results_dir, tier: str = "a") -> dict:
     return analysis
 
 
+@dataclass(frozen=True)
+class ReportOptions:
+    work_dir: Optional[str] = option("--work_dir")  # default: the tier's runs/tier_<tier>
+    results_dir: str = option("--results_dir", default=str(HERE / "results"))
+
+
 def report_cli(write, tier: str, doc: str, argv=None) -> None:
     """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default=str(HERE / "runs" / f"tier_{tier}"))
-    parser.add_argument("--results_dir", default=str(HERE / "results"))
-    args = parser.parse_args(argv)
-    print(write(args.work_dir, args.results_dir)["text"])
+    options, _ = parse_options(ReportOptions, argv, description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    print(write(options.work_dir or str(HERE / "runs" / f"tier_{tier}"), options.results_dir)["text"])
 
 
 def main(argv=None) -> None:

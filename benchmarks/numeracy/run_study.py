@@ -39,11 +39,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze
 from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
 from smmd_train.arguments import REPO, train_command
+from smmd_train.options import option, parse_options
 
 HERE = Path(__file__).resolve().parent
 TIERS = ["suite", "a", "b", "aprime", "c"]
@@ -102,55 +104,76 @@ PRESETS = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = parser.add_mutually_exclusive_group(required=True)
-    for name in PRESETS:
-        size.add_argument(f"--{name}", dest="preset", action="store_const", const=name,
-                          help=f"{PRESETS[name].model} model, {len(PRESETS[name].methods)} methods x "
-                          f"{len(PRESETS[name].seeds)} seeds, {PRESETS[name].steps} steps per run")
-    parser.add_argument("--tier", choices=TIERS, default="suite", help="suite (this help): the task "
-                        "suite; a: Tier A, one-token arithmetic (--tier a --help); b: Tier B, DeepMind "
-                        "add_sub_multiple (--tier b --help); aprime: Tier A', SMMD on raw value distances "
-                        "(--tier aprime --help); c: Tier C, fine-tuning pretrained SmolLM2 (--tier c --help)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="override the preset's methods")
-    parser.add_argument("--seeds", nargs="+", type=int, help="override the preset's seeds (the same for every method)")
-    parser.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
-    parser.add_argument("--work_dir", help="data, tokenizer, cache and one folder per run (default "
-                        "benchmarks/numeracy/runs/<preset>)")
-    parser.add_argument("--results_dir", help="where results.json, summary.md and study.png are written (default "
-                        "benchmarks/numeracy/results, the committed report; <work_dir>/results for --smoke)")
-    parser.add_argument("--launcher", help='command that starts train.py, e.g. "deepspeed --num_gpus 8" '
-                        "(default: this python, a 1-process ZeRO-3 run)")
-    parser.add_argument("--deepspeed_config", help="override the preset's DeepSpeed config (relative to the repo "
-                        "root, or absolute)")
-    parser.add_argument("--parallel", type=int, help="runs at a time (default: 2 on CPU, 1 with a GPU)")
-    args = parser.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps must be >= 1; got {args.steps}")
-    if args.parallel is not None and args.parallel < 1:
-        parser.error(f"--parallel must be >= 1; got {args.parallel}")
-    if args.launcher and (args.parallel or 1) > 1:
+def _preset_help(name: str) -> str:
+    preset = PRESETS[name]
+    return (f"{preset.model} model, {len(preset.methods)} methods x {len(preset.seeds)} seeds, {preset.steps} steps "
+            "per run")
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """The task suite's command line: one preset flag (:attr:`preset`) and overrides of its settings."""
+
+    smoke: bool = option("--smoke", one_of="preset", action="store_true", help=_preset_help("smoke"))
+    quick: bool = option("--quick", one_of="preset", action="store_true", help=_preset_help("quick"))
+    full: bool = option("--full", one_of="preset", action="store_true", help=_preset_help("full"))
+    tier: str = option("--tier", choices=TIERS, default="suite", help="suite (this help): the task suite; a: Tier A, "
+                       "one-token arithmetic (--tier a --help); b: Tier B, DeepMind add_sub_multiple (--tier b "
+                       "--help); aprime: Tier A', SMMD on raw value distances (--tier aprime --help); c: Tier C, "
+                       "fine-tuning pretrained SmolLM2 (--tier c --help)")
+    methods: Optional[list] = option("--methods", default=None, nargs="+", choices=list(METHODS),
+                                     help="override the preset's methods")
+    seeds: Optional[list] = option("--seeds", default=None, nargs="+", type=int,
+                                   help="override the preset's seeds (the same for every method)")
+    steps: Optional[int] = option("--steps", default=None, type=int,
+                                  help="override the preset's optimizer steps per run")
+    work_dir: Optional[Path] = option("--work_dir", default=None, type=Path, help="data, tokenizer, cache and one "
+                                      "folder per run (default benchmarks/numeracy/runs/<preset>)")
+    results_dir: Optional[Path] = option("--results_dir", default=None, type=Path, help="where results.json, "
+                                         "summary.md and study.png are written (default benchmarks/numeracy/results, "
+                                         "the committed report; <work_dir>/results for --smoke)")
+    launcher: Optional[str] = option("--launcher", default=None, help='command that starts train.py, e.g. "deepspeed '
+                                     '--num_gpus 8" (default: this python, a 1-process ZeRO-3 run)')
+    deepspeed_config: Optional[str] = option("--deepspeed_config", default=None, help="override the preset's "
+                                             "DeepSpeed config (relative to the repo root, or absolute)")
+    parallel: Optional[int] = option("--parallel", default=None, type=int,
+                                     help="runs at a time (default: 2 on CPU, 1 with a GPU)")
+
+    @property
+    def preset(self) -> str:
+        """The name of the preset flag given."""
+        return next(name for name in PRESETS if getattr(self, name))
+
+
+def parse_args(argv=None) -> StudyOptions:
+    """The suite's options, ``work_dir`` resolved (default runs/<preset>) and ``results_dir`` filled in."""
+    options, parser = parse_options(StudyOptions, argv, description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    if options.steps is not None and options.steps < 1:
+        parser.error(f"--steps must be >= 1; got {options.steps}")
+    if options.parallel is not None and options.parallel < 1:
+        parser.error(f"--parallel must be >= 1; got {options.parallel}")
+    if options.launcher and (options.parallel or 1) > 1:
         parser.error("--launcher with --parallel > 1: concurrent launches would share the launcher's default "
                      "rendezvous port; run them one at a time (--parallel 1)")
-    args.work_dir = Path(args.work_dir or HERE / "runs" / args.preset).resolve()
+    work_dir = Path(options.work_dir or HERE / "runs" / options.preset).resolve()
     # A smoke run is a test of the machinery: it never overwrites the committed report.
-    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.preset == "smoke"
-                                                 else HERE / "results"))
-    return args
+    return replace(options, work_dir=work_dir,
+                   results_dir=Path(options.results_dir or (work_dir / "results" if options.preset == "smoke"
+                                                            else HERE / "results")))
 
 
-def study_settings(args: argparse.Namespace) -> tuple:
+def study_settings(options: StudyOptions) -> tuple:
     """(the settings that define the runs and must not change within a work dir, methods, seeds)."""
-    preset = PRESETS[args.preset]
-    if args.steps is not None:
-        preset = replace(preset, steps=args.steps)
-    if args.deepspeed_config:
-        preset = replace(preset, deepspeed_config=args.deepspeed_config)
+    preset = PRESETS[options.preset]
+    if options.steps is not None:
+        preset = replace(preset, steps=options.steps)
+    if options.deepspeed_config:
+        preset = replace(preset, deepspeed_config=options.deepspeed_config)
     settings = {key: value for key, value in asdict(preset).items() if key not in ("methods", "seeds")}
-    settings.update(preset=args.preset, warmup_steps=max(1, preset.steps // 10), tasks=list(TASKS),
-                    launcher=args.launcher or "python")
-    return settings, list(args.methods or preset.methods), list(args.seeds or preset.seeds)
+    settings.update(preset=options.preset, warmup_steps=max(1, preset.steps // 10), tasks=list(TASKS),
+                    launcher=options.launcher or "python")
+    return settings, list(options.methods or preset.methods), list(options.seeds or preset.seeds)
 
 
 def open_study(work_dir: Path, settings: dict, methods: list, seeds: list, parallel: int) -> dict:
@@ -247,14 +270,19 @@ def is_finished(output_dir: Path) -> bool:
             and (output_dir / "numeric_eval.json").is_file())
 
 
+@dataclass(frozen=True)
+class TierChoice:
+    """The tier, read first: every other option belongs to the tier's own command line."""
+
+    tier: str = option("--tier", choices=TIERS, default="suite", help="suite: the task suite below; a: Tier A, "
+                       "one-token arithmetic (benchmarks/numeracy/study_a.py); b: Tier B, DeepMind add_sub_multiple "
+                       "with digit tokens (study_b.py); aprime: Tier A', SMMD on raw value distances "
+                       "(study_aprime.py); c: Tier C, fine-tuning pretrained SmolLM2 (study_c.py)")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    tier = argparse.ArgumentParser(add_help=False)
-    tier.add_argument("--tier", choices=TIERS, default="suite", help="suite: the task suite below; a: "
-                      "Tier A, one-token arithmetic (benchmarks/numeracy/study_a.py); b: Tier B, DeepMind "
-                      "add_sub_multiple with digit tokens (study_b.py); aprime: Tier A', SMMD on raw value "
-                      "distances (study_aprime.py); c: Tier C, fine-tuning pretrained SmolLM2 (study_c.py)")
-    known, rest = tier.parse_known_args(argv)
+    known, rest, _ = parse_options(TierChoice, argv, known_only=True, add_help=False)
     if known.tier == "a":
         from benchmarks.numeracy import study_a
 
@@ -271,23 +299,23 @@ def main(argv=None) -> None:
         from benchmarks.numeracy import study_c
 
         return study_c.main(rest)
-    args = parse_args(rest)
+    options = parse_args(rest)
     import torch
 
     on_gpu = torch.cuda.is_available()
-    parallel = args.parallel or (1 if on_gpu else 2)
+    parallel = options.parallel or (1 if on_gpu else 2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = child_environment(max(1, cores // parallel), on_gpu)
     # This process imports smmd_scale (and so DeepSpeed) to prepare the data: same accelerator as the runs.
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_PARALLELISM")
                        if key in env})
-    settings, methods, seeds = study_settings(args)
-    work_dir = args.work_dir
+    settings, methods, seeds = study_settings(options)
+    work_dir = options.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
     study = open_study(work_dir, settings, methods, seeds, parallel)
     began = time.monotonic()
 
-    print(f"[study] {args.preset}: {len(methods)} methods x {len(seeds)} seeds, {settings['model']} model, "
+    print(f"[study] {options.preset}: {len(methods)} methods x {len(seeds)} seeds, {settings['model']} model, "
           f"{settings['steps']} steps, {parallel} run(s) at a time, work dir {work_dir}", flush=True)
     data = prepare_data(work_dir, settings)
     study["parameters"] = data["parameters"]
@@ -327,11 +355,11 @@ def main(argv=None) -> None:
         raise SystemExit("[study] some runs failed (finished runs are kept; rerun the same command to retry the "
                          "rest):\n\n" + "\n\n".join(failures))
 
-    analysis = analyze.write_report(work_dir, args.results_dir)
+    analysis = analyze.write_report(work_dir, options.results_dir)
     for metric, (header, _, scale, unit) in analyze.METRICS.items():
         print(f"\n{header}{f' ({unit})' if unit else ''}, mean ± std over seeds (95% t-interval):")
         print(analyze.cells_table(analysis, metric, scale))
-    print(f"\n[study] {time.monotonic() - began:.0f} s; report in {args.results_dir}: summary.md, results.json, "
+    print(f"\n[study] {time.monotonic() - began:.0f} s; report in {options.results_dir}: summary.md, results.json, "
           f"study.png", flush=True)
 
 

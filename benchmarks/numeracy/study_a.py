@@ -26,13 +26,16 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
 from smmd_train.arguments import REPO, train_command
+from smmd_train.options import option, parse_options
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,41 +51,58 @@ QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTI
                       eval_every=SETTINGS["eval_every"] // 4, nice=0)
 
 
-def parse_tier_args(tier: str, argv, doc: str, arms, quick_arms, quick_seeds, full_seeds, quick_help: str,
-                    reserved_seeds: dict = None) -> argparse.Namespace:
-    """The command line of ``run_study --tier <tier>`` (shared by the tiers): ``--quick``, ``--arms``,
-    ``--seeds``, ``--work_dir`` (default runs/tier_<tier>[_quick]), ``--results_dir`` (default results/,
-    <work_dir>/results with --quick). ``reserved_seeds``: {seed: why no arm may use it}."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.numeracy.run_study --tier {tier}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"{quick_help}, results in <work_dir>/results, then "
-                        "checks the pipeline's output")
-    parser.add_argument("--arms", nargs="+", choices=list(arms), help="override the arms")
-    parser.add_argument("--seeds", nargs="+", type=int, help="override the seeds (the same for every arm)")
-    parser.add_argument("--work_dir", help=f"default benchmarks/numeracy/runs/tier_{tier}[_quick]")
-    parser.add_argument("--results_dir", help="default benchmarks/numeracy/results (<work_dir>/results with --quick)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each one process at the tier's "
-                        "threads; default 1): the runs and their scores do not depend on it, their wall times do")
-    args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs {args.jobs}: give 1 or more")
-    name = f"tier_{tier}_quick" if args.quick else f"tier_{tier}"
-    args.work_dir = Path(args.work_dir or HERE / "runs" / name).resolve()
-    args.results_dir = Path(args.results_dir or (args.work_dir / "results" if args.quick else HERE / "results"))
-    args.arms = list(args.arms or (quick_arms if args.quick else arms))
-    if "ce" not in args.arms:
+def tier_options(tier: str, arm_names, quick_help: str) -> type:
+    """The command line of ``run_study --tier <tier>``, shared by the tiers: ``--quick`` (``quick_help``:
+    what it runs), ``--arms`` (of ``arm_names``), ``--seeds``, ``--work_dir``, ``--results_dir``, ``--jobs``.
+    :func:`parse_tier_options` fills in the defaults that depend on ``--quick``."""
+
+    @dataclass(frozen=True)
+    class TierOptions:
+        quick: bool = option("--quick", action="store_true", help=f"{quick_help}, results in <work_dir>/results, "
+                             "then checks the pipeline's output")
+        arms: Optional[list] = option("--arms", nargs="+", choices=list(arm_names), help="override the arms")
+        seeds: Optional[list] = option("--seeds", nargs="+", type=int,
+                                       help="override the seeds (the same for every arm)")
+        work_dir: Optional[Path] = option("--work_dir", type=Path,
+                                          help=f"default benchmarks/numeracy/runs/tier_{tier}[_quick]")
+        results_dir: Optional[Path] = option("--results_dir", type=Path, help="default benchmarks/numeracy/results "
+                                             "(<work_dir>/results with --quick)")
+        jobs: int = option("--jobs", type=int, default=1, help="runs side by side (each one process at the tier's "
+                           "threads; default 1): the runs and their scores do not depend on it, their wall times do")
+
+    return TierOptions
+
+
+def parse_tier_options(tier: str, argv, doc: str, arms, quick_arms, quick_seeds, full_seeds, quick_help: str,
+                       reserved_seeds: dict = None):
+    """The options of ``run_study --tier <tier>`` (:func:`tier_options`) with every default filled in:
+    ``work_dir`` (resolved; default runs/tier_<tier>[_quick]), ``results_dir`` (default results/,
+    <work_dir>/results with --quick), ``arms`` and ``seeds`` (lists). ``reserved_seeds``: {seed: why no
+    arm may use it}."""
+    options, parser = parse_options(tier_options(tier, arms, quick_help), argv,
+                                    prog=f"python -m benchmarks.numeracy.run_study --tier {tier}", description=doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    if options.jobs < 1:
+        parser.error(f"--jobs {options.jobs}: give 1 or more")
+    name = f"tier_{tier}_quick" if options.quick else f"tier_{tier}"
+    work_dir = Path(options.work_dir or HERE / "runs" / name).resolve()
+    options = replace(options, work_dir=work_dir,
+                      results_dir=Path(options.results_dir or (work_dir / "results" if options.quick
+                                                               else HERE / "results")),
+                      arms=list(options.arms or (quick_arms if options.quick else arms)))
+    if "ce" not in options.arms:
         parser.error("the arms must include ce: every test is against it")
-    args.seeds = list(args.seeds or (quick_seeds if args.quick else full_seeds))
+    options = replace(options, seeds=list(options.seeds or (quick_seeds if options.quick else full_seeds)))
     for seed, why in (reserved_seeds or {}).items():
-        if seed in args.seeds:
+        if seed in options.seeds:
             parser.error(f"seed {seed} is {why}; choose others")
-    return args
+    return options
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return parse_tier_args("a", argv, __doc__, ARMS, QUICK_ARMS, QUICK_SEEDS, FULL_SEEDS,
-                           f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}",
-                           reserved_seeds={SELECTION_SEED: "the NTL-MSE selection seed"})
+def parse_args(argv=None):
+    return parse_tier_options("a", argv, __doc__, ARMS, QUICK_ARMS, QUICK_SEEDS, FULL_SEEDS,
+                              f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}",
+                              reserved_seeds={SELECTION_SEED: "the NTL-MSE selection seed"})
 
 
 def build_data(data_dir: Path, settings: dict) -> dict:
@@ -347,24 +367,24 @@ def flags_for(arm: str, grid: dict) -> dict:
     return tier_a.arm_flags(arm, grid.get("ntl_mse_weight"))
 
 
-def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, flags_for_arm, evaluate,
+def run_grid(tier: str, options, settings: dict, prepare_data, flags_for_arm, evaluate,
              split: str, backfill=None, train=train_run) -> None:
-    """The runs of a tier, shared by Tier A and B: the work dir's data (``prepare_data(work_dir,
-    settings)``), then every (arm, seed) of ``run_order`` not finished yet, one at a time, with
-    ``flags_for_arm(arm, grid)`` and ``evaluate``; ``study.json`` records the settings, the data sizes
-    and every invocation's wall and CPU time. Progress lines show ``split``. ``backfill(output_dir, data)``
-    runs on every finished run (Tier A: ``add_first_token_scores``); ``train`` builds the train.py command
-    (``train_run``: a model preset trained from scratch)."""
+    """The runs of a tier (``options``: :func:`parse_tier_options`'s), shared by the tiers: the work dir's
+    data (``prepare_data(work_dir, settings)``), then every (arm, seed) of ``run_order`` not finished yet,
+    one at a time, with ``flags_for_arm(arm, grid)`` and ``evaluate``; ``study.json`` records the settings,
+    the data sizes and every invocation's wall and CPU time. Progress lines show ``split``.
+    ``backfill(output_dir, data)`` runs on every finished run (Tier A: ``add_first_token_scores``);
+    ``train`` builds the train.py command (``train_run``: a model preset trained from scratch)."""
     env = child_environment(settings["threads"], on_gpu=False)
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
     import torch
 
     torch.set_num_threads(settings["threads"])  # the in-process evaluation: one thread, like the runs
-    work_dir = args.work_dir
+    work_dir = options.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
-    study = open_study(work_dir, settings, args.arms, args.seeds, tier)
+    study = open_study(work_dir, settings, options.arms, options.seeds, tier)
     began, cpu_began = time.monotonic(), os.times()
-    invocation = {"machine": machine(), "arms": args.arms, "seeds": args.seeds, "jobs": args.jobs,
+    invocation = {"machine": machine(), "arms": options.arms, "seeds": options.seeds, "jobs": options.jobs,
                   "wall_seconds": 0.0, "cpu_seconds": 0.0, "runs_completed": 0}
     study["invocations"].append(invocation)
     data = prepare_data(work_dir, settings)
@@ -380,13 +400,13 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
         write_json(work_dir / "study.json", study)
 
     save()
-    print(f"[tier {tier}] {len(args.arms)} arms x {len(args.seeds)} seeds, {settings['model']} model "
+    print(f"[tier {tier}] {len(options.arms)} arms x {len(options.seeds)} seeds, {settings['model']} model "
           f"({data['parameters'] / 1e6:.2f}M parameters), {settings['steps']} steps, work dir {work_dir}", flush=True)
     grid = {"settings": settings, "data": data, "work_dir": work_dir, "env": env, "began": began, "study": study,
-            "tier": tier, "jobs": args.jobs}
+            "tier": tier, "jobs": options.jobs}
     failures, lock = [], threading.Lock()
     pending = []
-    for arm, seed in run_order(args.arms, args.seeds):
+    for arm, seed in run_order(options.arms, options.seeds):
         output_dir = work_dir / f"{arm}-seed{seed}"
         if not is_finished(output_dir):
             pending.append((arm, seed, output_dir))
@@ -395,7 +415,7 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
     # side by side, every arm's options (and so its selection on validation) are fixed before the grid;
     # one at a time, an arm's selection runs just before its first grid run
     chosen = {arm: flags_for_arm(arm, grid) for arm in dict.fromkeys(arm for arm, _, _ in pending)} \
-        if args.jobs > 1 else {}
+        if options.jobs > 1 else {}
 
     def one_run(arm: str, seed: int, output_dir: Path) -> None:
         flags = chosen[arm] if arm in chosen else flags_for_arm(arm, grid)
@@ -411,7 +431,7 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
             save()
             _progress(f"{arm} seed {seed}", record, began, split, tier)
 
-    in_parallel(args.jobs, [lambda item=item: one_run(*item) for item in pending])
+    in_parallel(options.jobs, [lambda item=item: one_run(*item) for item in pending])
     save()
     if failures:
         raise SystemExit(f"[tier {tier}] some runs failed (finished runs are kept; rerun to retry):\n\n"
@@ -419,15 +439,15 @@ def run_grid(tier: str, args: argparse.Namespace, settings: dict, prepare_data, 
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    options = parse_args(argv)
+    settings = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
-    run_grid("a", args, settings, prepare, flags_for, evaluate_a, "test", backfill=add_first_token_scores)
-    analysis = analyze_a.write_report(args.work_dir, args.results_dir)
+    run_grid("a", options, settings, prepare, flags_for, evaluate_a, "test", backfill=add_first_token_scores)
+    analysis = analyze_a.write_report(options.work_dir, options.results_dir)
     print(analysis["text"])
-    print(f"[tier a] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
-    if args.quick:
-        problems = check_pipeline(args.results_dir, args.arms, args.seeds)
+    print(f"[tier a] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
+    if options.quick:
+        problems = check_pipeline(options.results_dir, options.arms, options.seeds)
         if problems:
             raise SystemExit("[tier a] pipeline check FAILED:\n" + "\n".join(problems))
         print("[tier a] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)

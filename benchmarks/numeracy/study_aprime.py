@@ -24,7 +24,6 @@ kernel is flat". Arms (``tier_a.PRIME_ARMS``):
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from benchmarks.numeracy import analyze_a, study_a
@@ -40,10 +39,10 @@ QUICK_SETTINGS = dict(SETTINGS, steps=SETTINGS["steps"] // 4, warmup_steps=SETTI
 QUICK_CANDIDATES = ((10.0, ), (1.0, ))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return study_a.parse_tier_args("aprime", argv, __doc__, ARMS, ARMS, QUICK_SEEDS, FULL_SEEDS,
-                                   f"{len(QUICK_SEEDS)} seeds x every arm, one (sigma, weight) candidate, a "
-                                   "quarter of the steps", reserved_seeds={SELECTION_SEED: "the selection seed"})
+def parse_args(argv=None):
+    return study_a.parse_tier_options("aprime", argv, __doc__, ARMS, ARMS, QUICK_SEEDS, FULL_SEEDS,
+                                      f"{len(QUICK_SEEDS)} seeds x every arm, one (sigma, weight) candidate, a "
+                                      "quarter of the steps", reserved_seeds={SELECTION_SEED: "the selection seed"})
 
 
 def candidates(quick: bool) -> dict:
@@ -68,16 +67,16 @@ def flags_for(arm: str, grid: dict, quick: bool = False) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    options = parse_args(argv)
+    settings = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
-    study_a.run_grid("aprime", args, settings, study_a.prepare, lambda arm, grid: flags_for(arm, grid, args.quick),
-                     study_a.evaluate_a, "test")
-    analysis = analyze_a.write_report(args.work_dir, args.results_dir, tier="aprime")
+    study_a.run_grid("aprime", options, settings, study_a.prepare,
+                     lambda arm, grid: flags_for(arm, grid, options.quick), study_a.evaluate_a, "test")
+    analysis = analyze_a.write_report(options.work_dir, options.results_dir, tier="aprime")
     print(analysis["text"])
-    print(f"[tier aprime] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
-    if args.quick:
-        problems = study_a.check_pipeline(args.results_dir, args.arms, args.seeds, report="tier_aprime")
+    print(f"[tier aprime] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
+    if options.quick:
+        problems = study_a.check_pipeline(options.results_dir, options.arms, options.seeds, report="tier_aprime")
         if problems:
             raise SystemExit("[tier aprime] pipeline check FAILED:\n" + "\n".join(problems))
         print("[tier aprime] pipeline check passed: every run reported, metrics in range, tests for every arm",

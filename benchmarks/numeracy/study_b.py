@@ -22,7 +22,6 @@ refuses other settings.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -39,9 +38,9 @@ QUICK_SETTINGS = dict(SETTINGS, train_per_level=1000, eval_per_split=40, model="
                       eval_every=20, eval_batches=2, nice=0)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return study_a.parse_tier_args("b", argv, __doc__, ARMS, tuple(ARMS), QUICK_SEEDS, FULL_SEEDS,
-                                   f"every arm x {len(QUICK_SEEDS)} seeds at tiny settings")
+def parse_args(argv=None):
+    return study_a.parse_tier_options("b", argv, __doc__, ARMS, tuple(ARMS), QUICK_SEEDS, FULL_SEEDS,
+                                      f"every arm x {len(QUICK_SEEDS)} seeds at tiny settings")
 
 
 def build_data(data_dir: Path, settings: dict) -> dict:
@@ -58,16 +57,16 @@ def flags_for(arm: str, grid: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    options = parse_args(argv)
+    settings = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
-    study_a.run_grid("b", args, settings, prepare, flags_for, tier_b.evaluate_model, "interpolate")
-    analysis = analyze_b.write_report(args.work_dir, args.results_dir)
+    study_a.run_grid("b", options, settings, prepare, flags_for, tier_b.evaluate_model, "interpolate")
+    analysis = analyze_b.write_report(options.work_dir, options.results_dir)
     print(analysis["text"])
-    print(f"[tier b] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
-    if args.quick:
-        problems = study_a.check_pipeline(args.results_dir, args.arms, args.seeds, report="tier_b",
-                                          splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS)
+    print(f"[tier b] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
+    if options.quick:
+        problems = study_a.check_pipeline(options.results_dir, options.arms, options.seeds, report="tier_b",
+                                             splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS)
         if problems:
             raise SystemExit("[tier b] pipeline check FAILED:\n" + "\n".join(problems))
         print("[tier b] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)

