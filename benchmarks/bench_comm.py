@@ -22,14 +22,17 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import median_and_spread, write_results
+from benchmarks.common import median_and_spread, results_dir_option, write_results
 from smmd_train.launcher import free_port
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 # collective -> (position, keyword) of the tensor this rank hands in
@@ -157,13 +160,16 @@ def _measure(rank, world_size, configs, repeats, vocab_parallel_cross_entropy) -
     return rows
 
 
+@dataclass(frozen=True)
+class CommOptions:
+    quick: bool = option("--quick", action="store_true", help="one small shape")
+    tp: tuple = option("--tp", type=int, nargs="+", default=(1, 2, 4))
+    repeats: int = option("--repeats", type=int, default=5)
+    results_dir: Optional[str] = results_dir_option()
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one small shape")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
-    args = parser.parse_args()
+    args, _ = parse_options(CommOptions, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.quick:
         configs = [(256, 4096, 100, 0.3)]

@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
-from benchmarks.common import machine, write_results  # noqa: E402
+from benchmarks.common import machine, results_dir_option, write_results  # noqa: E402
+from smmd_train.options import option, parse_options  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,14 +265,18 @@ def report(rows: list, targets: list) -> str:
     return markdown_table(table, columns) + "\n\ntargets:\n\n" + checks
 
 
+@dataclass(frozen=True)
+class FusedLinearOptions:
+    quick: bool = option("--quick", action="store_true", help="one small shape")
+    repeats: int = option("--repeats", type=int, default=3)
+    contenders: tuple = option("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    results_dir: Optional[str] = results_dir_option()
+    measure: Optional[list] = option("--measure", default=None, nargs=5, metavar="ARG", help=argparse.SUPPRESS)
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one small shape")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
-    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
-    parser.add_argument("--measure", nargs=5, metavar="ARG", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, _ = parse_options(FusedLinearOptions, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     if args.measure:  # the fresh child: CONTENDER TOKENS H V DTYPE
         name, tokens, hidden_size, vocab_size, dtype = args.measure
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))

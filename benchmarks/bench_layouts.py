@@ -15,12 +15,14 @@ import argparse
 import json
 import random
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import write_results
 from smmd_train.arguments import REPO, TRAIN_SCRIPT, train_flags
 from smmd_train.launcher import launch_command
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 STEPS, SEQ_LEN, GLOBAL_BATCH = 4, 32, 4
@@ -86,12 +88,15 @@ def table_rows(logged: dict) -> list:
     return rows
 
 
+@dataclass(frozen=True)
+class LayoutsOptions:
+    work_dir: str = option("--work_dir", default="benchmarks/runs/layouts")
+
+
 def main():
     import subprocess
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", default="benchmarks/runs/layouts")
-    args = parser.parse_args()
+    args, _ = parse_options(LayoutsOptions, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     work = Path(args.work_dir)
     corpus = write_corpus(work / "corpus")
     logged = {}

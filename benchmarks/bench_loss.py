@@ -52,6 +52,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +61,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
-from benchmarks.common import machine, median_and_spread, write_results  # noqa: E402
+from benchmarks.common import machine, median_and_spread, results_dir_option, write_results  # noqa: E402
 from benchmarks.contenders.ntloss_package import Unavailable, build_ntloss  # noqa: E402
 from benchmarks.contenders.paper_way import PaperWaySMMD  # noqa: E402
+from smmd_train.options import option, parse_options  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -422,20 +424,31 @@ def report(rows: list, targets: list) -> str:
             f"alone:\n\n{soft_target_and_del}\n\ntargets:\n\n{checks}")
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """The grid (at most one of ``--quick``, ``--cpu``, ``--full``: :attr:`grid`), device and repeats."""
+
+    quick: bool = option("--quick", at_most_one_of="grid", action="store_true", help="one tiny shape (smoke run)")
+    cpu: bool = option("--cpu", at_most_one_of="grid", action="store_true",
+                       help="tokens 2048, V=32000 (and V=128256 at N=1000, 30%%): fits a small CPU box "
+                            "(default on CPU)")
+    full: bool = option("--full", at_most_one_of="grid", action="store_true",
+                        help="the whole grid, meant for a GPU (default on CUDA)")
+    device: str = option("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    repeats: Optional[int] = option("--repeats", type=int, default=None,
+                                    help="timed rounds per shape (default 5; 3 for --quick)")
+    results_dir: Optional[str] = results_dir_option()
+    measure_memory: Optional[list] = option("--measure-memory", default=None, nargs=6, metavar="ARG",
+                                            help=argparse.SUPPRESS)
+
+    @property
+    def grid(self) -> Optional[str]:
+        """The grid flag given, if any."""
+        return next((name for name in ("quick", "cpu", "full") if getattr(self, name)), None)
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    grid = parser.add_mutually_exclusive_group()
-    grid.add_argument("--quick", dest="grid", action="store_const", const="quick", help="one tiny shape (smoke run)")
-    grid.add_argument("--cpu", dest="grid", action="store_const", const="cpu",
-                      help="tokens 2048, V=32000 (and V=128256 at N=1000, 30%%): fits a small CPU box "
-                           "(default on CPU)")
-    grid.add_argument("--full", dest="grid", action="store_const", const="full",
-                      help="the whole grid, meant for a GPU (default on CUDA)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per shape (default 5; 3 for --quick)")
-    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
-    parser.add_argument("--measure-memory", nargs=6, metavar="ARG", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, _ = parse_options(LossOptions, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     if args.measure_memory:  # the fresh child of cpu_peak_bytes: CONTENDER TOKENS V N SHARE DTYPE
         name, tokens, vocab_size, numeric_size, share, dtype = args.measure_memory

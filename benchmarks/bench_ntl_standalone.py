@@ -26,7 +26,9 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -35,6 +37,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from benchmarks.common import median_and_spread, write_results  # noqa: E402
 from benchmarks.contenders.standalone_before import numeric_loss_mean  # noqa: E402
 from smmd_scale import NTLoss, NumberLevelNTLoss, NumericVocab  # noqa: E402
+from smmd_train.options import option, parse_options  # noqa: E402
 from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,17 +152,22 @@ def measure_memory(tokens, vocab_size, share) -> list:
     return rows
 
 
+@dataclass(frozen=True)
+class StandaloneOptions:
+    tokens: int = option("--tokens", type=int, default=16000)
+    vocab_size: int = option("--vocab_size", type=int, default=10000)
+    shares: tuple = option("--shares", type=float, nargs="+", default=(0.01, 0.5))
+    repeats: int = option("--repeats", type=int, default=5)
+    threads: int = option("--threads", type=int, default=2)
+    memory: bool = option("--memory", action="store_true", default=False,
+                          help="also peak memory, a subprocess per contender")
+    results_dir: Optional[str] = option("--results_dir", default=None)
+    child: Optional[list] = option("--child", default=None, nargs=5, help=argparse.SUPPRESS)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=16000)
-    parser.add_argument("--vocab_size", type=int, default=10000)
-    parser.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.5])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--memory", action="store_true", help="also peak memory, a subprocess per contender")
-    parser.add_argument("--results_dir", default=None)
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args, _ = parse_options(StandaloneOptions, argv, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     torch.set_num_threads(args.threads)
     if args.child:
         kind, name, tokens, vocab_size, share = args.child

@@ -17,12 +17,15 @@ import argparse
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.bench_train import prepare_data
-from benchmarks.common import write_results
+from benchmarks.common import results_dir_option, write_results
 from smmd_train.arguments import REPO, train_command
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 COLUMNS = (("sp", "SP", ""), ("seq_len", "tokens / sequence", ""), ("peak_gib_per_rank", "peak GiB / rank", ".3f"),
@@ -31,21 +34,25 @@ COLUMNS = (("sp", "SP", ""), ("seq_len", "tokens / sequence", ""), ("peak_gib_pe
            ("loss_step1", "step 1 loss/total", ".6f"))
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP degrees (one process per SP rank)")
-    parser.add_argument("--seq_len", type=int, default=8192)
-    parser.add_argument("--short_seq_len", type=int, default=256, help="the run whose peak is the fixed part")
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (peak after the first)")
-    parser.add_argument("--fused_linear", action="store_true", help="train through the fused linear head")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_sp"))
-    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
-    return parser.parse_args(argv)
+@dataclass(frozen=True)
+class SpOptions:
+    model: str = option("--model", default="tiny")
+    sp: tuple = option("--sp", type=int, nargs="+", default=(1, 2), help="SP degrees (one process per SP rank)")
+    seq_len: int = option("--seq_len", type=int, default=8192)
+    short_seq_len: int = option("--short_seq_len", type=int, default=256, help="the run whose peak is the fixed part")
+    steps: int = option("--steps", type=int, default=2, help="optimizer steps per run (peak after the first)")
+    fused_linear: bool = option("--fused_linear", action="store_true", default=False,
+                                help="train through the fused linear head")
+    device: str = option("--device", choices=["cpu", "cuda"], default="cpu")
+    work_dir: str = option("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_sp"))
+    results_dir: Optional[str] = results_dir_option()
 
 
-def run(args, work: Path, data, tokenizer_dir, sp_size: int, seq_len: int) -> dict:
+def parse_args(argv=None) -> SpOptions:
+    return parse_options(SpOptions, argv, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)[0]
+
+
+def run(args: SpOptions, work: Path, data, tokenizer_dir, sp_size: int, seq_len: int) -> dict:
     name = f"sp{sp_size}_seq{seq_len}"
     output = work / name
     shutil.rmtree(output, ignore_errors=True)

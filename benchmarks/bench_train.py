@@ -29,12 +29,15 @@ import shutil
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
-from benchmarks.common import write_results
+from benchmarks.common import results_dir_option, write_results
 from smmd_train.arguments import REPO, train_command
 from smmd_train.dashboards import write_experiment
 from smmd_train.metrics_file import read_metrics
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 WARMUP_STEPS = 3
@@ -42,23 +45,31 @@ LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(numeric_loss=["smmd:1
           "ce+smmd fused": dict(numeric_loss=["smmd:1"], fused_linear=True)}
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--micro_batch_size", type=int, default=8)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_train"))
-    parser.add_argument("--repeats", type=int, default=2, help="runs per (setting, loss), alternating")
-    parser.add_argument("--quick", action="store_true", help="worlds 1 2, few steps, one repeat: a smoke run")
-    parser.add_argument("--results_dir", help="where the JSON goes (default benchmarks/results)")
-    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=list(LOSSES))
-    parser.add_argument("--vocab_size", type=int, help="train the preset with a head of this many tokens")
-    parser.add_argument("--budget_gib", type=float, help="also find the largest micro-batch under this peak memory")
-    parser.add_argument("--budget_micro_batches", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    return parser.parse_args()
+@dataclass(frozen=True)
+class TrainOptions:
+    model: str = option("--model", default="tiny")
+    worlds: tuple = option("--worlds", type=int, nargs="+", default=(1, 2, 4))
+    steps: int = option("--steps", type=int, default=30)
+    seq_len: int = option("--seq_len", type=int, default=128)
+    micro_batch_size: int = option("--micro_batch_size", type=int, default=8)
+    device: str = option("--device", choices=["cpu", "cuda"], default="cpu")
+    work_dir: str = option("--work_dir", default=str(REPO / "benchmarks" / "runs" / "bench_train"))
+    repeats: int = option("--repeats", type=int, default=2, help="runs per (setting, loss), alternating")
+    quick: bool = option("--quick", action="store_true", default=False,
+                         help="worlds 1 2, few steps, one repeat: a smoke run")
+    results_dir: Optional[str] = results_dir_option()
+    losses: tuple = option("--losses", nargs="+", default=tuple(LOSSES), choices=list(LOSSES))
+    vocab_size: Optional[int] = option("--vocab_size", type=int, default=None,
+                                       help="train the preset with a head of this many tokens")
+    budget_gib: Optional[float] = option("--budget_gib", type=float, default=None,
+                                         help="also find the largest micro-batch under this peak memory")
+    budget_micro_batches: tuple = option("--budget_micro_batches", type=int, nargs="+", default=(8, 16, 32, 64, 128))
+
+
+def parse_args() -> TrainOptions:
+    """The options; ``--quick`` sets worlds 1 2, 10 steps and one repeat."""
+    options, _ = parse_options(TrainOptions, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return replace(options, worlds=(1, 2), steps=10, repeats=1) if options.quick else options
 
 
 def prepare_data(work: Path) -> tuple:
@@ -71,7 +82,7 @@ def prepare_data(work: Path) -> tuple:
     return corpus["train"], work / "tokenizer"
 
 
-def model_with_vocabulary(args, work: Path, tokenizer_dir: Path) -> str:
+def model_with_vocabulary(args: TrainOptions, work: Path, tokenizer_dir: Path) -> str:
     """The preset, or (``--vocab_size``) a fresh copy of it with a ``--vocab_size``-token head saved
     as a Hugging Face dir (the tokenizer's tokens are its first rows)."""
     if not args.vocab_size:
@@ -89,7 +100,7 @@ def model_with_vocabulary(args, work: Path, tokenizer_dir: Path) -> str:
     return str(directory)
 
 
-def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str, repeat: int, *,
+def run(args: TrainOptions, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: str, repeat: int, *,
         model=None, micro_batch_size=None, steps=None) -> dict:
     micro_batch_size, steps = micro_batch_size or args.micro_batch_size, steps or args.steps
     name = (f"{'zero3_autotp' if tp_size > 1 else 'zero3'}_world{world}_mb{micro_batch_size}_"
@@ -116,7 +127,7 @@ def run(args, work: Path, data, tokenizer_dir, world: int, tp_size: int, loss: s
             "peak_memory_gib": summary["summary/peak_memory_gib"], "wall_seconds": time.monotonic() - began}
 
 
-def largest_micro_batch(args, work: Path, data, tokenizer_dir, model) -> list:
+def largest_micro_batch(args: TrainOptions, work: Path, data, tokenizer_dir, model) -> list:
     """Per loss (materialized, fused): the peak memory of a short world-1 run at each micro-batch
     size, and the largest size under ``--budget_gib``."""
     rows = []
@@ -137,8 +148,6 @@ def largest_micro_batch(args, work: Path, data, tokenizer_dir, model) -> list:
 
 def main():
     args = parse_args()
-    if args.quick:
-        args.worlds, args.steps, args.repeats = [1, 2], 10, 1
     work = Path(args.work_dir)
     shutil.rmtree(work / "tensorboard", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from smmd_train.options import option
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -32,6 +34,11 @@ def median_and_spread(samples: list) -> tuple:
     """(median, (max - min) / median) of repeated measurements."""
     middle = statistics.median(samples)
     return middle, (max(samples) - min(samples)) / middle if middle else 0.0
+
+
+def results_dir_option():
+    """The scripts' ``--results_dir`` option: where their JSON goes (:func:`write_results`)."""
+    return option("--results_dir", default=None, help="where the JSON goes (default benchmarks/results)")
 
 
 def write_results(name: str, rows: list, results_dir=None, **extra) -> Path:

@@ -27,12 +27,15 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_results
+from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
 
 FP32_CE, FP32_GRAD = 4e-6, 6e-7
@@ -281,15 +284,21 @@ def training(device: torch.device, work: Path, quick: bool) -> list:
     return rows
 
 
+@dataclass(frozen=True)
+class SmokeOptions:
+    device: str = option("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    quick: bool = option("--quick", action="store_true", default=False, help="a small large-step shape (CI on CPU)")
+    tokens: Optional[int] = option("--tokens", type=int, default=None,
+                                   help="the large step's tokens (default 8192; --quick 512)")
+    vocab: Optional[int] = option("--vocab", type=int, default=None,
+                                  help="the large step's vocabulary (default 128256; --quick 8192)")
+    work_dir: str = option("--work_dir", default="benchmarks/runs/gpu_smoke")
+    seed: int = option("--seed", type=int, default=0)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="a small large-step shape (CI on CPU)")
-    parser.add_argument("--tokens", type=int, help="the large step's tokens (default 8192; --quick 512)")
-    parser.add_argument("--vocab", type=int, help="the large step's vocabulary (default 128256; --quick 8192)")
-    parser.add_argument("--work_dir", default="benchmarks/runs/gpu_smoke")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args, parser = parse_options(SmokeOptions, argv, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")

@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from smmd_train.launcher import free_port
+from smmd_train.options import option, parse_options
 
 # URL (after the server's address) of each dashboard; Time Series draws with WebGL unless forceSVG.
 DASHBOARDS = {
@@ -46,14 +48,19 @@ def serve(logdir: str) -> tuple:
             time.sleep(1)
 
 
+@dataclass(frozen=True)
+class ScreenshotOptions:
+    logdir: str = option("--logdir", required=True)
+    out: str = option("--out", required=True)
+    dashboards: tuple = option("--dashboards", nargs="+", default=tuple(DASHBOARDS), choices=list(DASHBOARDS))
+    size: str = option("--size", default="1600,1300", help="window width,height in pixels")
+    settle_seconds: float = option("--settle_seconds", type=float, default=8.0,
+                                   help="time the page gets to draw its charts")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--logdir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--dashboards", nargs="+", default=list(DASHBOARDS), choices=list(DASHBOARDS))
-    parser.add_argument("--size", default="1600,1300", help="window width,height in pixels")
-    parser.add_argument("--settle_seconds", type=float, default=8.0, help="time the page gets to draw its charts")
-    args = parser.parse_args(argv)
+    args, _ = parse_options(ScreenshotOptions, argv, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     from selenium import webdriver
 
     out = Path(args.out)

@@ -25,12 +25,14 @@ Options = TypeVar("Options")
 NO_DEFAULT = dataclasses.MISSING
 
 
-def option(*flags: str, default=NO_DEFAULT, one_of: Optional[str] = None, **settings):
+def option(*flags: str, default=NO_DEFAULT, one_of: Optional[str] = None, at_most_one_of: Optional[str] = None,
+           **settings):
     """A field of a tool's options: its ``flags`` (none: a positional argument named like the field),
     ``default`` (the field's and the flag's), ``one_of`` (the fields that share this name form a group
-    of which exactly one must be given) and argparse's other ``add_argument`` settings (``help``,
-    ``type``, ``action``, ``choices``, ``nargs``, ``required``, ``metavar``)."""
-    metadata = {"flags": flags, "one_of": one_of, "settings": settings}
+    of which exactly one must be given), ``at_most_one_of`` (likewise, a group of which at most one may be
+    given) and argparse's other ``add_argument`` settings (``help``, ``type``, ``action``, ``choices``,
+    ``nargs``, ``required``, ``metavar``)."""
+    metadata = {"flags": flags, "one_of": one_of, "at_most_one_of": at_most_one_of, "settings": settings}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -45,12 +47,14 @@ def build_parser(options: type, *, subcommand: Optional[tuple] = None, **parser_
     groups = {}
     for item in dataclasses.fields(options):
         flags, one_of, settings = item.metadata["flags"], item.metadata["one_of"], dict(item.metadata["settings"])
+        at_most_one_of = item.metadata["at_most_one_of"]
         if item.default is not NO_DEFAULT:
             settings["default"] = item.default
-        if one_of is not None:
-            if one_of not in groups:
-                groups[one_of] = target.add_mutually_exclusive_group(required=True)
-            group = groups[one_of]
+        if one_of is not None or at_most_one_of is not None:
+            key = (one_of, at_most_one_of)
+            if key not in groups:
+                groups[key] = target.add_mutually_exclusive_group(required=one_of is not None)
+            group = groups[key]
         else:
             group = target
         if flags:

@@ -116,3 +116,15 @@ def test_bench_ntl_standalone_writes_rows_where_every_contender_computes_the_sam
         assert row["value"] == pytest.approx(ntloss_row["value"], rel=1e-5)
         assert row["forward_ms"] > 0 and row["forward_backward_ms"] > 0
     assert len(results["memory"]) == len(rows) and all(row["peak_mib"] > 0 for row in results["memory"])
+
+
+def test_bench_loss_takes_at_most_one_grid_flag():
+    """--quick, --cpu and --full name the grid; none: the device's default grid; two: refused (exit 2)."""
+    from benchmarks.bench_loss import LossOptions
+    from smmd_train.options import parse_options
+
+    assert parse_options(LossOptions, ["--cpu"])[0].grid == "cpu"
+    assert parse_options(LossOptions, ["--device", "cpu"])[0].grid is None
+    with pytest.raises(SystemExit) as refused:
+        parse_options(LossOptions, ["--quick", "--full"])
+    assert refused.value.code == 2
