@@ -77,7 +77,14 @@ def test_bench_sp_writes_the_peak_per_rank_of_each_sp_degree(tmp_path):
     assert "| SP | tokens / sequence | peak GiB / rank |" in run.stdout
     rows = json.loads((tmp_path / "results" / "bench_sp_cpu.json").read_text())["rows"]
     assert [row["sp"] for row in rows] == [1, 2] and rows[0]["peak_vs_sp1"] == 1.0
-    assert all(row["peak_gib_per_rank"] > row["fixed_gib_per_rank"] > 0 for row in rows)
+    # The peak is the ranks' RSS high-water mark over the whole process (imports, tokenization, training):
+    # at 512 tokens the tiny model's activations add 3-10 MiB to ~0.57-0.59 GiB, less than the RSS noise
+    # between two processes (a CI run measured the long run's peak at or below the short one's), so the sign
+    # of "above fixed" is not asserted at this size; the columns are the measured peaks and their difference.
+    for row in rows:
+        assert row["peak_gib_per_rank"] > 0 and row["fixed_gib_per_rank"] > 0
+        # each of the three is rounded to 1e-3 GiB: they agree within 1.5e-3
+        assert row["above_fixed_gib"] == pytest.approx(row["peak_gib_per_rank"] - row["fixed_gib_per_rank"], abs=2e-3)
     assert rows[1]["loss_step1"] == pytest.approx(rows[0]["loss_step1"], rel=1e-5)
 
 
