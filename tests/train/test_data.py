@@ -608,6 +608,13 @@ def record_ids(record: dict, backend_tokenizer, eos_token_id) -> tuple[list, lis
             backend_tokenizer.encode(record["completion"], add_special_tokens=False).ids + [eos_token_id])
 
 
+def fitting_seq_len(records, tokenizer) -> int:
+    """A --seq_len that every one of ``records`` fits: its longest record's prompt + completion + EOS. (A
+    fixed 96 did not always: a record of 12 multi-token words is longer, as one drawn input was.)"""
+    return max(sum(map(len, record_ids(record, tokenizer.backend_tokenizer, tokenizer.eos_token_id)))
+               for record in records)
+
+
 def test_prompt_completion_rows_are_prompt_completion_eos_then_padding(tmp_path, rng, tokenizer):
     files = [[*random_records(rng, rng.randint(1, 10))] for _ in range(rng.randint(1, 3))]
     paths = [write_records(tmp_path / f"sft{index}.jsonl", records) for index, records in enumerate(files)]
@@ -645,7 +652,7 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
     from smmd_train.sequence_parallel import forward_inputs, micro_batch_inputs, step_targets, target_counts
 
     records = random_records(rng, rng.randint(3, 6))
-    seq_len = 96
+    seq_len = 4 * -(-(fitting_seq_len(records, tokenizer) + rng.randint(0, 8)) // 4)  # SP=4 shards it below
     rows = data.pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer, seq_len)
     batches = PackedBatches(rows, micro_batch_size=len(records), dp_rank=0, dp_size=1, seed=rng.randrange(2**32))
     batch = next(batches)
@@ -687,8 +694,9 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
 
 
 def test_prompt_completion_data_resumes_through_the_same_data_state(tmp_path, rng, tokenizer):
-    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", random_records(rng, rng.randint(10, 30)))],
-                           tokenizer, 96)
+    records = random_records(rng, rng.randint(10, 30))
+    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer,
+                           fitting_seq_len(records, tokenizer))
     micro_batch_size, dp_size, seed = rng.randint(1, 3), rng.randint(1, 2), rng.randrange(2**32)
     original = PackedBatches(rows, micro_batch_size, 0, dp_size, seed)
     for _ in range(rng.randint(0, 12)):
@@ -719,7 +727,7 @@ def test_a_bad_prompt_completion_record_is_one_line_naming_file_and_line(tmp_pat
     index = rng.randint(1, len(records))
     path = write_records(tmp_path / "sft.jsonl", records, extra_lines=[(index, line)])
     with pytest.raises(ValueError) as refused:
-        data.pack_files([path], tokenizer, 64)
+        data.pack_files([path], tokenizer, fitting_seq_len(records, tokenizer))
     text = str(refused.value)
     assert re.search(re.escape(path) + message.format(line=index + 1), text) and "\n" not in text, text
 
@@ -739,7 +747,8 @@ def test_formats_do_not_mix_and_a_record_longer_than_seq_len_is_named(tmp_path, 
         data.pack_files([sft], tokenizer, length - 1)
 
 
-def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_line(tmp_path, rng, tokenizer_dir):
+def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_line(tmp_path, rng, tokenizer_dir,
+                                                                                 tokenizer):
     from helpers.launching import REPO, train_flags
 
     from smmd_train.arguments import parse_args
@@ -750,7 +759,8 @@ def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_lin
     records = random_records(rng, 12)
     sft = write_records(tmp_path / "sft.jsonl", records)
     flags = dict(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,
-                 data=[sft], eval_data=[sft], seq_len=96, micro_batch_size=2, max_steps=2, output_dir=tmp_path / "run")
+                 data=[sft], eval_data=[sft], seq_len=max(96, fitting_seq_len(records, tokenizer)), micro_batch_size=2,
+                 max_steps=2, output_dir=tmp_path / "run")
     run = prepare_run(RunConfig.from_args(parse_args(train_flags(**flags))), Launch(0, 1, 0, 1, "single"),
                       until="data")
     assert run.train_blocks.column_names == ["input_ids", "labels"] and len(run.train_blocks) == len(records)
