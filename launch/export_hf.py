@@ -98,16 +98,13 @@ def main(argv=None) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from smmd_train.export import checkpoint_layout
-    from smmd_train.start_up import collector_paused
 
-    # An export is all start-up (imports, load, convert, save): the collector waits (smmd_train.start_up).
-    with collector_paused():
-        run_dir, tag = _locate(options.checkpoint)
-        run = json.loads((run_dir / "run_config.json").read_text())
-        if checkpoint_layout(run_dir, tag, run)[1] == 1 and "RANK" not in os.environ:
-            export_offline(run_dir, tag, run, options.target)
-        else:
-            export_distributed(run_dir, tag, run, options.target)
+    run_dir, tag = _locate(options.checkpoint)
+    run = json.loads((run_dir / "run_config.json").read_text())
+    if checkpoint_layout(run_dir, tag, run)[1] == 1 and "RANK" not in os.environ:
+        export_offline(run_dir, tag, run, options.target)
+    else:
+        export_distributed(run_dir, tag, run, options.target)
     print(f"exported {run_dir}/{tag} -> {options.target}")
 
 

@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 
 from smmd_train.options import option, parse_options
-from smmd_train.start_up import collector_paused
 from smmd_train.tables import markdown_table
 
 from .evaluation import evaluate_qa, load_qa
@@ -91,8 +90,7 @@ def main(argv=None) -> dict:
         sys.exit(f"evaluate.py: {error}")
     if args.limit is not None:
         qa = qa[:args.limit]
-    with collector_paused():  # transformers' imports and the load (smmd_train.start_up)
-        model, tokenizer = load_model_and_tokenizer(args)
+    model, tokenizer = load_model_and_tokenizer(args)
     report = evaluate_qa(model, tokenizer, qa, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
 
     output = Path(args.output) if args.output else Path(args.model_dir) / "numeric_eval.json"

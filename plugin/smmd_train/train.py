@@ -26,7 +26,6 @@ from pathlib import Path
 # main() imports the rest.
 from .arguments import parse_args
 from .run_config import RunConfig, RunRefused
-from .start_up import collector_paused
 
 
 def seed_everything(seed: int) -> None:
@@ -40,39 +39,36 @@ def seed_everything(seed: int) -> None:
 
 def main(config: RunConfig) -> None:
     """Train the run of ``config`` (:class:`smmd_train.run_config.RunConfig`)."""
-    # The start-up (imports, plan, model, engine, resume) runs with the collector paused, its survivors frozen
-    # after it (smmd_train.start_up: about a third of a short run's CPU on each rank).
-    with collector_paused():
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        from .checkpoint import Checkpointer, TrainState, run_record
-        from .distributed import init_distributed
-        from .evaluation import Evaluator, describe
-        from .export import export_hf
-        from .guard import NonFiniteGuard
-        from .resume import resume_or_start
-        from .run import log, open_monitor, prepare_run, train_step, write_run_config
+    from .checkpoint import Checkpointer, TrainState, run_record
+    from .distributed import init_distributed
+    from .evaluation import Evaluator, describe
+    from .export import export_hf
+    from .guard import NonFiniteGuard
+    from .resume import resume_or_start
+    from .run import log, open_monitor, prepare_run, train_step, write_run_config
 
-        optimization, checkpointing, inputs = config.optimization, config.checkpointing, config.model_data
-        output_dir = checkpointing.output_dir
-        launch = init_distributed(config.layout.process_group_timeout_minutes)
-        seed_everything(optimization.seed)
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
+    optimization, checkpointing, inputs = config.optimization, config.checkpointing, config.model_data
+    output_dir = checkpointing.output_dir
+    launch = init_distributed(config.layout.process_group_timeout_minutes)
+    seed_everything(optimization.seed)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
 
-        # Plan, data, model, engine, numeric loss: a bad option or config fails (on every rank) before the model exists.
-        run = prepare_run(config, launch)
-        for warning in run.plan.warnings:
-            log(f"warning: {warning}")
+    # Plan, data, model, engine, numeric loss: a bad option or config fails (on every rank) before the model exists.
+    run = prepare_run(config, launch)
+    for warning in run.plan.warnings:
+        log(f"warning: {warning}")
 
-        # Resume (model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG),
-        # overwrite an earlier run or start at step 0, as the plan decided.
-        guard = NonFiniteGuard(optimization.max_skipped_steps)
-        state = TrainState(run.batches, guard)
-        checkpointer = Checkpointer(run.engine, output_dir, checkpointing.save_steps, optimization.max_steps,
-                                    run_record(run.plan.topology, run.plan.schedule.as_dict(), run.experiment))
-        started = resume_or_start(run, checkpointer, state)
-        if started:
-            log(started)
+    # Resume (model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG),
+    # overwrite an earlier run or start at step 0, as the plan decided.
+    guard = NonFiniteGuard(optimization.max_skipped_steps)
+    state = TrainState(run.batches, guard)
+    checkpointer = Checkpointer(run.engine, output_dir, checkpointing.save_steps, optimization.max_steps,
+                                run_record(run.plan.topology, run.plan.schedule.as_dict(), run.experiment))
+    started = resume_or_start(run, checkpointer, state)
+    if started:
+        log(started)
 
     monitor = open_monitor(run, start_step=state.step)
     write_run_config(run)

@@ -31,7 +31,6 @@ from transformers.integrations import HfDeepSpeedConfig
 import smmd_scale
 from smmd_train import compat
 from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
-from smmd_train.start_up import collector_paused
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -88,12 +87,9 @@ def build_engine(shape: Shape, family: str, tied: bool, offload: bool):
 
 
 def main() -> None:
-    # What the imports made is frozen after this block (smmd_train.start_up), so the gc.collect() of each
-    # engine's ZeRO-3 start scans only what came after.
-    with collector_paused():
-        init_distributed(timeout_minutes=5)
-        if args.tp > 1:
-            compat.init_tensor_parallel_groups(args.tp)
+    init_distributed(timeout_minutes=5)
+    if args.tp > 1:
+        compat.init_tensor_parallel_groups(args.tp)
     for shape in SHAPES:
         result = train_shape(shape)
         if dist.get_rank() == 0:
