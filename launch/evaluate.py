@@ -6,7 +6,7 @@ Prints a table (all items, then each "task") and writes the JSON report (default
 MODEL_DIR/numeric_eval.json); the options are in ``smmd_numeracy/evaluate_cli.py``.
 """
 
-from smmd_numeracy.evaluate_cli import main
+from smmd_numeracy.evaluate_cli import cli
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -110,8 +110,10 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     from smmd_train.distributed import shutdown_distributed
+    from smmd_train.process_end import skip_final_collections
 
     try:
         sys.exit(main())
     finally:
         shutdown_distributed()  # ordered, on every exit path (see there)
+        skip_final_collections()  # then no collection at exit (smmd_train.process_end)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from smmd_train.options import option, parse_options
+from smmd_train.process_end import skip_final_collections
 from smmd_train.tables import markdown_table
 
 from .evaluation import evaluate_qa, load_qa
@@ -104,5 +105,7 @@ def main(argv=None) -> dict:
 
 def cli(argv=None) -> None:
     """The ``smmd-evaluate`` console command: :func:`main` without its return value (the report,
-    which a console script would otherwise turn into the exit status)."""
+    which a console script would otherwise turn into the exit status), and no collection at exit
+    (``smmd_train.process_end``)."""
     main(argv)
+    skip_final_collections()

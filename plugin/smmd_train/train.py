@@ -137,6 +137,7 @@ def cli(argv=None) -> None:
     args = parse_args(argv, description=__doc__)
     from .distributed import shutdown_distributed
     from .guard import NonFiniteLossError
+    from .process_end import skip_final_collections
 
     exit_code = 0
     try:
@@ -154,6 +155,7 @@ def cli(argv=None) -> None:
         # process group go, with their gloo threads, before interpreter shutdown; else a rank can
         # abort at exit after a job that did its work (see shutdown_distributed).
         shutdown_distributed()
+        skip_final_collections()  # after the shutdown's own collection (smmd_train.process_end)
     sys.exit(exit_code)
 
 

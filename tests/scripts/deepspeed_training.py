@@ -31,6 +31,7 @@ from transformers.integrations import HfDeepSpeedConfig
 import smmd_scale
 from smmd_train import compat
 from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
+from smmd_train.process_end import skip_final_collections
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -181,3 +182,4 @@ if __name__ == "__main__":
         # Every group must be gone before interpreter shutdown; one still held fails the run.
         leftover = shutdown_distributed()
     assert leftover == 0, f"{leftover} process group(s) outlived the shutdown"
+    skip_final_collections()  # as train.py ends (smmd_train.process_end)
