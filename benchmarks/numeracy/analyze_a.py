@@ -568,9 +568,12 @@ class RewriteOptions(ReportOptions):
 def report_cli(write, tier: str, doc: str, argv=None, rewrite=None) -> None:
     """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again, or
     with ``rewrite`` (a tier that can) and ``--from_results``, ``rewrite(results_json, results_dir)``'s."""
-    options, _ = parse_options(ReportOptions if rewrite is None else RewriteOptions, argv, description=doc,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    options, parser = parse_options(ReportOptions if rewrite is None else RewriteOptions, argv, description=doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     if getattr(options, "from_results", None):
+        if not Path(options.from_results).is_file():
+            parser.error(f"--from_results {options.from_results}: no such file; give the tier_{tier}.json a report "
+                         "wrote")
         print(rewrite(options.from_results, options.results_dir)["text"])
     else:
         print(write(options.work_dir or str(HERE / "runs" / f"tier_{tier}"), options.results_dir)["text"])

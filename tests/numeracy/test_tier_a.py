@@ -274,9 +274,11 @@ def test_report_regenerates_from_its_results_json_as_from_the_work_dir(tmp_path,
               "pair scored and capped MAE.")
     assert limits in regenerated and "capped at the split's answer span" not in regenerated  # no n/a table
     assert "95% t-interval" in regenerated and "## Pre-registered decision" in regenerated
-    with pytest.raises(SystemExit) as refused:  # one source at a time
-        analyze_a.main(["--work_dir", str(work), "--from_results", str(from_work / "tier_a.json")])
-    assert refused.value.code == 2
+    for argv in (["--work_dir", str(work), "--from_results", str(from_work / "tier_a.json")],  # one source at a time
+                 ["--from_results", str(work / "tier_a.json")]):  # no such file
+        with pytest.raises(SystemExit) as refused:
+            analyze_a.main(argv)
+        assert refused.value.code == 2
 
 
 def test_ntl_mse_takes_the_weight_chosen_on_validation():
