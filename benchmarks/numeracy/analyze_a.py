@@ -1,6 +1,7 @@
 """Statistics and report of Tier A (``study_a``): every arm against ``ce``, paired by seed.
 
     python -m benchmarks.numeracy.analyze_a [--work_dir runs/tier_a] [--results_dir results]
+    python -m benchmarks.numeracy.analyze_a --from_results results/tier_a.json   # the work dir is gone
 
 Pre-registered metrics (``METRICS``), each on the test split (held-out in-range pairs) and the
 out-of-range split, all operations pooled: greedy exact match, MAE (over parseable answers) and the
@@ -202,6 +203,16 @@ def with_capped_mae(evaluation: dict, answers, items) -> dict:
             for key, scores in evaluation.items()}
 
 
+def run_entry(record: dict, curve: list) -> dict:
+    """One run as the reports read it and tier_<tier>.json keeps it: ``record`` (a run.json, or a run of a
+    results JSON) with ``curve``, its periodic held-out accuracies ``[(step, accuracy), ...]``."""
+    return {"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
+            **{key: record[key] for key in ("eval_first_token", "eval_reproduced") if key in record},
+            "curve": curve, "train_seconds": record["train_seconds"],
+            "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"],
+            "eval_cpu_seconds": record.get("eval_cpu_seconds")}
+
+
 def load_runs(work_dir: Path) -> tuple:
     study = json.loads((work_dir / "study.json").read_text())
     runs = []
@@ -219,12 +230,16 @@ def load_runs(work_dir: Path) -> tuple:
         metrics = read_metrics(path.parent)
         curve = [(entry["step"], entry["eval/numeric_accuracy"]) for entry in metrics
                  if "eval/numeric_accuracy" in entry]
-        runs.append({"arm": record["arm"], "seed": record["seed"], "flags": record["flags"], "eval": record["eval"],
-                     **{key: record[key] for key in ("eval_first_token", "eval_reproduced") if key in record},
-                     "curve": curve, "train_seconds": record["train_seconds"],
-                     "train_cpu_seconds": record.get("train_cpu_seconds"), "eval_seconds": record["eval_seconds"],
-                     "eval_cpu_seconds": record.get("eval_cpu_seconds")})
+        runs.append(run_entry(record, curve))
     return study, runs
+
+
+def load_results(path) -> dict:
+    """A results JSON a report wrote (tier_<tier>.json), its runs as ``run_entry`` makes them: what a
+    report is regenerated from when the runs' work dir is gone. Each run keeps its recorded scores; what
+    only the work dir had (the per-item answers) stays missing."""
+    recorded = json.loads(Path(path).read_text())
+    return {**recorded, "runs": [{**run_entry(run, run["curve"]), **run} for run in recorded["runs"]]}
 
 
 def metric_values(runs: list, arms: list, seeds: list, metrics: dict = TIER_A_METRICS) -> dict:
@@ -328,6 +343,8 @@ def _p(value: float) -> str:
 def tables(analysis: dict, metrics: dict = METRICS) -> str:
     parts = []
     for metric, (header, higher, scale, unit, columns) in metrics.items():
+        if not any(cell["n"] for cells in analysis["cells"][metric].values() for cell in cells.values()):
+            continue  # no run has it (scored before the metric existed): ``scoring_note`` says so
         unit_text = f" ({unit})" if unit else ""
         rows = [{"arm": arm, **{column: f"{scaled(cell['mean'], scale)} ± {scaled(cell['std'], scale)}"
                                 for column, cell in ((c, analysis["cells"][metric][c][arm]) for c in columns)}}
@@ -392,6 +409,39 @@ def selections_section(selections: list, scale: float = 100.0) -> list:
             markdown_table(rows, [(key, key, "s") for key in rows[0]]), ""]
 
 
+# What a tier's report points to where its own scoring falls short (``scoring_note``).
+RESCORED_BY = {"a": "Tier A' (study_aprime) trains this setting again with every validation and test pair scored "
+                    "and capped MAE"}
+
+
+def scoring_note(study: dict, runs: list, tier: str, regenerated_from: str = None) -> list:
+    """The summary's lines on what its numbers cannot show: where it was regenerated from a results JSON
+    (``regenerated_from``), and in one sentence the runs scored before the capped MAE existed whose per-item
+    answers are gone (it cannot be recomputed for them: ``tables`` leaves a metric no run has out) and the
+    share of the pre-registered split each run scored where it is a sample; nothing when neither holds."""
+    lines = []
+    if regenerated_from:
+        lines += [f"Regenerated from {regenerated_from} (the runs' work directory is gone): the statistics are "
+                  "recomputed from what it recorded of each run (scores, learning curve, timings).", ""]
+    limits = []
+    uncapped = sum(any("mae" in scores and "mae_capped" not in scores
+                       for key, scores in run["eval"].items() if "/" not in key) for run in runs)
+    if uncapped:
+        limits.append(f"Scored before the capped MAE existed ({uncapped} of {len(runs)} runs), without the per-item "
+                      "answers it needs: MAE over the parseable answers, not capped ("
+                      + ("the capped MAE is left out of the tables)" if uncapped == len(runs)
+                         else "the capped rows leave those runs out)"))
+    split = load_rule(tier)["split"]
+    data = study.get("data", {})
+    noun = next((noun for noun in ("pairs", "problems", "items") if f"{split}_{noun}" in data), None)
+    count = runs[0]["eval"].get(split, {}).get("count")
+    if noun is not None and count is not None and count < data[f"{split}_{noun}"]:
+        limits.append(f"each run scored {count:,} of the {data[f'{split}_{noun}']:,} {split} {noun}")
+    if limits and tier in RESCORED_BY:
+        limits.append(RESCORED_BY[tier])
+    return lines + (["; ".join(limits) + ".", ""] if limits else [])
+
+
 def scored_counts(runs: list) -> str:
     """``val 2505, test 2505, oor 600``: how many items each split of the first run scored."""
     evaluation = runs[0]["eval"]
@@ -400,7 +450,7 @@ def scored_counts(runs: list) -> str:
 
 
 def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = None, tier: str = "a",
-                     selections: tuple = ()) -> str:
+                     selections: tuple = (), regenerated_from: str = None) -> str:
     settings = study["settings"]
     train_seconds = sum(run["train_seconds"] for run in runs)
     cpu_seconds = sum(run["train_cpu_seconds"] or 0 for run in runs)
@@ -427,7 +477,7 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = 
         + (f"; the NTL-MSE weight selection's {len(selection['candidates'])} runs "
            f"{sum(row['train_cpu_seconds'] for row in selection['candidates']) / 3600:.2f} CPU-hours more"
            if selection else "") + ".",
-        "", tables(analysis), "",
+        "", *scoring_note(study, runs, tier, regenerated_from), tables(analysis), "",
         "**exact match per operation** (%, mean over the seeds above)", "",
         markdown_table(by_op, [(key, key, "s") for key in by_op[0]]) if by_op else "", "",
         *post_hoc_section(runs, analysis),
@@ -469,20 +519,34 @@ def statistics_record(analysis: dict) -> dict:
 def write_report(work_dir, results_dir, tier: str = "a") -> dict:
     """``results_dir``/tier_<tier>.json and tier_<tier>_summary.md from the runs of ``work_dir`` (Tier A,
     or Tier A' with ``tier="aprime"``)."""
-    work_dir, results_dir = Path(work_dir), Path(results_dir)
+    work_dir = Path(work_dir)
     study, runs = load_runs(work_dir)
     if not runs:
         raise ValueError(f"{work_dir} holds no finished {TITLES[tier].split(':')[0]} run")
-    analysis = analyze(runs)
-    results_dir.mkdir(parents=True, exist_ok=True)
     selection_path = work_dir / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
-    selections = load_selections(work_dir)
+    return report(study, runs, selection, load_selections(work_dir), results_dir, tier)
+
+
+def rewrite_report(results_path, results_dir, tier: str = "a") -> dict:
+    """``write_report``'s files again from ``results_path``, a tier_<tier>.json it wrote (``load_results``),
+    when the runs' work dir is gone: the statistics are recomputed from each run's recorded scores."""
+    recorded = load_results(results_path)
+    return report(recorded["study"], recorded["runs"], recorded.get("selection"), recorded.get("selections", []),
+                  results_dir, tier, regenerated_from=Path(results_path).name)
+
+
+def report(study: dict, runs: list, selection, selections: list, results_dir, tier: str,
+           regenerated_from: str = None) -> dict:
+    """``analyze`` the runs and write ``results_dir``/tier_<tier>.json and tier_<tier>_summary.md."""
+    results_dir = Path(results_dir)
+    analysis = analyze(runs)
+    results_dir.mkdir(parents=True, exist_ok=True)
     results = {"study": study, "selection": selection, "selections": selections, "runs": runs,
                **statistics_record(analysis)}
     (results_dir / f"tier_{tier}.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False)
                                                   + "\n")
-    summary = summary_markdown(study, runs, analysis, selection, tier, selections)
+    summary = summary_markdown(study, runs, analysis, selection, tier, selections, regenerated_from)
     (results_dir / f"tier_{tier}_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis
@@ -490,19 +554,33 @@ def write_report(work_dir, results_dir, tier: str = "a") -> dict:
 
 @dataclass(frozen=True)
 class ReportOptions:
-    work_dir: Optional[str] = option("--work_dir")  # default: the tier's runs/tier_<tier>
+    work_dir: Optional[str] = option("--work_dir", at_most_one_of="source")  # default: the tier's runs/tier_<tier>
     results_dir: str = option("--results_dir", default=str(HERE / "results"))
 
 
-def report_cli(write, tier: str, doc: str, argv=None) -> None:
-    """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again."""
-    options, _ = parse_options(ReportOptions, argv, description=doc,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    print(write(options.work_dir or str(HERE / "runs" / f"tier_{tier}"), options.results_dir)["text"])
+@dataclass(frozen=True)
+class RewriteOptions(ReportOptions):
+    from_results: Optional[str] = option("--from_results", default=None, at_most_one_of="source",
+                                         help="regenerate the report from this results JSON (tier_<tier>.json) "
+                                              "instead of the runs' work dir, e.g. once the work dir is gone")
+
+
+def report_cli(write, tier: str, doc: str, argv=None, rewrite=None) -> None:
+    """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again, or
+    with ``rewrite`` (a tier that can) and ``--from_results``, ``rewrite(results_json, results_dir)``'s."""
+    options, parser = parse_options(ReportOptions if rewrite is None else RewriteOptions, argv, description=doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    if getattr(options, "from_results", None):
+        if not Path(options.from_results).is_file():
+            parser.error(f"--from_results {options.from_results}: no such file; give the tier_{tier}.json a report "
+                         "wrote")
+        print(rewrite(options.from_results, options.results_dir)["text"])
+    else:
+        print(write(options.work_dir or str(HERE / "runs" / f"tier_{tier}"), options.results_dir)["text"])
 
 
 def main(argv=None) -> None:
-    report_cli(write_report, "a", __doc__, argv)
+    report_cli(write_report, "a", __doc__, argv, rewrite=rewrite_report)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Statistics and report of Tier B (``study_b``): every arm against ``ce``, paired by seed, with
-Tier A's statistics (``analyze_a``: bootstrap intervals, paired t-test, Holm, minimal detectable effect).
+Tier A's statistics (``analyze_a``: paired t-intervals first, bootstrap beside them, Holm within a metric
+and study-wide, the minimal detectable effect, the pre-registered decision rule).
 
     python -m benchmarks.numeracy.analyze_b [--work_dir runs/tier_b] [--results_dir results]
+    python -m benchmarks.numeracy.analyze_b --from_results results/tier_b.json   # the work dir is gone
 
 Pre-registered metrics (``METRICS``), each on the interpolate and the extrapolate split: greedy exact
 match of the whole answer, and MAE of the parsed answer (over the answers that parse; the unparseable
@@ -64,7 +66,7 @@ def _mean(values: list) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -> str:
+def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict, regenerated_from: str = None) -> str:
     settings = study["settings"]
     data = study.get("data", {})
     train_seconds = sum(run["train_seconds"] for run in runs)
@@ -100,7 +102,7 @@ def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -
         "Reference without a model: always answering 0 scores "
         + "; ".join(f"{split} exact match {analyze_a.scaled(reference[split]['exact_match'], 100.0)}%, "
                     f"MAE {analyze_a.scaled(reference[split]['mae'], 1.0, 2)}" for split in SPLITS) + ".",
-        "", analyze_a.tables(analysis, METRICS), "",
+        "", *analyze_a.scoring_note(study, runs, "b", regenerated_from), analyze_a.tables(analysis, METRICS), "",
         "**unparseable answers** (%, mean over the seeds; left out of MAE)", "",
         markdown_table(unparseable, [(key, key, "s") for key in unparseable[0]]) if unparseable else "", "",
         f"**every run** (distinct answers: over all {sum(data.get(f'{split}_problems', 0) for split in SPLITS)} "
@@ -114,26 +116,41 @@ def summary_markdown(study: dict, runs: list, analysis: dict, reference: dict) -
 
 
 def write_report(work_dir, results_dir) -> dict:
-    work_dir, results_dir = Path(work_dir), Path(results_dir)
+    work_dir = Path(work_dir)
     study, runs = analyze_a.load_runs(work_dir)
     if not runs:
         raise ValueError(f"{work_dir} holds no finished Tier B run")
     for run in runs:
         run["step_seconds"] = step_seconds(work_dir, run)
         run["distinct_answers"] = distinct_answers(work_dir, run)
-    analysis = analyze_a.analyze(runs, METRICS)
     reference = constant_answer_reference(json.loads((work_dir / "data" / "data.json").read_text())["qa_eval"])
+    return report(study, runs, reference, results_dir)
+
+
+def rewrite_report(results_path, results_dir) -> dict:
+    """``write_report``'s files again from ``results_path``, a tier_b.json it wrote, when the runs' work dir
+    is gone: each run's step_seconds and distinct_answers, and the answer-0 reference, as recorded there."""
+    recorded = analyze_a.load_results(results_path)
+    return report(recorded["study"], recorded["runs"], recorded["reference_answer_0"], results_dir,
+                  regenerated_from=Path(results_path).name)
+
+
+def report(study: dict, runs: list, reference: dict, results_dir, regenerated_from: str = None) -> dict:
+    """``analyze_a.analyze`` the runs on Tier B's metrics and write ``results_dir``/tier_b.json and
+    tier_b_summary.md."""
+    results_dir = Path(results_dir)
+    analysis = analyze_a.analyze(runs, METRICS)
     results_dir.mkdir(parents=True, exist_ok=True)
     results = {"study": study, "runs": runs, "reference_answer_0": reference, **analyze_a.statistics_record(analysis)}
     (results_dir / "tier_b.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
-    summary = summary_markdown(study, runs, analysis, reference)
+    summary = summary_markdown(study, runs, analysis, reference, regenerated_from)
     (results_dir / "tier_b_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis
 
 
 def main(argv=None) -> None:
-    analyze_a.report_cli(write_report, "b", __doc__, argv)
+    analyze_a.report_cli(write_report, "b", __doc__, argv, rewrite=rewrite_report)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,39 @@ def test_post_hoc_first_token_section_tests_its_own_metrics(tmp_path, rng):
     assert analysis["tests"]["mae"]["rows"][0]["n"] == 5
 
 
+def test_report_regenerates_from_its_results_json_as_from_the_work_dir(tmp_path, rng):
+    work, from_work, from_results = tmp_path / "work", tmp_path / "from_work", tmp_path / "from_results"
+    work.mkdir()
+    (work / "study.json").write_text(json.dumps({"tier": "a", "settings": study_a.SETTINGS, "parameters": 1e6,
+                                                 "data": {"test_pairs": 25}}))
+    for seed in range(4):  # scored before the capped MAE existed, no answers.json: it cannot be recomputed
+        base = rng.uniform(0.3, 0.5)
+        _synthetic_run(work / f"ce-seed{seed}", "ce", seed, base, [(100, 0.1), (200, 0.2)], first_token_mae=2.0)
+        _synthetic_run(work / f"smmd-seed{seed}", "smmd", seed, base + rng.normal(0.05, 0.02),
+                       [(100, 0.15), (200, 0.2 + rng.uniform(0, 0.1))], first_token_mae=1.5)
+    analyze_a.main(["--work_dir", str(work), "--results_dir", str(from_work)])
+    analyze_a.main(["--from_results", str(from_work / "tier_a.json"), "--results_dir", str(from_results)])
+    # The same runs, cells, tests and power in the same schema: the numbers come from the recorded runs alone.
+    saved = json.loads((from_work / "tier_a.json").read_text())
+    assert json.loads((from_results / "tier_a.json").read_text()) == saved
+    assert all(cell["n"] == 0 for cells in saved["cells"]["mae_capped"].values() for cell in cells.values())
+    summary, regenerated = ((directory / "tier_a_summary.md").read_text() for directory in (from_work, from_results))
+    provenance = ("Regenerated from tier_a.json (the runs' work directory is gone): the statistics are recomputed "
+                  "from what it recorded of each run (scores, learning curve, timings).\n\n")
+    assert provenance not in summary and regenerated.replace(provenance, "") == summary
+    limits = ("Scored before the capped MAE existed (8 of 8 runs), without the per-item answers it needs: MAE over "
+              "the parseable answers, not capped (the capped MAE is left out of the tables); each run scored 10 of "
+              "the 25 test pairs; Tier A' (study_aprime) trains this setting again with every validation and test "
+              "pair scored and capped MAE.")
+    assert limits in regenerated and "capped at the split's answer span" not in regenerated  # no n/a table
+    assert "95% t-interval" in regenerated and "## Pre-registered decision" in regenerated
+    for argv in (["--work_dir", str(work), "--from_results", str(from_work / "tier_a.json")],  # one source at a time
+                 ["--from_results", str(work / "tier_a.json")]):  # no such file
+        with pytest.raises(SystemExit) as refused:
+            analyze_a.main(argv)
+        assert refused.value.code == 2
+
+
 def test_ntl_mse_takes_the_weight_chosen_on_validation():
     assert tier_a.arm_flags("ntl_mse", 1e-4) == {"numeric_loss": ["ntl-mse:0.0001"]}
     assert tier_a.arm_flags("smmd") == {"numeric_loss": ["smmd:1"]}

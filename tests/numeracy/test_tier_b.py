@@ -208,6 +208,13 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path, generator):
     assert study_a.check_pipeline(results, list(tier_b.ARMS), seeds, **check) == []
     assert any("missing" in problem for problem in study_a.check_pipeline(results, list(tier_b.ARMS), [0, 1, 2, 3],
                                                                             **check))
+    # From tier_b.json alone (the work dir gone): the same record; step seconds, distinct answers and the
+    # answer-0 reference as recorded there.
+    analyze_b.main(["--from_results", str(results / "tier_b.json"), "--results_dir", str(tmp_path / "again")])
+    assert json.loads((tmp_path / "again" / "tier_b.json").read_text()) == saved
+    regenerated = (tmp_path / "again" / "tier_b_summary.md").read_text()
+    assert "Regenerated from tier_b.json" in regenerated and "0.70 s per training step" in regenerated
+    assert "Scored before the capped MAE existed (9 of 9 runs)" in summary and "Regenerated" not in summary
 
 
 def test_arms_use_the_digit_vocabulary_and_ntls_default_distances():
