@@ -234,7 +234,7 @@ def compare_losses(reference: dict, segment: dict, steps: range) -> dict:
 def study_verdict(results: dict, arm: str) -> dict:
     """The study's cells for CE and ``arm`` (``results``: its tier_a.json, or {}): mean ± std test
     exact match over its seeds, and in words whether ``arm`` beat CE (the paired difference's 95%
-    bootstrap interval above 0), lost to it (below 0) or neither."""
+    t-interval, the study's primary one, above 0), lost to it (below 0) or neither."""
     if not results:
         return {}
     cells = results["cells"]["exact_match"]["test"]
@@ -242,7 +242,7 @@ def study_verdict(results: dict, arm: str) -> dict:
                for name in ("ce", arm) if name in cells}
     for row in results["tests"]["exact_match"]:
         if row["arm"] == arm and row["column"] == "test":
-            low, high = 100 * row["ci95_low"], 100 * row["ci95_high"]
+            low, high = 100 * row["t95_low"], 100 * row["t95_high"]
             outcome = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
             verdict["outcome"] = (f"{outcome}: {100 * row['mean_difference']:+.1f} pp "
                                   f"[{low:+.1f}, {high:+.1f}], {row['n']} seeds")
@@ -264,7 +264,7 @@ def study_spread(results: dict, arm: str) -> str:
             f"{ce_mae['std']:.2f} (mean ± std over seeds): a one-seed difference smaller than a few such stds says "
             f"nothing. In the study, {len(below)} of its {len(tests)} numeric-loss arms had a lower mean test exact "
             f"match than CE" + (" (every one)" if len(below) == len(tests) else "") + "; the column \"the study, "
-            f"vs CE\" gives {ARM_LABELS[arm]}'s paired difference and its 95% bootstrap interval.")
+            f"vs CE\" gives {ARM_LABELS[arm]}'s paired difference and its 95% t-interval.")
     return text + " All its comparisons: benchmarks/numeracy/results/tier_a_summary.md."
 
 
@@ -397,7 +397,7 @@ def main(argv=None) -> None:
     print(f"\n{report['test']['count']} held-out test problems (operand pairs never trained) and "
           f"{report['oor']['count']} out-of-range problems; greedy answers; tokens/s = training throughput of the "
           f"run's processes (the only column that varies between runs of the demo); the study's columns: mean ± "
-          f"std over its seeds, and the paired difference from CE with its 95% bootstrap interval\n")
+          f"std over its seeds, and the paired difference from CE with its paired 95% t-interval\n")
     print(markdown_table(rows, columns))
     print("\n" + study_spread(results, args.arm))
     reproduced = study_runs(results, settings, args, rows[:2])

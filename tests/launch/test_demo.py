@@ -62,7 +62,7 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
         assert row["tokens/s"] > 0
     # The table says what the study found for the arm against CE: it did not beat it on test exact match.
     comparison = next(row for row in study["tests"]["exact_match"] if row["arm"] == arm and row["column"] == "test")
-    assert comparison["ci95_low"] <= 0 <= comparison["ci95_high"]
+    assert comparison["t95_low"] <= 0 <= comparison["t95_high"]  # the study's primary interval
     verdict = f"did not beat CE: {100 * comparison['mean_difference']:+.1f} pp"
     assert all(row["study vs CE"].startswith(verdict) for row in results["rows"][1:])
     assert results["rows"][0]["study vs CE"] is None and "did not beat CE" in completed.stdout
