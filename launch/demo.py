@@ -5,11 +5,10 @@ nothing downloaded.
     bash launch/demo.sh --arm ntl_was   # another of the study's arms beside CE
     bash launch/demo.sh --help          # this text; needs nothing installed
 
-Time after set-up, measured 2026-11-27 on this project's 2-core machine (the demo at nice 5):
-296 s with no other job running (load average 0.9 at the start, 0.9-2.3 during: the demo's own two
-processes): data and tokenizer 0 s, the two 1-process runs side by side 267 s (0.11 s per step
-each: two processes on the 2 cores are slower than one alone, 0.081 s), the TP=2 segment 25 s (its
-50 steps 10 s, the rest the launcher, the universal conversion and the export), evaluation 4 s.
+Time after set-up, measured 2026-11-27 on this project's 2-core machine (the demo at nice 5) from a
+fresh clone: 289 s with no other job running: data and tokenizer 0 s, the two 1-process runs side by
+side 257 s (two processes on the 2 cores are slower than one alone), the TP=2 segment 28 s (its 50
+steps about 10 s, the rest the launcher, the universal conversion and the export), evaluation 4 s.
 On cores shared with other jobs' test runs it took 381 s (load average 3.8-9.1) and 408 s (1.4-6.5).
 
 The task and settings are Tier A of the numeracy study (benchmarks/numeracy/README.md, "Tier A"):

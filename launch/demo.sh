@@ -2,7 +2,7 @@
 # The main job: a self-contained CPU demo, CE against CE + SMMD on one-token arithmetic (Tier A of
 # the numeracy study), each on one process, the SMMD run's last steps again under ZeRO-3 + AutoTP on
 # 2 processes (the same losses), then greedy evaluation. Nothing is downloaded from a model hub.
-#   bash launch/demo.sh                     # the study's 2,000 steps per run: 296 s after set-up on 2 idle cores
+#   bash launch/demo.sh                     # the study's 2,000 steps per run: 289 s after set-up on 2 idle cores
 #   bash launch/demo.sh --arm ntl_was       # another of the study's arms beside CE
 #   bash launch/demo.sh --help              # its options; prints at once, sets nothing up
 # Set-up (launch/setup_venv.sh, shared with CI): .venv, the pinned CPU torch first, the package.
