@@ -100,12 +100,19 @@ def tokenizer_dir(tmp_path_factory):
 # Under pytest-xdist the suite runs with --dist loadfile: a test module's tests run on one worker, so a
 # module-scoped fixture that trains (test_launch.py's ZeRO-3 run, test_deepspeed.py's layouts) trains
 # once. (xdist 3.8's --dist loadgroup did not keep a group on one worker here.)
-# The longest modules first (each a few minutes of a worker), so that under xdist no worker starts one
-# of them while the others are nearly done: the measured order of their durations on 2 cores.
-LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py", "tests/launch/test_launch.py",
-                 "tests/numeracy/test_numeracy_study.py", "tests/launch/test_demo.py",
-                 "tests/launch/test_benchmarks.py", "tests/launch/test_launch_parallel.py",
-                 "tests/train/test_scaling.py")
+# The longest modules first (each a minute or more of a worker), so that under xdist no worker starts one
+# of them while the others are nearly done: their order by CPU seconds and wall time in a fresh-clone CI
+# run (SMMD_TEST_CPU_LOG, --durations) on 2 cores. xdist's loadfile scheduler would reorder the modules
+# by their number of tests (its --loadscope-reorder default), which put the slowest modules, holding one
+# or a few tests each, last: pytest_configure turns that off.
+LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py", "tests/launch/test_demo.py",
+                 "tests/numeracy/test_numeracy_study.py", "tests/launch/test_benchmarks.py",
+                 "tests/train/test_scaling.py", "tests/launch/test_launch_parallel.py", "tests/launch/test_launch.py",
+                 "tests/launch/test_gpu_smoke.py", "tests/launch/test_objective_layouts.py",
+                 "tests/launch/test_faults.py", "tests/launch/test_resume_changes.py",
+                 "tests/launch/test_launch_launchers.py", "tests/loss/test_ntloss_suite.py",
+                 "tests/train/test_sequence_parallel.py", "tests/train/test_rank_zero_work.py",
+                 "tests/train/test_shutdown.py")
 
 
 # SMMD_TEST_CPU_LOG=<file>: each test's CPU seconds (the worker's own and its waited-for child processes',
@@ -129,6 +136,11 @@ def pytest_runtest_protocol(item, nextitem):
         log.write(json.dumps({"test": item.nodeid, "self": round(after[0] - before[0], 2),
                               "children": round(after[1] - before[1], 2)}) + "\n")
     return result
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist installed: keep LONGEST_FIRST's order
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
