@@ -16,8 +16,9 @@ and CE + NTL on a generated numeric task suite, evaluated on held-out operands, 
 2. Runs: for every seed, every method: ``launch/train.py`` under ZeRO-3 (a plain ``python`` process
    is a 1-rank run; ``--launcher`` runs it under ``deepspeed``/``torchrun``/... instead), same seed
    = same initialisation and data order for every method, so runs are paired by seed; then
-   ``launch/evaluate.py`` on the held-out problems (greedy generation). On CPU two runs share the
-   cores (``--parallel``, one thread each on 2 cores).
+   ``launch/evaluate.py``'s evaluation on the held-out problems (greedy generation), in this process
+   (one at a time, one torch thread: a process per evaluation cost seconds of imports each). On CPU two
+   runs share the cores (``--parallel``, one thread each on 2 cores).
 3. ``analyze.py`` (also ``python -m benchmarks.numeracy.analyze``): mean ± std and 95% t-intervals of
    exact match and MAE per task and method, paired t-tests against ``ce`` with Holm's correction,
    ``results.json``, ``summary.md`` and ``study.png``.
@@ -36,6 +37,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -238,9 +240,31 @@ def run_command(settings: dict, data: dict, method: str, seed: int, output_dir: 
                          seed=seed, output_dir=output_dir, export_hf=output_dir / "hf", **METHODS[method])
 
 
-def eval_command(data: dict, output_dir: Path) -> list:
-    return [sys.executable, str(REPO / "launch" / "evaluate.py"), str(output_dir / "hf"), "--data", data["qa_test"],
-            "--output", str(output_dir / "numeric_eval.json"), "--batch_size", "64"]
+def eval_args(data: dict, output_dir: Path) -> list:
+    """``launch/evaluate.py``'s arguments for one run's model on the held-out problems."""
+    return [str(output_dir / "hf"), "--data", data["qa_test"], "--output", str(output_dir / "numeric_eval.json"),
+            "--batch_size", "64"]
+
+
+# One evaluation at a time in this process (with --parallel 2 the threads share it): loading a model with
+# transformers is not thread-safe (see study_a._EVALUATION_LOCK).
+_EVALUATION_LOCK = threading.Lock()
+
+
+def evaluate_in_process(arguments: list, log: Path) -> float:
+    """evaluate.py's evaluation of ``arguments`` in this process, its printed text in ``log``: the wall
+    seconds, or ``RunFailed`` with what went wrong."""
+    from smmd_numeracy import evaluate_cli
+
+    began = time.monotonic()
+    with _EVALUATION_LOCK:
+        try:
+            _, text = evaluate_cli.evaluate(arguments)
+        except (Exception, SystemExit) as error:  # argparse and a bad QA file exit; a failed load raises
+            log.write_text(f"evaluate.py {' '.join(arguments)}\n{type(error).__name__}: {error}\n")
+            raise RunFailed(f"evaluate.py {' '.join(arguments[:1])} ... failed: {error}; {log}") from error
+    log.write_text(text + "\n")
+    return time.monotonic() - began
 
 
 def _run_logged(command: list, log: Path, env: dict) -> float:
@@ -259,7 +283,7 @@ def execute(settings: dict, data: dict, method: str, seed: int, output_dir: Path
         record = {"method": method, "seed": seed, "flags": METHODS[method], "train_command": command}
         record["train_seconds"] = _run_logged(command, output_dir / "train.log", env)
         write_json(record_path, record)
-    record["eval_seconds"] = _run_logged(eval_command(data, output_dir), output_dir / "eval.log", env)
+    record["eval_seconds"] = evaluate_in_process(eval_args(data, output_dir), output_dir / "eval.log")
     write_json(record_path, record)
     return record
 
@@ -306,6 +330,7 @@ def main(argv=None) -> None:
     parallel = options.parallel or (1 if on_gpu else 2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = child_environment(max(1, cores // parallel), on_gpu)
+    torch.set_num_threads(max(1, cores // parallel))  # the in-process evaluations, as each run's threads
     # This process imports smmd_scale (and so DeepSpeed) to prepare the data: same accelerator as the runs.
     os.environ.update({key: env[key] for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_PARALLELISM")
                        if key in env})

@@ -83,7 +83,10 @@ def format_table(report: dict) -> str:
     return markdown_table(rows, _COLUMNS)
 
 
-def main(argv=None) -> dict:
+def evaluate(argv=None) -> tuple:
+    """(the report, the text :func:`main` prints) for evaluate.py's arguments; writes the report's
+    JSON. A caller that evaluates many models in one process (the numeracy study) calls this instead
+    of starting evaluate.py each time."""
     args = parse_args(argv)
     try:
         qa = load_qa(args.data)
@@ -97,9 +100,14 @@ def main(argv=None) -> dict:
     output = Path(args.output) if args.output else Path(args.model_dir) / "numeric_eval.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{args.model_dir} on {args.data} ({report['count']} items, {model.device}, {args.dtype})")
-    print(format_table(report))
-    print(f"report: {output}")
+    text = "\n".join((f"{args.model_dir} on {args.data} ({report['count']} items, {model.device}, {args.dtype})",
+                      format_table(report), f"report: {output}"))
+    return report, text
+
+
+def main(argv=None) -> dict:
+    report, text = evaluate(argv)
+    print(text)
     return report
 
 
