@@ -36,6 +36,25 @@ def private(owner, name: str, *, package: str, checked: str, purpose: str):
 
 
 # ---------------------------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------------------------
+
+def has_mixed_precision_gemm(device_type: str) -> bool:
+    """Whether ``device_type`` registers GEMMs that take bf16/fp16 inputs and write fp32
+    (``torch.mm(..., out_dtype=)``, ``aten::mm.dtype`` and ``aten::addmm.dtype``; PyTorch 2.8+, CUDA but
+    not the CPU), asked of the dispatcher (``torch._C``, private) as DeepSpeed's fused linear CE does,
+    rather than by trying one. Checked against torch 2.13; False where the dispatcher cannot say."""
+    import torch
+
+    try:
+        key = torch._C._dispatch_key_for_device(device_type)
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+                   for op in ("aten::mm.dtype", "aten::addmm.dtype"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
 # transformers / tokenizers (used by the loss plugin)
 # ---------------------------------------------------------------------------------------------
 

@@ -135,3 +135,35 @@ def test_bench_loss_takes_at_most_one_grid_flag():
     with pytest.raises(SystemExit) as refused:
         parse_options(LossOptions, ["--quick", "--full"])
     assert refused.value.code == 2
+
+
+def test_gpu_heads_runs_its_variants_on_cpu_and_restores_the_plugin(tmp_path):
+    """benchmarks/gpu_heads.py (prepared for a lent GPU) at its toy shapes on CPU: every row measured, each
+    of ours accurate against float64 logits, a variant that only regroups elementwise rows (rowblock=off)
+    computing bit for bit what the default does, the bf16 mixed-GEMM variant reported unavailable where the
+    device has no such GEMM (the CPU), and the plugin's patched names restored afterwards."""
+    from benchmarks import gpu_heads
+    from smmd_scale import fused_linear, steps
+
+    before = (steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
+    names = ["deepspeed_fused", "ours_fused_zcap", "ours_fused_zcap+rowblock=off",
+             "ours_fused_zcap+chunk=1000+mixed_gemm"]
+    assert gpu_heads.main(["--device", "cpu", "--quick", "--repeats", "1", "--accuracy", "--out", str(tmp_path),
+                           "--contenders", *names]) == 0
+    assert (steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits) == before
+    rows = json.loads((tmp_path / "gpu_heads_cpu_quick.json").read_text())["rows"]
+    by_shape = {}
+    for row in rows:
+        by_shape.setdefault(row["shape"].split()[-1], {})[row["contender"]] = row
+    assert set(by_shape["fp32"]) == set(names)
+    assert set(by_shape["bf16"]) == set(names) - {"ours_fused_zcap+chunk=1000+mixed_gemm"}  # no mm.dtype on CPU
+    # float64 logits of the same inputs: fp32 lands within 1e-5 (about 80 ulp, measured 1e-8 for the loss
+    # and 3e-7 for d hidden); bf16 products round each logit to 8 bits (unit roundoff 3.9e-3; measured
+    # 2.4e-5 and 3.5e-3), so 2e-2 is five units.
+    for dtype, bound in (("fp32", 1e-5), ("bf16", 2e-2)):
+        for name, row in by_shape[dtype].items():
+            assert row["ms"] > 0 and row["time_vs_deepspeed"] > 0
+            if name.startswith("ours"):
+                assert row["loss_rel"] < bound and row["grad_rel"] < bound, (dtype, name, row)
+        default, regrouped = by_shape[dtype]["ours_fused_zcap"], by_shape[dtype]["ours_fused_zcap+rowblock=off"]
+        assert (regrouped["loss_rel"], regrouped["grad_rel"]) == (default["loss_rel"], default["grad_rel"])
