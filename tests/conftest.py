@@ -1,6 +1,7 @@
 import json
 import os
 import resource
+import time
 import zlib
 from pathlib import Path
 
@@ -129,12 +130,14 @@ def _cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):
     if not CPU_LOG:
         return (yield)
-    before = _cpu_seconds()
+    before, began = _cpu_seconds(), time.time()
     result = yield
     after = _cpu_seconds()
-    with open(CPU_LOG, "a") as log:
+    with open(CPU_LOG, "a") as log:  # with the wall-clock span and the worker: how busy the cores were when
         log.write(json.dumps({"test": item.nodeid, "self": round(after[0] - before[0], 2),
-                              "children": round(after[1] - before[1], 2)}) + "\n")
+                              "children": round(after[1] - before[1], 2), "began": round(began, 2),
+                              "ended": round(time.time(), 2),
+                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
     return result
 
 
