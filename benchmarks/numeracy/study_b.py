@@ -31,11 +31,12 @@ from smmd_numeracy import tier_b
 ARMS = tier_b.ARMS
 SETTINGS = tier_b.SETTINGS
 FULL_SEEDS, QUICK_SEEDS = (0, 1), (0, 1)
-# --quick checks the pipeline in a few minutes on one core: the tiny model, little data, 60 steps.
+# --quick checks the pipeline in about a minute on 2 cores: the tiny model, little data, 30 steps (3 periodic
+# evaluations; the check needs 2).
 # --quick runs at the caller's priority (nice 0): it is a pipeline check, often inside a test suite whose
 # other processes would otherwise starve its niced runs
-QUICK_SETTINGS = dict(SETTINGS, train_per_level=1000, eval_per_split=40, model="tiny", steps=60, warmup_steps=6,
-                      eval_every=20, eval_batches=2, nice=0)
+QUICK_SETTINGS = dict(SETTINGS, train_per_level=1000, eval_per_split=40, model="tiny", steps=30, warmup_steps=3,
+                      eval_every=10, eval_batches=2, nice=0)
 
 
 def parse_args(argv=None):

@@ -228,8 +228,8 @@ def test_arms_use_the_digit_vocabulary_and_ntls_default_distances():
 
 @pytest.mark.slow
 def test_quick_pipeline_runs_and_checks_itself(tmp_path):
-    # About 2 minutes on one core: 6 tiny runs of 60 steps, two at a time (--jobs 2: the path a grid
-    # takes side by side), their evaluation and the report.
+    # 6 tiny runs of 30 steps, two at a time (--jobs 2: the path a grid takes side by side), their evaluation
+    # and the report: about 70 CPU-s, most of each run its process's imports.
     from benchmarks.numeracy import run_study
 
     run_study.main(["--tier", "b", "--quick", "--jobs", "2", "--work_dir", str(tmp_path / "work")])
