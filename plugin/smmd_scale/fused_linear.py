@@ -12,8 +12,8 @@ with the logits produced one block of head rows at a time (``[tokens, chunk_size
   materialized path (vocab-parallel: one packed SUM all-reduce), CE and the numeric loss.
 * backward: a second pass recomputes each block's logits, turns them into the gradient in place
   (softmax times the row multipliers, minus the one-hot, plus the numeric loss's columns; with
-  soft-capping the block is ``tanh(x / cap)``, one tanh per logit and pass, and the cap's derivative
-  ``1 - tanh^2`` is read from it) and
+  soft-capping the block is ``σ = sigmoid(-2 x / cap)``, the capped logits ``cap (1 - 2σ)``, one
+  sigmoid per logit and pass, and the cap's derivative ``4 σ (1 - σ)`` is read from it) and
   writes ``d head_weight`` for the block and accumulates ``d hidden`` in the compute dtype. Under
   tensor parallelism ``d hidden`` is summed over the group: the one all-reduce a column-parallel
   head runs in its own backward anyway; nothing else.
@@ -49,6 +49,7 @@ from .parallel import group_size_and_rank, reduce_input_gradient
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
+    capped_sigmoid_,
     cross_entropy_per_token,
     dense_gradient_,
     exchange_or_keep_local,
@@ -59,7 +60,6 @@ from .steps import (
     smoothing_offsets,
     softcap_dense_gradient_,
     stat_sums,
-    tanh_of_capped_,
     target_coefficients,
     transform_logits_,
     transform_slope,
@@ -133,15 +133,16 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                 in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
                 picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
                 target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
-                if options.logit_softcap is not None:  # the block holds the capped logits / cap
-                    tanh_of_capped_(logits, options)
-                    factor = options.logit_softcap
+                if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
+                    capped_sigmoid_(logits, options)
+                    factor, offset = -2.0 * options.logit_softcap, options.logit_softcap
                 else:
                     transform_logits_(logits, options)
-                    factor = None
+                    factor, offset = None, 0.0
                 if logit_sum is not None:
-                    logit_sum += logits.sum(dim=-1) if factor is None else logits.sum(dim=-1).mul_(factor)
-                running = merge_block_logsumexp(running, logits, factor)
+                    logit_sum += logits.sum(dim=-1) if factor is None else \
+                        logits.sum(dim=-1).mul_(factor).add_(offset * (end - start))
+                running = merge_block_logsumexp(running, logits, factor, offset)
             local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
 
             numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
@@ -196,7 +197,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                 bias_rows = None if bias is None else bias[start:end]
                 logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
                 if options.logit_softcap is not None:
-                    grad_logits = softcap_dense_gradient_(tanh_of_capped_(logits, options), lse, multiplier, offsets,
+                    grad_logits = softcap_dense_gradient_(capped_sigmoid_(logits, options), lse, multiplier, offsets,
                                                           options)
                 else:
                     grad_logits = dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets,

@@ -147,8 +147,9 @@ TANH_SATURATED_DOUBLE_ARGUMENT = 40.0
 
 
 def tanh_of_capped_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
-    """In place, ``tanh(scale * x / cap)``: the soft-capped logits divided by the cap (the fused
-    head's block, from which both its log-sum-exp and the cap's derivative are read).
+    """In place, ``tanh(scale * x / cap)``: the soft-capped logits divided by the cap, to a few ulp
+    (the materialized op's logits and every exchanged target logit; the fused head's blocks use
+    :func:`capped_sigmoid_`).
 
     On the CPU tanh is formed as ``u / (u + 2)``, ``u = expm1(2 y)`` with ``2 y`` capped at
     :data:`TANH_SATURATED_DOUBLE_ARGUMENT` (where tanh is 1): torch's CPU tanh costs about twice its
@@ -169,24 +170,37 @@ def tanh_of_capped_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch
     return expm1
 
 
-def softcap_dense_gradient_(tanh: torch.Tensor, lse: ShiftedLogSumExp, multiplier: torch.Tensor,
+def capped_sigmoid_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
+    """In place, ``sigmoid(-2 scale x / cap)``: the fused head's soft-capped block. With ``σ`` this,
+    the capped logit ``cap tanh(scale x / cap)`` is ``cap (1 - 2σ)`` and its derivative ``scale (1 -
+    tanh^2)`` is ``4 scale σ (1 - σ)``, so the forward's log-sum-exp and the backward's gradient read
+    both from ``σ`` (two passes per logit: a scale and torch's sigmoid, against five for the accurate
+    tanh of :func:`tanh_of_capped_` on the CPU). ``1 - 2σ`` carries ``σ``'s absolute rounding: near
+    ``x = 0`` the capped logit is within ``2 cap`` units of roundoff of ``cap tanh`` (1.8e-6 at cap 30 in
+    fp32, the size of a [T, H] x [H, B] product's own rounding at H ~ 1,000), not within its relative
+    ulp; where tanh saturates ``σ`` is 0 or 1 and the capped logit exactly ``±cap``."""
+    return logits.mul_(-2.0 * options.scale / options.logit_softcap).sigmoid_()
+
+
+def softcap_dense_gradient_(sigma: torch.Tensor, lse: ShiftedLogSumExp, multiplier: torch.Tensor,
                             offsets: Optional[torch.Tensor], options: CrossEntropyOptions) -> torch.Tensor:
-    """:func:`dense_gradient_` of a soft-capped block given as ``tanh`` (:func:`tanh_of_capped_`,
-    ``[R, B]``), in place: ``(softmax * multiplier - offset) * scale * (1 - tanh^2)`` per row. The
-    cap's derivative comes from the tanh that is already there (no second tanh); the softmax's ``1 /
-    sum`` and ``scale`` are folded into the per-row multiplier; one row block's temporary at a time,
-    so the block is the only ``[R, B]`` buffer (and a row block's passes run while it is in cache)."""
-    row_scale = lse.log_sum.neg().exp_().mul_(multiplier).mul_(options.scale)
-    neg_shift = lse.shift.neg()
-    offsets = None if offsets is None else offsets * options.scale
-    for start, end in row_blocks(*tanh.shape):
-        rows = tanh[start:end]
-        softmax = torch.add(neg_shift[start:end, None], rows, alpha=options.logit_softcap).exp_()
+    """:func:`dense_gradient_` of a soft-capped block given as ``σ`` (:func:`capped_sigmoid_`, ``[R,
+    B]``), in place: ``(softmax * multiplier - offset) * 4 scale σ (1 - σ)`` per row, with the softmax
+    ``exp(cap (1 - 2σ) - lse)``. The softmax's ``1 / sum`` and ``4 scale`` are folded into the per-row
+    multiplier; one row block's temporary at a time, so the block is the only ``[R, B]`` buffer (and
+    a row block's passes run while it is in cache)."""
+    cap = options.logit_softcap
+    row_scale = lse.log_sum.neg().exp_().mul_(multiplier).mul_(4.0 * options.scale)
+    base = torch.sub(cap, lse.shift)
+    offsets = None if offsets is None else offsets * (4.0 * options.scale)
+    for start, end in row_blocks(*sigma.shape):
+        rows = sigma[start:end]
+        softmax = torch.add(base[start:end, None], rows, alpha=-2.0 * cap).exp_()
         softmax.mul_(row_scale[start:end, None])
         if offsets is not None:
             softmax.sub_(offsets[start:end, None])
-        torch.addcmul(softmax, softmax, rows.square_(), value=-1.0, out=rows)
-    return tanh
+        torch.addcmul(rows, rows, rows, value=-1.0, out=rows).mul_(softmax)  # σ (1 - σ) (softmax m - offset)
+    return sigma
 
 
 def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype, scale: float = 1.0) -> tuple:
@@ -213,21 +227,25 @@ def local_softmax_and_logsumexp(logits: torch.Tensor, compute_dtype: torch.dtype
 
 
 def merge_block_logsumexp(running: ShiftedLogSumExp, block_logits: torch.Tensor,
-                          factor: Optional[float] = None) -> ShiftedLogSumExp:
+                          factor: Optional[float] = None, offset: float = 0.0) -> ShiftedLogSumExp:
     """Fold one block of logits ``[T, B]`` (compute dtype; overwritten) into a running
     :class:`ShiftedLogSumExp` whose ``log_sum`` holds the running *sum* of ``exp(x - shift)``
-    (the fused linear head's online merge; take the log once at the end). ``factor`` > 0: the
-    block holds ``x / factor`` (the soft-capped head's ``tanh``, ``factor`` the cap), multiplied
-    back in the same pass that subtracts the shift."""
+    (the fused linear head's online merge; take the log once at the end). ``factor`` (non-zero): the
+    block holds ``y`` with the logits ``offset + factor * y`` (the soft-capped head's
+    :func:`capped_sigmoid_`), formed in the same pass that subtracts the shift."""
     shift, total = running
-    block_max = block_logits.amax(dim=-1)
-    new_shift = torch.maximum(shift, block_max if factor is None else block_max.mul_(factor))
+    if factor is None:
+        block_max = block_logits.amax(dim=-1)
+    else:  # the largest logit of a row is at its largest y for factor > 0, at its smallest otherwise
+        extreme = block_logits.amax(dim=-1) if factor > 0 else block_logits.amin(dim=-1)
+        block_max = extreme.mul_(factor).add_(offset)
+    new_shift = torch.maximum(shift, block_max)
     # A row whose shift is still -inf has nothing to rescale (and -inf - -inf would be NaN).
     carried = torch.where(torch.isneginf(new_shift), torch.zeros_like(total), total * (shift - new_shift).exp())
     if factor is None:
         shifted = block_logits.sub_(new_shift[:, None])
-    else:  # factor * x - shift in one pass (x finite: capped)
-        shifted = torch.add(new_shift.neg()[:, None], block_logits, alpha=factor, out=block_logits)
+    else:  # offset + factor * y - shift in one pass (y finite: capped)
+        shifted = torch.add((offset - new_shift)[:, None], block_logits, alpha=factor, out=block_logits)
     return ShiftedLogSumExp(new_shift, carried + shifted.exp_().sum(dim=-1))
 
 

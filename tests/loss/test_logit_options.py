@@ -16,7 +16,7 @@ from test_fused_linear import problem
 
 import smmd_scale
 from smmd_scale import NTLoss, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy
-from smmd_scale.steps import tanh_of_capped_
+from smmd_scale.steps import capped_sigmoid_, tanh_of_capped_
 
 # Each option alone, the Gemma-2 and Cohere heads, and everything at once.
 OPTION_SETS = {
@@ -138,6 +138,30 @@ def test_the_tanh_of_the_capped_logits_is_tanh_to_a_few_ulp_on_every_device(dtyp
         capped = tanh_of_capped_(as_device(specials), options).as_subclass(torch.Tensor)
         assert capped[0] == 0 and torch.signbit(capped[0]) and capped[1:3].tolist() == [1.0, -1.0]
         assert torch.isnan(capped[3])
+
+
+@pytest.mark.parametrize("dtype, ulp", [(torch.float32, 2.0**-24), (torch.float64, 2.0**-53)])
+def test_the_fused_head_s_capped_sigmoid_gives_tanh_and_its_derivative_to_a_few_units_of_roundoff(dtype, ulp):
+    """The fused head's soft-capped block ``σ = sigmoid(-2 y)`` (y = scale x / cap): ``1 - 2σ`` is tanh(y) and
+    ``4σ(1 - σ)`` is 1 - tanh(y)^2, to absolute errors of a few units of roundoff of 1: torch's sigmoid is
+    within 1.5 ulp(1) of the exact sigmoid of the rounded argument (measured, fp32 and float64), so ``1 -
+    2σ`` is within 2 x 1.5 + 0.5 ulp plus the argument's rounding (below an ulp of tanh): 8 ulp(1); ``4σ(1
+    - σ)`` has slope at most 4 in σ (6 ulp) plus its own roundings: 16 ulp(1) (measured 3.0 and 6.5 in
+    float64). Never beyond +-1, exactly +-1 where tanh is within a quarter ulp of it, on the same grid as the
+    tanh test, with -0 and +-inf."""
+    options = smmd_scale.call_plan.CrossEntropyOptions.checked(1.5, 3.0, 0.0, 0.0, None)  # y = x / 2
+    grid = torch.cat([torch.linspace(0, 60, 400_000, dtype=torch.float64), torch.logspace(-30, 2, 2_000,
+                                                                                        dtype=torch.float64)])
+    raw = torch.cat([grid, -grid]).to(dtype).reshape(-1, 1200)
+    tanh = torch.tanh(raw.double() / 2)
+    sigma = capped_sigmoid_(raw.clone(), options)
+    capped = (1 - 2 * sigma).double()  # in the block's dtype, as the head forms cap (1 - 2σ)
+    sigma = sigma.double()
+    assert (capped - tanh).abs().max() <= 8 * ulp
+    assert (4 * sigma * (1 - sigma) - (1 - tanh**2)).abs().max() <= 16 * ulp
+    assert capped.abs().le(1).all() and capped[tanh.abs() > 1 - ulp / 4].abs().eq(1).all()
+    specials = capped_sigmoid_(torch.tensor([-0.0, float("inf"), -float("inf")], dtype=dtype), options)
+    assert (1 - 2 * specials).tolist() == [0.0, 1.0, -1.0]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
