@@ -108,8 +108,21 @@ def numeric_token_ids(shape: Shape) -> torch.Tensor:
     return torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(SEED + 1))[:NUMERIC_SIZE]
 
 
-def build(name: str, shape: Shape, numeric_ids: torch.Tensor):
-    """``loss(hidden, weight, targets)`` of contender ``name``; raises Unavailable for a missing peer."""
+def smmd_of(shape: Shape, numeric_ids: torch.Tensor):
+    """The benchmark's SMMD loss: the N numeric ids with the values 0..N-1."""
+    return smmd_scale.SMMDLoss(smmd_scale.NumericVocab(numeric_ids.tolist(), list(range(NUMERIC_SIZE)),
+                                                       shape.vocab_size))
+
+
+def ours_options(name: str) -> tuple:
+    """(SMMD's weight, the CE options) of one of our fused contenders."""
+    options = {"z_loss": Z_LOSS, "logit_softcap": SOFTCAP} if name == "ours_fused_zcap" else {}
+    return (0.0 if name == "ours_fused_w0" else 1.0), options
+
+
+def build(name: str, shape: Shape, numeric_ids: torch.Tensor, chunk_size=None):
+    """``loss(hidden, weight, targets)`` of contender ``name`` (ours fused: ``chunk_size`` head rows per
+    block, default the op's); raises Unavailable for a missing peer."""
     if name == "torch_ce":
         return lambda hidden, weight, targets: F.cross_entropy((hidden @ weight.T).float(), targets)
     if name == "torch_linear_ce":
@@ -119,15 +132,13 @@ def build(name: str, shape: Shape, numeric_ids: torch.Tensor):
         return lambda hidden, weight, targets: F.linear_cross_entropy(hidden, weight, targets, ignore_index=-100,
                                                                       options=options)
     if name.startswith("ours"):
-        smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(numeric_ids.tolist(), list(range(NUMERIC_SIZE)),
-                                                           shape.vocab_size))
+        smmd = smmd_of(shape, numeric_ids)
         if name == "ours_materialized":
             return lambda hidden, weight, targets: smmd_scale.numeric_cross_entropy(hidden @ weight.T, targets,
                                                                                  smmd).total
-        smmd_weight = 0.0 if name == "ours_fused_w0" else 1.0
-        options = {"z_loss": Z_LOSS, "logit_softcap": SOFTCAP} if name == "ours_fused_zcap" else {}
-        return lambda hidden, weight, targets: smmd_scale.linear_numeric_cross_entropy(hidden, weight, targets, smmd,
-                                                                                    smmd_weight, **options).total
+        smmd_weight, options = ours_options(name)
+        return lambda hidden, weight, targets: smmd_scale.linear_numeric_cross_entropy(
+            hidden, weight, targets, smmd, smmd_weight, chunk_size=chunk_size, **options).total
     if name == "deepspeed_fused":
         from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
 

@@ -64,33 +64,16 @@ def variant(name: str):
         steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits = saved
 
 
-DEVICE_TYPE = {"value": "cpu"}  # set by main: where the contenders run
-
-
-def has_mixed_gemm(shape: bench.Shape) -> bool:
-    """Whether the device has fp32-output bf16 GEMMs (only bf16 shapes use them)."""
+def contender(name: str, shape: bench.Shape, device_type: str):
+    """``loss(hidden, weight, targets)`` of a contender name like ``ours_fused_zcap+chunk=4096+mixed_gemm``
+    (the variants of :func:`variant` applied around each call)."""
     from smmd_scale.compat import has_mixed_precision_gemm
 
-    return shape.dtype != "bf16" or has_mixed_precision_gemm(DEVICE_TYPE["value"])
-
-
-def contender(name: str, shape: bench.Shape):
-    """(loss function, variant name) for a contender name like ``ours_fused_zcap+chunk=4096+mixed_gemm``."""
     base, *extras = name.split("+")
-    if "mixed_gemm" in extras and not has_mixed_gemm(shape):
+    if "mixed_gemm" in extras and shape.dtype == "bf16" and not has_mixed_precision_gemm(device_type):
         raise bench.Unavailable("no fp32-output bf16 GEMM (aten::mm.dtype) on this device")
     chunk = next((int(extra.split("=")[1]) for extra in extras if extra.startswith("chunk=")), None)
-    function = bench.build(base, shape, bench.numeric_token_ids(shape))
-    if chunk is None:
-        return function, name
-    import smmd_scale
-
-    smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(bench.numeric_token_ids(shape).tolist(),
-                                                       list(range(bench.NUMERIC_SIZE)), shape.vocab_size))
-    options = {"z_loss": bench.Z_LOSS, "logit_softcap": bench.SOFTCAP} if base == "ours_fused_zcap" else {}
-    weight = 0.0 if base == "ours_fused_w0" else 1.0
-    return (lambda hidden, head, targets: smmd_scale.linear_numeric_cross_entropy(
-        hidden, head, targets, smmd, weight, chunk_size=chunk, **options).total), name
+    return bench.build(base, shape, bench.numeric_token_ids(shape), chunk_size=chunk)
 
 
 def timed_call(device, loss, inputs) -> float:
@@ -153,17 +136,15 @@ def accuracy_of(device, loss, inputs, reference) -> dict:
             "grad_rel": ((hidden.grad.double() - expected_grad).norm() / expected_grad.norm()).item()}
 
 
-def float64_reference(device, shape, inputs, name: str):
+def float64_reference(shape, inputs, name: str):
     """CE + SMMD (+ z-loss and soft-cap for the zcap contenders) on float64 logits of the same inputs."""
     import smmd_scale
 
     hidden, weight, targets = inputs
-    smmd = smmd_scale.SMMDLoss(smmd_scale.NumericVocab(bench.numeric_token_ids(shape).tolist(),
-                                                       list(range(bench.NUMERIC_SIZE)), shape.vocab_size))
     leaf = hidden.detach().double().requires_grad_(True)
-    options = {"z_loss": bench.Z_LOSS, "logit_softcap": bench.SOFTCAP} if "zcap" in name else {}
-    weight_of_numeric = 0.0 if "_w0" in name else 1.0
-    total = smmd_scale.numeric_cross_entropy(leaf @ weight.detach().double().T, targets, smmd, weight_of_numeric,
+    smmd_weight, options = bench.ours_options(name.split("+")[0])
+    total = smmd_scale.numeric_cross_entropy(leaf @ weight.detach().double().T, targets,
+                                             bench.smmd_of(shape, bench.numeric_token_ids(shape)), smmd_weight,
                                              **options).total
     total.backward()
     return total.item(), leaf.grad
@@ -198,7 +179,7 @@ def measure_shape(device, shape, names, args) -> list:
     losses, rows = {}, {}
     for name in names:
         try:
-            losses[name] = contender(name, shape)[0]
+            losses[name] = contender(name, shape, device.type)
         except (bench.Unavailable, ImportError) as error:
             print(f"[heads] {shape} {name}: skipped ({str(error)[:80]})", flush=True)
     times = {name: [] for name in losses}
@@ -218,7 +199,7 @@ def measure_shape(device, shape, names, args) -> list:
             if args.profile:
                 entry.update(profile_of(device, loss, inputs))
             if args.accuracy and name.startswith("ours") and shape.vocab_size <= 32000:
-                reference = float64_reference(device, shape, inputs, name)
+                reference = float64_reference(shape, inputs, name)
                 entry.update(accuracy_of(device, loss, inputs, reference))
         rows[name] = entry
     reference = rows.get("deepspeed_fused")
@@ -237,7 +218,6 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    DEVICE_TYPE["value"] = device.type
     began = time.perf_counter()
     rows = []
     for shape in SHAPES["quick" if args.quick else "gpu"]:
