@@ -118,6 +118,14 @@ class ClaimsGpu(torch.Tensor):
         return False
 
 
+def capping_grid(dtype) -> torch.Tensor:
+    """A dense grid of raw logits from 0 into saturation and beyond (and tiny ones), both signs, in rows of
+    a block as the head holds them."""
+    grid = torch.cat([torch.linspace(0, 60, 400_000, dtype=torch.float64), torch.logspace(-30, 2, 2_000,
+                                                                                        dtype=torch.float64)])
+    return torch.cat([grid, -grid]).to(dtype).reshape(-1, 1200)
+
+
 @pytest.mark.parametrize("dtype, ulp", [(torch.float32, 2.0**-24), (torch.float64, 2.0**-53)])
 def test_the_tanh_of_the_capped_logits_is_tanh_to_a_few_ulp_on_every_device(dtype, ulp):
     """The soft-capped heads' tanh (expm1-based on the CPU, torch's elsewhere) against float64 tanh,
@@ -126,9 +134,7 @@ def test_the_tanh_of_the_capped_logits_is_tanh_to_a_few_ulp_on_every_device(dtyp
     ulp), never beyond +-1 and exactly +-1 where tanh is within a quarter ulp of it; a scale and a
     cap folded in as the head does."""
     options = smmd_scale.call_plan.CrossEntropyOptions.checked(1.5, 3.0, 0.0, 0.0, None)  # tanh(x / 2)
-    grid = torch.cat([torch.linspace(0, 60, 400_000, dtype=torch.float64), torch.logspace(-30, 2, 2_000,
-                                                                                        dtype=torch.float64)])
-    raw = torch.cat([grid, -grid]).to(dtype).reshape(-1, 1200)  # rows of a block, as the head holds them
+    raw = capping_grid(dtype)
     expected = torch.tanh(raw.double() / 2)
     for as_device in (lambda t: t, lambda t: t.as_subclass(ClaimsGpu)):
         got = tanh_of_capped_(as_device(raw.clone()), options).as_subclass(torch.Tensor)
@@ -150,9 +156,7 @@ def test_the_fused_head_s_capped_sigmoid_gives_tanh_and_its_derivative_to_a_few_
     float64). Never beyond +-1, exactly +-1 where tanh is within a quarter ulp of it, on the same grid as the
     tanh test, with -0 and +-inf."""
     options = smmd_scale.call_plan.CrossEntropyOptions.checked(1.5, 3.0, 0.0, 0.0, None)  # y = x / 2
-    grid = torch.cat([torch.linspace(0, 60, 400_000, dtype=torch.float64), torch.logspace(-30, 2, 2_000,
-                                                                                        dtype=torch.float64)])
-    raw = torch.cat([grid, -grid]).to(dtype).reshape(-1, 1200)
+    raw = capping_grid(dtype)
     tanh = torch.tanh(raw.double() / 2)
     sigma = capped_sigmoid_(raw.clone(), options)
     capped = (1 - 2 * sigma).double()  # in the block's dtype, as the head forms cap (1 - 2σ)
