@@ -37,7 +37,6 @@ import os
 import shlex
 import shutil
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,7 +44,7 @@ from typing import Optional
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze
-from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
+from benchmarks.numeracy.runner import EVALUATION_LOCK, RunFailed, child_environment, run_measured, write_json
 from smmd_train.arguments import REPO, train_command
 from smmd_train.options import option, parse_options
 
@@ -246,18 +245,13 @@ def eval_args(data: dict, output_dir: Path) -> list:
             "--batch_size", "64"]
 
 
-# One evaluation at a time in this process (with --parallel 2 the threads share it): loading a model with
-# transformers is not thread-safe (see study_a._EVALUATION_LOCK).
-_EVALUATION_LOCK = threading.Lock()
-
-
 def evaluate_in_process(arguments: list, log: Path) -> float:
     """evaluate.py's evaluation of ``arguments`` in this process, its printed text in ``log``: the wall
     seconds, or ``RunFailed`` with what went wrong."""
     from smmd_numeracy import evaluate_cli
 
     began = time.monotonic()
-    with _EVALUATION_LOCK:
+    with EVALUATION_LOCK:
         try:
             _, text = evaluate_cli.evaluate(arguments)
         except (Exception, SystemExit) as error:  # argparse and a bad QA file exit; a failed load raises

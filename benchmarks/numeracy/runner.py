@@ -1,15 +1,23 @@
 """How the numeracy study runs its children (train.py, evaluate.py), shared by ``run_study`` and the
-tier studies: their environment, a run measured by its own rusage, and JSON records written whole."""
+tier studies: their environment, a run measured by its own rusage, the lock of in-process evaluations,
+and JSON records written whole."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from smmd_train.arguments import REPO
+
+# One in-process evaluation at a time under --jobs / --parallel: loading a model with transformers is not
+# thread-safe (the empty-weights context a load enters patches torch.nn.Module process-wide, as far as we can
+# tell); seen in Tier C: a second thread's tied lm_head came back unmaterialized and was re-initialized at
+# random ("lm_head.weight | MISSING"), scoring 0%. The training runs stay side by side.
+EVALUATION_LOCK = threading.Lock()
 
 
 def write_json(path: Path, value: dict) -> None:

@@ -32,7 +32,7 @@ from typing import Optional
 
 from benchmarks.common import machine
 from benchmarks.numeracy import analyze_a
-from benchmarks.numeracy.runner import RunFailed, child_environment, run_measured, write_json
+from benchmarks.numeracy.runner import EVALUATION_LOCK, RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
 from smmd_train.arguments import REPO, train_command
 from smmd_train.options import option, parse_options
@@ -152,13 +152,6 @@ def train_run(settings: dict, data: dict, flags: dict, seed: int, output_dir: Pa
     return ["nice", "-n", str(settings["nice"]), *command]
 
 
-# One in-process evaluation at a time under --jobs: loading a model with transformers is not thread-safe
-# (the empty-weights context a load enters patches torch.nn.Module process-wide, as far as we can tell);
-# seen in Tier C: a second thread's tied lm_head came back unmaterialized and was re-initialized at
-# random ("lm_head.weight | MISSING"), scoring 0%. The training runs stay side by side.
-_EVALUATION_LOCK = threading.Lock()
-
-
 def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, output_dir: Path, env: dict,
             evaluate=tier_a.evaluate_model, train=train_run) -> dict:
     """Train (unless recorded as trained) with ``train(settings, data, flags, seed, output_dir)``'s
@@ -183,7 +176,7 @@ def execute(settings: dict, data: dict, name: str, flags: dict, seed: int, outpu
     # this thread's CPU: the evaluation runs in the calling thread (torch at one intra-op thread), and
     # with --jobs another thread may be evaluating beside it
     began, cpu_began = time.monotonic(), time.thread_time()
-    with _EVALUATION_LOCK:
+    with EVALUATION_LOCK:
         evaluation = evaluate(output_dir / "hf", data["qa_eval"])
     write_json(output_dir / "answers.json",
                {key: value for key, value in evaluation.items() if key.startswith("answers")})
