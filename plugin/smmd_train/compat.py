@@ -99,8 +99,6 @@ def release_deepspeed_process_groups() -> None:
     (``PartitionedParameterCoordinator.__params_to_release`` caches ``self``, hence every
     partitioned parameter and its ``ds_process_group``). ``engine.destroy()`` clears none of them.
     Checked against deepspeed 0.19.8 and Python 3.11's ``functools._lru_cache_wrapper``."""
-    import functools
-    import gc
     import sys
 
     from torch.distributed import ProcessGroup
@@ -117,11 +115,59 @@ def release_deepspeed_process_groups() -> None:
         stack = private(offload, "FWD_MODULE_STACK", package="deepspeed", checked="0.19.8",
                         purpose="release ZeRO-3's module stack at shutdown")
         stack.clear()
+    for cache in deepspeed_lru_caches():
+        cache.cache_clear()
+
+
+def deepspeed_lru_caches() -> list:
+    """DeepSpeed's ``functools.lru_cache`` wrappers: those its modules made at import, found from the modules'
+    functions and classes (through decorators' closures and ``__wrapped__``: the one that matters is inside
+    an nvtx wrapper), and any made since, from ``gc.get_objects()``, which does not list objects frozen by
+    ``gc.freeze()`` (``smmd_train.process_start`` freezes what a rank imported)."""
+    import functools
+    import gc
+    import sys
+    import types
+
     cache_type = private(functools, "_lru_cache_wrapper", package="python", checked="3.11",
                          purpose="clear DeepSpeed's memoized methods at shutdown")
-    for cache in gc.get_objects():  # type(), not isinstance(): some objects warn on any attribute access
-        if type(cache) is cache_type and str(cache.__module__).startswith("deepspeed."):
-            cache.cache_clear()
+    found, seen = {}, set()
+
+    def visit(value, depth: int) -> None:
+        if depth > 4 or id(value) in seen:
+            return
+        seen.add(id(value))
+        kind = type(value)  # type(), not isinstance(): some objects warn on any attribute access
+        if kind is cache_type:
+            found[id(value)] = value
+        if kind in (staticmethod, classmethod):
+            visit(value.__func__, depth + 1)
+        elif kind is property:
+            for accessor in (value.fget, value.fset, value.fdel):
+                visit(accessor, depth + 1)
+        elif kind in (types.FunctionType, cache_type):
+            wrapped = getattr(value, "__wrapped__", None)
+            if wrapped is not None:
+                visit(wrapped, depth + 1)
+            for cell in getattr(value, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "deepspeed" or name.startswith("deepspeed.")):
+            continue
+        for value in list(vars(module).values()):
+            if issubclass(type(value), type):
+                for attribute in list(vars(value).values()):
+                    visit(attribute, 0)
+            else:
+                visit(value, 0)
+    for value in gc.get_objects():
+        if type(value) is cache_type:
+            found[id(value)] = value
+    return [cache for cache in found.values() if str(cache.__module__).startswith("deepspeed.")]
 
 
 # ---------------------------------------------------------------------------------------------
