@@ -109,7 +109,20 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from smmd_train.distributed import shutdown_distributed
+    from smmd_train.distributed import load_backends, shutdown_distributed
+    from smmd_train.process_start import keep_imports, pause_collections
+
+    # The collector off while the export imports what it runs on, then that frozen, at the top level
+    # rather than in a function whose frame holds the engine (smmd_train.process_start).
+    pause_collections()
+    import deepspeed.utils.zero_to_fp32  # noqa: F401
+    import transformers  # noqa: F401
+
+    import smmd_train.export  # noqa: F401
+    import smmd_train.run  # noqa: F401
+
+    load_backends()
+    keep_imports()
     from smmd_train.process_end import skip_final_collections
 
     try:

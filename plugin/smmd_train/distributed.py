@@ -139,6 +139,22 @@ def _mpirun_launch(environ) -> Launch:
     return Launch(*(int(value) for value in known), "mpirun")
 
 
+def load_backends() -> None:
+    """Import what :func:`init_distributed` needs before it starts the default group: DeepSpeed, its
+    accelerator and ``torch._dynamo``. A program may call it first, to import them all before it
+    freezes what it imported (``smmd_train.process_start``)."""
+    import deepspeed  # noqa: F401
+    from deepspeed.accelerator import get_accelerator  # noqa: F401
+
+    from . import compat
+
+    # Imported after the default group exists, torch._dynamo (which transformers imports for its
+    # model and config classes) keeps a reference to the group that destroy_process_group cannot
+    # drop, so every run ended with "process group(s) are still referenced"; imported first, it
+    # holds none.
+    compat.import_torch_dynamo()
+
+
 def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     """Start the default process group (gloo on CPU, the accelerator's backend otherwise).
 
@@ -149,13 +165,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> Launch:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from . import compat
-
-    # Imported after the default group exists, torch._dynamo (which transformers imports for its
-    # model and config classes) keeps a reference to the group that destroy_process_group cannot
-    # drop, so every run ended with "process group(s) are still referenced"; imported first, it
-    # holds none.
-    compat.import_torch_dynamo()
+    load_backends()
     # DeepSpeed's ZeRO-3 (0.19) calls the collectives torch 2.13 renamed; torch warns on every rank
     # at every first call. Nothing the user can act on, so the warning of a clean run stays empty.
     warnings.filterwarnings(

@@ -130,11 +130,27 @@ def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, check
     return lines
 
 
+def load_program() -> None:
+    """Import what :func:`main` runs on: DeepSpeed, transformers, datasets and ``torch._dynamo`` with them
+    (seconds, on every rank), before any process group exists."""
+    from . import checkpoint, evaluation, export, guard, resume, run  # noqa: F401
+    from .distributed import load_backends
+
+    load_backends()
+
+
 def cli(argv=None) -> None:
     """Run :func:`main`, then shut the process group down in order; the exit code says how it ended
     (0 trained, 2 refused: one line per problem on rank 0, 3 stopped for non-finite losses). A bad command
     line exits 2 from the parser, before anything heavy is imported."""
     args = parse_args(argv, description=__doc__)
+    from .process_start import keep_imports, pause_collections
+
+    # The collector off while the program imports, then what it imported frozen, here rather than inside
+    # main(), whose frame holds the run (smmd_train.process_start).
+    pause_collections()
+    load_program()
+    keep_imports()
     from .distributed import shutdown_distributed
     from .guard import NonFiniteLossError
     from .process_end import skip_final_collections

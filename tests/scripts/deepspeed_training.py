@@ -32,6 +32,7 @@ import smmd_scale
 from smmd_train import compat
 from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
 from smmd_train.process_end import skip_final_collections
+from smmd_train.process_start import keep_imports
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -176,6 +177,7 @@ def train_shape(shape: Shape) -> dict:
 
 
 if __name__ == "__main__":
+    keep_imports()  # here, not in main(), as train.py does (smmd_train.process_start)
     try:
         main()
     finally:
