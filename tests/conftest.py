@@ -118,6 +118,7 @@ LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py
 
 # SMMD_TEST_CPU_LOG=<file>: each test's CPU seconds (the worker's own and its waited-for child processes',
 # from getrusage) appended as JSON lines, phase by phase: where CI's CPU goes, independent of the load.
+# Not counted: the gloo ranks of helpers.distributed, children of a fork server that outlives the test.
 CPU_LOG = os.environ.get("SMMD_TEST_CPU_LOG")
 
 

@@ -5,7 +5,13 @@ each in a process group of its own (gloo on 127.0.0.1, ``pg_timeout`` seconds), 
 :class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds all are killed and the
 test fails: a hang is a failure, never a stuck CI job.
 
-The processes: by default a pool of worker processes kept for the session (spawned once; each call
+The processes start from a fork server (``multiprocessing``'s "forkserver") that imported torch,
+``torch.distributed`` and ``smmd_scale`` once: a rank is a fork of a process that holds no threads, no
+process group and nothing a test made, without its own second of imports. What a test's ranks import
+beyond that (DeepSpeed, transformers and ``torch._dynamo`` with them) they import themselves, as a fresh
+process would; ``test_shutdown`` depends on ``torch._dynamo`` not being there before its group.
+
+By default a pool of worker processes kept for the session (spawned once; each call
 makes a new process group on a new port and destroys it after ``fn``, and the worker's environment
 variables are restored), since spawning ranks costs seconds per call (each imports torch and the
 test module) and the loss tests make dozens of calls. ``fresh=True`` spawns new processes for the
@@ -54,13 +60,21 @@ def _run_rank(rank, world_size, port, pg_timeout, fn, args) -> Outcome:
             dist.destroy_process_group()
 
 
-def _worker(rank, world_size, port, pg_timeout, fn, args, results):
+def _worker(rank, world_size, port, pg_timeout, fn, args, results, environ):
+    _take_environment(environ)
     results.put((None, _run_rank(rank, world_size, port, pg_timeout, fn, args)))
 
 
-def _pool_worker(inbox, results):
-    """A pooled rank: runs calls until it gets None, each with the environment it started with."""
-    environ = dict(os.environ)
+def _take_environment(environ: dict) -> None:
+    """The test process's environment when it started this rank (a fork server's children would have the
+    server's, from when it started), as a spawned process has it."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _pool_worker(inbox, results, environ):
+    """A pooled rank: runs calls until it gets None, each with the environment it was started with."""
+    _take_environment(environ)
     while (task := inbox.get()) is not None:
         call, rank, world_size, port, pg_timeout, payload = task
         try:
@@ -69,13 +83,22 @@ def _pool_worker(inbox, results):
         except BaseException as error:
             outcome = Outcome(rank, False, f"{type(error).__name__}: {error}", traceback.format_exc())
         results.put((call, outcome))
-        os.environ.clear()
-        os.environ.update(environ)
+        _take_environment(environ)
+
+
+# What the fork server imports before it forks a rank (see the module's docstring).
+PRELOADED = ["torch", "torch.distributed", "smmd_scale", "helpers.distributed"]
+
+
+def _context():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts, on the first rank
+    return context
 
 
 class _Pool:
     def __init__(self):
-        self.context = multiprocessing.get_context("spawn")
+        self.context = _context()
         self.results = self.context.Queue()
         self.workers = []  # (process, inbox), rank i runs on worker i
         self.calls = itertools.count()
@@ -83,7 +106,8 @@ class _Pool:
     def processes(self, world_size: int) -> list:
         while len(self.workers) < world_size:
             inbox = self.context.Queue()
-            process = self.context.Process(target=_pool_worker, args=(inbox, self.results), daemon=True)
+            process = self.context.Process(target=_pool_worker, args=(inbox, self.results, dict(os.environ)),
+                                           daemon=True)
             process.start()
             self.workers.append((process, inbox))
         return [process for process, _ in self.workers[:world_size]]
@@ -111,9 +135,10 @@ atexit.register(_POOL.close)
 def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: float = 60, fresh: bool = False) -> list:
     port = free_port()
     if fresh:
-        context = multiprocessing.get_context("spawn")
+        context = _context()
         results = context.Queue()
-        processes = [context.Process(target=_worker, args=(rank, world_size, port, pg_timeout, fn, args, results),
+        processes = [context.Process(target=_worker, args=(rank, world_size, port, pg_timeout, fn, args, results,
+                                                                   dict(os.environ)),
                                      daemon=True) for rank in range(world_size)]
         for process in processes:
             process.start()

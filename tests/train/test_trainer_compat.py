@@ -95,6 +95,9 @@ def _tensor_parallel_groups(rank, world_size):
     # Every group c10d made, for the ordered shutdown: the default one and DeepSpeed's TP and DP groups.
     made = compat.process_groups()
     assert dist.group.WORLD in made and groups.get_tensor_model_parallel_group() in made
+    # Each rank made its one-rank data-parallel group through rank 0's store: none leaves (rank 0 taking
+    # the store with it) before every rank has made its groups.
+    dist.barrier()
     return groups.get_tensor_model_parallel_world_size(), dist.get_world_size(groups.get_data_parallel_group())
 
 
