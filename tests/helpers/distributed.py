@@ -11,13 +11,13 @@ process group and nothing a test made, without its own second of imports. What a
 beyond that (DeepSpeed, transformers and ``torch._dynamo`` with them) they import themselves, as a fresh
 process would; ``test_shutdown`` depends on ``torch._dynamo`` not being there before its group.
 
-By default a pool of worker processes kept for the session (spawned once; each call
+By default a pool of worker processes kept for the session (started once; each call
 makes a new process group on a new port and destroys it after ``fn``, and the worker's environment
-variables are restored), since spawning ranks costs seconds per call (each imports torch and the
-test module) and the loss tests make dozens of calls. ``fresh=True`` spawns new processes for the
+variables are restored), since starting ranks costs time per call (each imports the test module
+and what it needs) and the loss tests make dozens of calls. ``fresh=True`` starts new processes for the
 call, for a test whose ranks change what outlives a process group (DeepSpeed's global groups, an
 engine, threads a shutdown test counts). A pool whose call fails by a hang or a dead rank is
-killed whole and spawned again on the next call.
+killed whole and started again on the next call.
 """
 
 import atexit
