@@ -1,6 +1,7 @@
 import json
 import os
 import resource
+import subprocess
 import time
 import zlib
 from pathlib import Path
@@ -17,6 +18,15 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "smmd_reference_digits
 SESSION_SEED = int(os.environ.setdefault("SMMD_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 
 
+# Every time limit in the tests is a hang guard scaled by a probe of the host (helpers/host_probe.py):
+# measured once per session, by .ci/run (SMMD_HOST_PROBE) or here in the background while the tests are
+# collected; set in the environment before pytest-xdist's workers start, like the seed.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    from helpers import host_probe
+
+    host_probe.start_in_background()
+
+
 def pytest_report_header(config):
     return f"smmd-scale random seed: SMMD_TEST_SEED={SESSION_SEED}"
 
@@ -25,6 +35,12 @@ def pytest_terminal_summary(terminalreporter):
     # -q (CI's command) hides the header: the seed is printed again at the end, so a failure in a CI
     # log can be replayed.
     terminalreporter.write_line(f"smmd-scale random seed: SMMD_TEST_SEED={SESSION_SEED}")
+    from helpers import host_probe
+
+    if host_probe.ready():  # (a short session does not wait for the background probe)
+        reading = host_probe.reading()
+        terminalreporter.write_line(f"smmd-scale host probe: {reading['cpu_seconds']} CPU-s, "
+                                    f"{reading['wall_seconds']} s wall: hang guards x {host_probe.slowdown():.2f}")
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +156,17 @@ def pytest_runtest_protocol(item, nextitem):
                               "ended": round(time.time(), 2),
                               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A subprocess that ran past its limit failed a hang guard, not a speed target: say so, with the probe.
+    report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(subprocess.TimeoutExpired):
+        from helpers import host_probe
+
+        report.sections.append(("hang guard", host_probe.describe()))
+    return report
 
 
 def pytest_configure(config):

@@ -2,8 +2,9 @@
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` processes,
 each in a process group of its own (gloo on 127.0.0.1, ``pg_timeout`` seconds), and returns one
-:class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds all are killed and the
-test fails: a hang is a failure, never a stuck CI job.
+:class:`Outcome` per rank. If any rank does not finish in ``timeout`` seconds (a hang guard's base value,
+scaled to this host by :func:`helpers.host_probe.hang_guard`) all are killed and the test fails: a hang
+is a failure, never a stuck CI job.
 
 The processes start from a fork server (``multiprocessing``'s "forkserver") that imported torch,
 ``torch.distributed`` and ``smmd_scale`` once: a rank is a fork of a process that holds no threads, no
@@ -34,6 +35,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from smmd_train.launcher import free_port
+
+from .host_probe import describe, hang_guard
 
 
 class Outcome(NamedTuple):
@@ -146,13 +149,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180, pg_timeout: floa
     else:
         call = _POOL.submit(world_size, port, pg_timeout, fn, args)
         results, processes = _POOL.results, _POOL.processes(world_size)
-    outcomes, deadline, finished = {}, time.monotonic() + timeout, False
+    outcomes, deadline, finished = {}, time.monotonic() + hang_guard(timeout), False
     try:
         while len(outcomes) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish within "
-                                     f"{timeout:.0f} s (a hang); finished: {sorted(outcomes)}")
+                                     f"{hang_guard(timeout):.0f} s, {describe(timeout)}; finished: {sorted(outcomes)}")
             try:
                 outcome_call, outcome = results.get(timeout=min(remaining, 1.0))
                 if outcome_call == call:

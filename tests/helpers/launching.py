@@ -11,6 +11,8 @@ from smmd_train.arguments import REPO, train_command, train_flags  # noqa: F401 
 from smmd_train.launcher import launch_command  # noqa: F401  (re-exported)
 from smmd_train.metrics_file import read_metrics
 
+from .host_probe import describe, hang_guard
+
 TRAIN = REPO / "launch" / "train.py"
 
 
@@ -34,14 +36,16 @@ def environment(**extra) -> dict:
 
 
 def run(command: list, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
-    """Run to completion; on failure or timeout the assertion carries the output's tail."""
+    """Run to completion; on failure or timeout the assertion carries the output's tail. ``timeout``:
+    the hang guard's base value, scaled to this host (:func:`helpers.host_probe.hang_guard`)."""
     command = [str(part) for part in command]
     try:
         completed = subprocess.run(command, env=env or environment(), cwd=cwd or REPO, capture_output=True,
-                                   text=True, timeout=timeout)
+                                   text=True, timeout=hang_guard(timeout))
     except subprocess.TimeoutExpired as error:
         output = (error.stdout or b"")[-4000:] if isinstance(error.stdout, bytes) else (error.stdout or "")[-4000:]
-        raise AssertionError(f"{command[:3]}... did not finish within {timeout} s:\n{output}") from None
+        raise AssertionError(f"{command[:3]}... did not finish within {hang_guard(timeout):.0f} s, "
+                             f"{describe(timeout)}:\n{output}") from None
     if completed.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {completed.returncode}:\n"
                              f"{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}")

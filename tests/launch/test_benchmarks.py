@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 CONTENDERS = ["torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "dist2", "gauss_ls",
@@ -18,7 +19,7 @@ RESULTS = {"pass", "fail", "not measured"}
 @pytest.mark.slow
 def test_bench_loss_quick_writes_rows_and_targets(tmp_path):
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_loss", "--quick", "--device", "cpu", "--results_dir",
-                          str(tmp_path / "results")], capture_output=True, text=True, timeout=240, cwd=REPO,
+                          str(tmp_path / "results")], capture_output=True, text=True, timeout=hang_guard(240), cwd=REPO,
                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| loss |" in run.stdout and "targets:" in run.stdout
@@ -71,7 +72,7 @@ def test_bench_sp_writes_the_peak_per_rank_of_each_sp_degree(tmp_path):
     same model and batch), ratios against SP 1."""
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_sp", "--seq_len", "512", "--short_seq_len", "64",
                           "--work_dir", str(tmp_path / "work"), "--results_dir", str(tmp_path / "results")],
-                         capture_output=True, text=True, timeout=900, cwd=REPO,
+                         capture_output=True, text=True, timeout=hang_guard(900), cwd=REPO,
                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| SP | tokens / sequence | peak GiB / rank |" in run.stdout
@@ -110,7 +111,7 @@ def test_the_fused_linear_benchmark_s_contenders_compute_the_same_ce():
 def test_bench_ntl_standalone_writes_rows_where_every_contender_computes_the_same_loss(tmp_path):
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_ntl_standalone", "--tokens", "600", "--vocab_size",
                           "300", "--repeats", "2", "--memory", "--results_dir", str(tmp_path)], capture_output=True,
-                         text=True, timeout=240, cwd=REPO, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+                         text=True, timeout=hang_guard(240), cwd=REPO, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "bench_ntl_standalone.json").read_text())
     rows = results["rows"]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from helpers.dashboards import Dashboards
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, run
 
 from smmd_numeracy import tier_a
@@ -21,7 +22,7 @@ STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
 def test_help_prints_without_setting_anything_up(tmp_path):
     venv = tmp_path / "venv"
     completed = subprocess.run(["bash", str(REPO / "launch" / "demo.sh"), "--help"], capture_output=True, text=True,
-                               timeout=60, env={"PATH": os.environ["PATH"], "VENV": str(venv)})
+                               timeout=hang_guard(60), env={"PATH": os.environ["PATH"], "VENV": str(venv)})
     assert completed.returncode == 0, completed.stderr
     assert "usage: bash launch/demo.sh" in completed.stdout and "--arm" in completed.stdout
     # The arms it offers are the study's numeric-loss arms (ARM_LABELS lives in demo.py for this help).
@@ -35,7 +36,7 @@ def test_help_prints_without_setting_anything_up(tmp_path):
 def test_a_segment_that_does_not_fit_the_run_is_refused_before_training(tmp_path, arguments):
     work = tmp_path / "demo"
     completed = subprocess.run([sys.executable, REPO / "launch" / "demo.py", "--work_dir", work, *arguments],
-                               capture_output=True, text=True, timeout=120, env=environment())
+                               capture_output=True, text=True, timeout=hang_guard(120), env=environment())
     assert completed.returncode == 2, completed.stderr
     assert completed.stderr.strip().splitlines() == [completed.stderr.strip()]  # one line
     assert f"--tp_steps {arguments[-1]} must be between 1 and --steps - 1" in completed.stderr

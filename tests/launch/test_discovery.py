@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, without_launcher_variables
 
 MASTER = {"MASTER_ADDR": "node-001", "MASTER_PORT": "29500"}
@@ -94,7 +95,7 @@ def discovered() -> dict:
                  for name, (variables, _) in CASES.items()}
     results = {}
     for name, process in processes.items():
-        stdout, stderr = process.communicate(timeout=300)
+        stdout, stderr = process.communicate(timeout=hang_guard(300))
         assert process.returncode == 0, f"{name}: exited {process.returncode}\n{stderr[-3000:]}"
         results[name] = json.loads(stdout.strip().splitlines()[-1])
     return results

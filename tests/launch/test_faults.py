@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.corpora import write_corpus
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 from helpers.models import tiny_llama
 
@@ -54,7 +55,7 @@ def test_a_rank_killed_mid_step_ends_the_job_quickly(tmp_path, tokenizer_dir):
     launcher = subprocess.Popen(command, env=environment(), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + hang_guard(300)
         while not ((output / "metrics.jsonl").exists() and len(metrics(output)) > 2):
             assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
             time.sleep(0.5)
@@ -62,8 +63,8 @@ def test_a_rank_killed_mid_step_ends_the_job_quickly(tmp_path, tokenizer_dir):
         assert len(victims) == 1, rank_processes(str(output))
         killed_at = time.monotonic()
         os.kill(victims[0], signal.SIGKILL)
-        returncode = launcher.wait(timeout=120)
-        assert returncode != 0 and time.monotonic() - killed_at < 90
+        returncode = launcher.wait(timeout=hang_guard(120))
+        assert returncode != 0 and time.monotonic() - killed_at < hang_guard(90)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -152,7 +153,7 @@ def test_a_data_error_on_rank_zero_is_raised_on_every_rank(tmp_path, tokenizer_d
     with pytest.raises(AssertionError) as failure:
         run(deepspeed_command(2, *train_command(tokenizer_dir, data, tmp_path / "run", text_field="body")),
             timeout=300)
-    assert time.monotonic() - began < 240
+    assert time.monotonic() - began < hang_guard(240)
     output = str(failure.value)
     # Rank 0 prints the refusal once, naming the problem, and the job ends as a refusal (exit code 2
     # from whichever rank the launcher saw first, then it stops the other). That the error reaches

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, metrics, run
 from helpers.train_runs import (
     CONTRACT_SCALARS,
@@ -87,7 +88,7 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, corpus, zero3_run):
     command = deepspeed_command(2, *train_args(corpus, output, save_steps=2, resume=True, steps=6))
     process = subprocess.Popen([str(part) for part in command], env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + hang_guard(400)
     while not (output / "step00000004" / "commit.json").exists():
         assert process.poll() is None and time.monotonic() < deadline, "the run ended before its step-4 commit"
         time.sleep(0.2)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, metrics, run
 from helpers.train_runs import (
     corpus_fixture,
@@ -97,7 +98,7 @@ def test_srun_starts_one_job_of_two_ranks(tmp_path, corpus, mpi):
         ranks.append(subprocess.Popen([sys.executable, *train_args(corpus, output, steps=2)],
                                       env=environment(**variables), cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
+    outputs = [rank.communicate(timeout=hang_guard(600))[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert json.loads((output / "run_config.json").read_text())["launcher"] == "slurm"
     logged = metrics(output)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, TRAIN, environment, metrics, run, run_many
 from helpers.train_runs import (
     EXPORT,
@@ -107,7 +108,7 @@ def test_two_nodes_simulated_on_loopback_continue_a_local_hf_checkpoint(tmp_path
     nodes = [subprocess.Popen([str(p) for p in launcher[:1] + ["--node_rank", str(rank)] + launcher[1:]],
                               env=environment(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    outputs = [node.communicate(timeout=hang_guard(600))[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     logged = metrics(output)
     assert logged[0] == {"run/world_size": 2, "run/tp_size": 1, "run/dp_size": 2, "run/sp_size": 1}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 from smmd_train.launcher import launch_command
@@ -59,7 +60,7 @@ def launch(tmp_path: Path, script: str, cwd=None, stub=STUB, **variables) -> tup
     env.update(PYTHON=sys.executable, DEEPSPEED=str(bin_dir / "deepspeed"), RECORD=str(record),
                **{k: str(v) for k, v in variables.items()})
     completed = subprocess.run(["bash", str(REPO / "launch" / script), "--seed", "7"], env=env, cwd=cwd,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=hang_guard(120))
     argv = record.read_text().splitlines() if record.exists() else None
     return completed, argv
 
@@ -154,7 +155,7 @@ def test_the_builder_on_one_node_and_across_a_hostfile():
 
 def test_the_builder_s_command_line_entry_reports_a_bad_placement():
     completed = subprocess.run([sys.executable, "-m", "smmd_train.launcher", "--nodes", "2", "train.py"],
-                               capture_output=True, text=True, timeout=60)
+                               capture_output=True, text=True, timeout=hang_guard(60))
     assert completed.returncode == 2 and "nodes=2 needs a hostfile naming them" in completed.stderr
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment
 
 from smmd_train.launcher import free_port
@@ -55,7 +56,7 @@ def set_up(root: Path, **variables) -> tuple:
                HOME=str(root / "home"), **{key: str(value) for key, value in variables.items()})
     completed = subprocess.run(["bash", "-c", "set -euo pipefail; . launch/setup_venv.sh test; "
                                 "printenv TORCH_EXTENSIONS_DIR"], cwd=REPO, env=env, capture_output=True,
-                               text=True, timeout=60)
+                               text=True, timeout=hang_guard(60))
     assert completed.returncode == 0, completed.stderr
     return completed.stdout.strip(), (root / "pip.txt").read_text().splitlines()
 
@@ -108,14 +109,14 @@ def test_a_held_build_lock_is_named_before_the_process_group_waits_on_it(tmp_pat
     try:
         expected = (f"[train] waiting for the build lock {lock} (another process is building DeepSpeed's "
                     "deepspeed_shm_comm op; if none is, a killed build left it: delete it)")
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + hang_guard(120)
         while expected not in log.read_text().splitlines() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert expected in log.read_text().splitlines(), log.read_text()
         time.sleep(2)
         assert process.poll() is None, log.read_text()  # it waits, as it said
         lock.unlink()  # the wait was on this lock: without it the process goes on (and, nothing built here, fails)
-        process.wait(timeout=60)
+        process.wait(timeout=hang_guard(60))
         assert log.read_text().splitlines().count(expected) == 1
     finally:
         if process.poll() is None:

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from helpers.corpora import write_corpus
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, TRAIN, environment, launch_command, metrics, run, train_flags
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ def copy_of(trained, tmp_path):
 def refused(command) -> str:
     """The output of a launch that must end as a refusal: exit code 2, before the engine."""
     completed = subprocess.run([str(part) for part in command], env=environment(), cwd=REPO, capture_output=True,
-                               text=True, timeout=300)
+                               text=True, timeout=hang_guard(300))
     output = completed.stdout + completed.stderr
     assert completed.returncode == 2, output[-4000:]
     assert ENGINE_LINE not in output and "[train] loss:" not in output, output[-4000:]

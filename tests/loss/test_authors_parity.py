@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.host_probe import hang_guard
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ def test_our_losses_equal_the_authors_functions():
         paths.insert(0, str(Path(checkouts["SMMD_NTL_CHECKOUT"]) / "src"))
     seed = str(int(torch.randint(0, 2**31, (1, ))))
     result = subprocess.run([sys.executable, "-m", "helpers.authors_losses", seed], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)), timeout=300)
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)), timeout=hang_guard(300))
     assert result.returncode == 0, result.stderr[-4000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     expected = (12 if checkouts["SMMD_DEL_CHECKOUT"] else 0) + (6 if checkouts["SMMD_NTL_CHECKOUT"] else 0)

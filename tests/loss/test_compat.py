@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 from helpers.models import MOE_FAMILIES, tiny_causal_lm, tiny_llama
 
@@ -21,7 +22,7 @@ def test_import_smmd_scale_pulls_no_heavy_package():
     code = ("import json, sys, smmd_scale; "
             "vocab = smmd_scale.NumericVocab([1, 2], [1.0, 2.0], 4); smmd_scale.SMMDLoss(vocab); "
             f"print(json.dumps(sorted(name for name in {HEAVY!r} if name in sys.modules)))")
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_guard(120))
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout.splitlines()[-1]) == []
 

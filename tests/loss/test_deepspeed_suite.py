@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 
 SUITE = Path("unit/v1/sequence_parallelism/test_vocab_parallel_linear_cross_entropy.py")
 CHANGES = {
@@ -46,7 +47,7 @@ def test_deepspeeds_fused_linear_ce_suite_passes_on_ours(tmp_path):
                        PYTHONPATH=os.pathsep.join([str(here), tests, os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              str(tmp_path / SUITE.name)], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=hang_guard(900))
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
     assert result.returncode == 0 and "failed" not in summary and "skipped" not in summary, result.stdout[-4000:]

@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 pytestmark = pytest.mark.slow  # downloads once, then runs the suite in a subprocess (about a minute)
@@ -51,7 +52,7 @@ def fetch_suite(cache: Path = CACHE) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         completed = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                                     "ntloss==0.3.2", "-d", str(staging)],
-                                   capture_output=True, text=True, timeout=600)
+                                   capture_output=True, text=True, timeout=hang_guard(600))
         if completed.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
             if "(from versions: none)" in completed.stderr:
@@ -76,7 +77,8 @@ def outcomes(tmp_path_factory) -> dict:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "plugin"), str(REPO / "tests")])}
     subprocess.run([sys.executable, "-m", "pytest", str(suite), "-p", "helpers.ntloss_suite", "-q", "-p",
                     "no:cacheprovider", "-k", "not test_loss_calculation_speed", f"--junitxml={report}",
-                    f"--rootdir={suite.parent}"], cwd=suite.parent, env=environment, capture_output=True, timeout=1200)
+                    f"--rootdir={suite.parent}"], cwd=suite.parent, env=environment, capture_output=True,
+                   timeout=hang_guard(1200))
     cases = ElementTree.parse(report).getroot().iter("testcase")
     return {case.get("name"): "failed" if case.find("failure") is not None or case.find("error") is not None
             else "skipped" if case.find("skipped") is not None else "passed" for case in cases}

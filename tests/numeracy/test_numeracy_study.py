@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 from benchmarks.numeracy import analyze, run_study  # scipy and matplotlib come with the test extras
@@ -128,7 +129,7 @@ def test_analyze_tables_tests_and_findings(rng):
 def test_smoke_study_end_to_end(tmp_path):
     work_dir, results_dir = tmp_path / "work", tmp_path / "results"
     completed = subprocess.run([*STUDY, "--smoke", "--work_dir", str(work_dir), "--results_dir", str(results_dir)],
-                               capture_output=True, text=True, timeout=400, cwd=REPO)
+                               capture_output=True, text=True, timeout=hang_guard(400), cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
     preset = run_study.PRESETS["smoke"]
 
@@ -161,11 +162,11 @@ def test_smoke_study_end_to_end(tmp_path):
 
     # Resumable: a second invocation finds every run finished and only re-analyzes.
     again = subprocess.run([*STUDY, "--smoke", "--work_dir", str(work_dir), "--results_dir", str(results_dir)],
-                           capture_output=True, text=True, timeout=120, cwd=REPO)
+                           capture_output=True, text=True, timeout=hang_guard(120), cwd=REPO)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{len(preset.methods) * len(preset.seeds)} run(s) already finished" in again.stdout
     assert "trained" not in again.stdout
     # Other settings in the same work dir are refused instead of mixed into its results.
     refused = subprocess.run([*STUDY, "--smoke", "--steps", "3", "--work_dir", str(work_dir), "--results_dir",
-                              str(results_dir)], capture_output=True, text=True, timeout=120, cwd=REPO)
+                              str(results_dir)], capture_output=True, text=True, timeout=hang_guard(120), cwd=REPO)
     assert refused.returncode != 0 and "steps: 12 -> 3" in refused.stderr

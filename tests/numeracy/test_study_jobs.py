@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pytest
+from helpers.host_probe import hang_guard
 
 from benchmarks.numeracy import study_a
 from benchmarks.numeracy.runner import RunFailed, run_measured
@@ -60,7 +61,7 @@ def test_in_parallel_keeps_order_runs_every_task_and_raises_the_first_error():
     def task(index: int):
         def body():
             if index == 0:  # returns only if task 2 started while task 0 was still running: two in flight
-                assert second_started.wait(timeout=60), "the second task never ran beside the first"
+                assert second_started.wait(timeout=hang_guard(60)), "the second task never ran beside the first"
             if index == 2:
                 second_started.set()
             with lock:

@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("mathematics_dataset")  # the bench extra
 
+from helpers.host_probe import hang_guard
+
 from benchmarks.numeracy import analyze_b, study_a, study_b  # noqa: E402  (after the skip)
 from smmd_numeracy import compat, tier_a, tier_b, train_numeric_tokenizer  # noqa: E402
 from smmd_scale import NTLoss, NumericVocab  # noqa: E402
@@ -79,7 +81,7 @@ def test_generation_is_deterministic_and_leaves_the_global_generators_alone():
     processes = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONHASHSEED": hash_seed}) for hash_seed in ("1", "2")]
     for process in processes:  # started together: each spends seconds importing
-        output = process.communicate(timeout=300)[0]
+        output = process.communicate(timeout=hang_guard(300))[0]
         assert process.returncode == 0
         assert [tuple(problem) for problem in json.loads(output)] == first
     with pytest.raises(ValueError, match="unknown split"):

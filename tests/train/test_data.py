@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import style_tokenizers
+from helpers.host_probe import hang_guard
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from smmd_train import data
@@ -384,7 +385,7 @@ def test_a_second_process_loads_the_first_ones_cache(tmp_path, rng, tokenizer, t
 
     environment = dict(os.environ, HF_DATASETS_CACHE=str(datasets.config.HF_DATASETS_CACHE))
     result = subprocess.run([sys.executable, "-c", _SECOND_RANK, str(tokenizer_dir), str(cache_dir), str(seq_len),
-                             *paths], capture_output=True, text=True, env=environment, timeout=120)
+                             *paths], capture_output=True, text=True, env=environment, timeout=hang_guard(120))
     assert result.returncode == 0, result.stderr[-3000:]
     second = json.loads(result.stdout.strip().splitlines()[-1])
     assert second == {"sha": hashlib.sha256(blocks.tobytes()).hexdigest(), "shape": list(blocks.shape),

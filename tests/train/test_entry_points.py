@@ -10,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 from smmd_train import commands
@@ -68,16 +69,16 @@ def test_with_the_loss_plugin_alone_each_command_says_what_to_install(tmp_path):
     index: the build uses this environment's setuptools), then each console command pip wrote, run
     as a user would: one line naming the extra and the pip command, exit 2."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=hang_guard(120))
     python = venv / "bin" / "python"
     build_environment = {"PYTHONPATH": sysconfig.get_paths()["purelib"], "PATH": str(Path(sys.executable).parent)}
     completed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                                 "--no-build-isolation", "--no-index", "-q", "-e", str(REPO)],
-                               env=build_environment, capture_output=True, text=True, timeout=600)
+                               env=build_environment, capture_output=True, text=True, timeout=hang_guard(600))
     assert completed.returncode == 0, completed.stderr
     for command, (_, extra) in commands.PROGRAMS.items():
         completed = subprocess.run([str(venv / "bin" / command), "--help"], capture_output=True, text=True,
-                                   env={"PATH": str(venv / "bin")}, timeout=120)
+                                   env={"PATH": str(venv / "bin")}, timeout=hang_guard(120))
         assert completed.returncode == 2, (command, completed.stderr)
         assert completed.stdout == ""
         lines = completed.stderr.splitlines()
@@ -93,7 +94,7 @@ def test_a_mistyped_flag_is_refused_before_deepspeed_and_transformers_load():
     # heavy imports (seconds each, on every rank of a launch) have not happened when the parser refuses.
     # Python's -X importtime lists on stderr every module the process imported.
     completed = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "launch" / "train.py"),
-                                "--max_stpes", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                                "--max_stpes", "3"], cwd=REPO, capture_output=True, text=True, timeout=hang_guard(120))
     assert completed.returncode == 2
     assert "unknown option --max_stpes; did you mean --max_steps" in completed.stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in completed.stderr.splitlines()
@@ -105,7 +106,7 @@ def test_a_mistyped_flag_is_refused_before_deepspeed_and_transformers_load():
 @pytest.mark.slow
 def test_the_help_shows_the_usage_example_as_written():
     completed = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--help"], cwd=REPO,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=hang_guard(120))
     assert completed.returncode == 0, completed.stderr
     lines = completed.stdout.splitlines()
     first = lines.index("    deepspeed --hostfile hostfile launch/train.py --deepspeed_config ds_configs/zero3.json "

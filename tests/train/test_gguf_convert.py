@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter, TokenType
+from helpers.host_probe import hang_guard
 from helpers.launching import environment, metrics, run, train_command
 from helpers.models import tiny_llama
 from helpers.style_tokenizers import gpt2_style
@@ -137,7 +138,7 @@ def test_without_a_usable_gguf_package_the_command_says_what_to_install(converte
     (old / "METADATA").write_text("Metadata-Version: 2.1\nName: gguf\nVersion: 0.1.0\n")
     env = environment(PYTHONPATH=os.pathsep.join(filter(None, [str(old.parent), os.environ.get("PYTHONPATH")])))
     completed = subprocess.run([sys.executable, "-m", "smmd_train.gguf_convert", str(gguf_path), str(tmp_path / "out")],
-                               env=env, capture_output=True, text=True, timeout=300)
+                               env=env, capture_output=True, text=True, timeout=hang_guard(300))
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert completed.stderr.count("\n") == 1 and "pip install 'smmd-scale[finetune]'" in completed.stderr
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+from helpers.host_probe import hang_guard
 from helpers.models import saved_activation_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -266,7 +267,8 @@ def test_tiny_is_small_and_trains_on_cpu():
     start = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    assert time.perf_counter() - start < 5.0
+    # A hang guard, not a speed target: tiny's step takes a fraction of a second on a CPU.
+    assert time.perf_counter() - start < hang_guard(5.0)
     assert abs(loss.item() - torch.log(torch.tensor(2048.0)).item()) < 0.5  # near-uniform at init
 
 

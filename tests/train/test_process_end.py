@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 SCRIPT = """
@@ -31,7 +32,7 @@ if sys.argv[1] == "skip":
 def test_finalization_collects_nothing_after_the_call(tmp_path, end, printed):
     written = tmp_path / "out.txt"
     completed = subprocess.run([sys.executable, "-c", SCRIPT, end, str(written)], capture_output=True, text=True,
-                               timeout=60, env={"PYTHONPATH": str(REPO / "plugin")})
+                               timeout=hang_guard(60), env={"PYTHONPATH": str(REPO / "plugin")})
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.splitlines() == printed
     assert written.read_text() == "written"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
 SCRIPT = """
@@ -47,7 +48,7 @@ gc.freeze()  # no finalization at exit, so the output above is all there is
              "finalized later", "finalized later", "end"])])
 def test_paused_then_frozen_then_collected_again(before, printed):
     completed = subprocess.run([sys.executable, "-c", SCRIPT, before], capture_output=True, text=True,
-                               timeout=60, env={"PYTHONPATH": str(REPO / "plugin")})
+                               timeout=hang_guard(60), env={"PYTHONPATH": str(REPO / "plugin")})
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.splitlines() == printed
 
@@ -67,7 +68,8 @@ print("PartitionedParameterCoordinator.__params_to_release" in [cache.__qualname
 def test_deepspeed_s_memoized_methods_are_found_when_frozen():
     # ZeRO-3's coordinator memoizes a method whose cache holds the coordinator, hence every parameter and
     # its process group; frozen (as train.py freezes what it imported) gc.get_objects() does not list it.
-    completed = subprocess.run([sys.executable, "-c", MEMOIZED], capture_output=True, text=True, timeout=120,
+    completed = subprocess.run([sys.executable, "-c", MEMOIZED], capture_output=True, text=True,
+                               timeout=hang_guard(120),
                                env={"PYTHONPATH": str(REPO / "plugin"), "DS_ACCELERATOR": "cpu"})
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.splitlines() == ["0", "True"]

@@ -82,7 +82,7 @@ def test_a_rank_zero_error_of_any_type_reaches_the_other_rank_within_seconds(kin
     (rank0_name, _, _), (rank1_name, rank1_message, waited_seconds) = [outcome.value for outcome in outcomes]
     assert rank0_name == type_name_on_rank_zero(kind)
     assert (rank1_name, rank1_message) == (name, message)
-    assert waited_seconds < 10  # not the process group's 60 s
+    assert waited_seconds < 30  # told by rank 0, not by the process group's 60 s timeout
 
 
 def type_name_on_rank_zero(kind: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.corpora import write_corpus
+from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, run
 
 from smmd_train.launcher import free_port, launch_command
@@ -234,10 +235,10 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
         def get(path, body=None):
             request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
                                              headers={"Content-Type": "application/json"} if body else {})
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with urllib.request.urlopen(request, timeout=hang_guard(30)) as response:
                 return json.loads(response.read())
 
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + hang_guard(90)
         while True:
             try:
                 runs = get("/data/runs")
@@ -268,7 +269,7 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
         assert sessions[names[1]]["hparams"]["world_size"] == "2"
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=hang_guard(30))
 
 
 @pytest.mark.slow

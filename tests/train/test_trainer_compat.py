@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers.distributed import run_ranks, values_or_raise
+from helpers.host_probe import hang_guard
 from helpers.models import tiny_llama
 
 from smmd_scale.compat import UpstreamChanged
@@ -227,7 +228,7 @@ def test_a_zero3_engine_builds_without_compiling_deepspeed_s_muon_kernels():
     from smmd_train.launcher import free_port
 
     completed = subprocess.run([sys.executable, "-c", MUON_CHECK, str(free_port())], capture_output=True, text=True,
-                               timeout=300, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+                               timeout=hang_guard(300), env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert completed.returncode == 0, completed.stderr[-3000:]
     seen = json.loads(completed.stdout.strip().splitlines()[-1])
     assert seen == {"stand_in": True, "kernels_compiled": False, "left_after": False,
