@@ -14,6 +14,7 @@ This module imports only the losses (torch and numpy): the trainer builds its fl
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -225,7 +226,9 @@ def parse_terms(entries: Sequence[str], flag: str = "--numeric_loss") -> list:
     for entry in entries:
         name, _, weight = entry.partition(":")
         if name not in NUMERIC_LOSSES:
-            raise ValueError(f"{flag} {entry!r}: {name!r} is not one of {', '.join(NUMERIC_LOSSES)}")
+            close = difflib.get_close_matches(name.replace("_", "-").lower(), NUMERIC_LOSSES, n=2, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"{flag} {entry!r}: {name!r} is not one of {', '.join(NUMERIC_LOSSES)}{hint}")
         try:
             value = float(weight) if weight else 1.0
         except ValueError:

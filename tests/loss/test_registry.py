@@ -13,6 +13,10 @@ def test_parse_terms_reads_weights_and_names_bad_entries():
                          ("smmd smmd:2", "names each loss once"), ("", "at least one loss name")):
         with pytest.raises(ValueError, match=message):
             parse_terms(bad)
+    # A near miss is named, as the flags' are: the underscore spelling of a name, a dropped letter.
+    for typo, meant in (("ntl_was", "ntl-was"), ("smd:1", "smmd"), ("DEL", "del"), ("gauss-sl", "gauss-ls")):
+        with pytest.raises(ValueError, match=f"; did you mean {meant}( or |\\?)"):
+            parse_terms(typo)
 
 
 def test_build_numeric_loss_passes_each_group_its_options():

@@ -95,7 +95,7 @@ def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
 
 
 @pytest.mark.parametrize("entries, message", [
-    (["smd"], r"'smd' is not one of smmd, ntl-was, ntl-mse"),
+    (["smd"], r"'smd' is not one of smmd, ntl-was, ntl-mse.*; did you mean smmd\?"),
     (["ntl-was:abc"], r"the weight after ':' must be a number"),
     (["smmd:-1"], r"must be a finite number >= 0"),
     (["smmd", "smmd:2"], r"names each loss once"),
