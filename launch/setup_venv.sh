@@ -10,9 +10,11 @@
 #     all-reduce, ~200 s). Unless set, exported as one directory per environment identity,
 #     ${XDG_CACHE_HOME:-~/.cache}/smmd-scale/torch_extensions/py<python>-torch<torch>-deepspeed<deepspeed>:
 #     a fresh clone with the same versions reuses the build, another environment never shares it
-#     (nor its lock) with this one, as torch's default ~/.cache/torch_extensions would.
+#     (nor its lock) with this one, as torch's default ~/.cache/torch_extensions would. The same default
+#     is written into $VENV/bin/activate, so a shell that activates the environment later builds there too.
 VENV="${VENV:-.venv}"
 TORCH_VERSION=2.13.0
+users_extensions_dir="${TORCH_EXTENSIONS_DIR:-}"  # (before the activation below sets this environment's)
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -22,8 +24,7 @@ if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '
     "torch==$TORCH_VERSION"
 fi
 python -m pip install -q --disable-pip-version-check -e ".[$1]"
-if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
-  TORCH_EXTENSIONS_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/smmd-scale/torch_extensions/$(python - <<'PY'
+extensions_dir="${XDG_CACHE_HOME:-$HOME/.cache}/smmd-scale/torch_extensions/$(python - <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -34,5 +35,7 @@ except PackageNotFoundError:  # extras without DeepSpeed: it builds nothing
 print(f"py{sys.version_info[0]}.{sys.version_info[1]}-torch{version('torch')}-deepspeed{deepspeed}")
 PY
 )"
-  export TORCH_EXTENSIONS_DIR
-fi
+marker="# smmd-scale: this environment's TORCH_EXTENSIONS_DIR"
+sed -i "/$marker\$/d" "$VENV/bin/activate"  # rewritten on each set-up (the versions may have changed)
+printf 'export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-%q}  %s\n' "$extensions_dir" "$marker" >>"$VENV/bin/activate"
+export TORCH_EXTENSIONS_DIR="${users_extensions_dir:-$extensions_dir}"

@@ -61,6 +61,14 @@ def set_up(root: Path, **variables) -> tuple:
     return completed.stdout.strip(), (root / "pip.txt").read_text().splitlines()
 
 
+def activated(root: Path, **variables) -> str:
+    """The TORCH_EXTENSIONS_DIR a shell has after sourcing ``root``'s venv/bin/activate by hand."""
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
+    completed = subprocess.run(["bash", "-c", f". {root / 'venv' / 'bin' / 'activate'}; printenv TORCH_EXTENSIONS_DIR"],
+                               env={**env, **variables}, capture_output=True, text=True, timeout=hang_guard(60))
+    return completed.stdout.strip()
+
+
 def test_each_environment_identity_has_its_own_extension_directory(tmp_path):
     cache = tmp_path / "cache"
     first, pip = set_up(stand_in_environment(tmp_path / "clone-1", "2.13.0+cpu"), XDG_CACHE_HOME=cache)
@@ -68,6 +76,12 @@ def test_each_environment_identity_has_its_own_extension_directory(tmp_path):
     assert pip == ["-m pip install -q --disable-pip-version-check -e .[test]"]  # torch in place: not reinstalled
     second, _ = set_up(stand_in_environment(tmp_path / "clone-2", "2.13.0+cpu"), XDG_CACHE_HOME=cache)
     assert second == first  # a fresh clone of the same environment reuses the build
+    # A shell that activates the environment later (not through setup_venv.sh) gets the same directory,
+    # also after a second set-up (the line is rewritten, not added again), unless it set its own.
+    set_up(tmp_path / "clone-2", XDG_CACHE_HOME=cache)
+    assert activated(tmp_path / "clone-2") == first
+    assert activated(tmp_path / "clone-2", TORCH_EXTENSIONS_DIR="/mine") == "/mine"
+    assert (tmp_path / "clone-2" / "venv" / "bin" / "activate").read_text().count("export TORCH_EXTENSIONS_DIR") == 1
     cuda, _ = set_up(stand_in_environment(tmp_path / "cuda", "2.13.0+cu128"), XDG_CACHE_HOME=cache)
     older_torch, _ = set_up(stand_in_environment(tmp_path / "torch", "2.12.0+cpu"), XDG_CACHE_HOME=cache)
     older_deepspeed, _ = set_up(stand_in_environment(tmp_path / "deepspeed", "2.13.0+cpu", "0.19.7"),
