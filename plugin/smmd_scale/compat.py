@@ -54,6 +54,16 @@ def has_mixed_precision_gemm(device_type: str) -> bool:
         return False
 
 
+def torch_dispatch_mode():
+    """``TorchDispatchMode``, the base of a mode that sees every ATen op a region dispatches (what
+    ``op_count`` counts); it lives in a private module (``torch.utils._python_dispatch``), checked
+    against torch 2.13."""
+    from torch.utils import _python_dispatch
+
+    return private(_python_dispatch, "TorchDispatchMode", package="torch", checked="2.13.0",
+                   purpose="count the ATen ops and host syncs of a loss call")
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers / tokenizers (used by the loss plugin)
 # ---------------------------------------------------------------------------------------------
