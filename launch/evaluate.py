@@ -1,4 +1,5 @@
-"""Numeric evaluation of a Hugging Face causal-LM checkpoint on {"prompt", "answer"} JSONL lines.
+"""Numeric evaluation of a Hugging Face causal-LM checkpoint on JSONL lines of {"prompt", "answer"} or
+{"prompt", "completion"} (train.py's fine-tuning format, so a run's --eval_data file serves here too).
 
     python launch/evaluate.py MODEL_DIR --data qa.jsonl [--limit 200] [--output report.json]
 

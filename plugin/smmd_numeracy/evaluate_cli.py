@@ -1,12 +1,13 @@
 """The command line of ``launch/evaluate.py``: numeric evaluation of a Hugging Face causal-LM
-checkpoint on {"prompt", "answer"} JSONL lines.
+checkpoint on JSONL lines of {"prompt", "answer"} or {"prompt", "completion"} (train.py's
+fine-tuning format: the --eval_data file of a fine-tuning run evaluates as it is).
 
     python launch/evaluate.py MODEL_DIR --data qa.jsonl [--limit 200] [--output report.json]
 
-Greedy generation and teacher-forced numeric-token metrics (``smmd_numeracy.evaluation``): prints a
-table (all items, then each "task") and writes the JSON report returned by ``evaluate_qa``, by
-default to MODEL_DIR/numeric_eval.json. Runs on CUDA when available (float32, or --dtype bfloat16),
-else on CPU in float32.
+Greedy generation and teacher-forced numeric-token metrics (``smmd_numeracy.evaluation``, which
+defines them): prints a table (all items, then each "task") and writes the JSON report returned by
+``evaluate_qa``, by default to MODEL_DIR/numeric_eval.json. Runs on CUDA when available (float32, or
+--dtype bfloat16), else on CPU in float32.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from .evaluation import evaluate_qa, load_qa
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _COLUMNS = (("task", "task", ""), ("count", "count", ""), ("exact_match", "exact_match", ".4f"), ("mae", "mae", ".4f"),
             ("relative_error", "rel_error", ".4f"), ("unparseable", "unparseable", ".4f"),
-            ("numeric_token_accuracy", "num_tok_acc", ".4f"), ("numeric_token_mae", "num_tok_mae", ".4f"),
-            ("numeric_tokens", "num_tokens", ""))
+            ("numeric_accuracy", "num_acc", ".4f"), ("numeric_accuracy_full_vocab", "num_acc_full_vocab", ".4f"),
+            ("numeric_token_mae", "num_tok_mae", ".4f"), ("numeric_tokens", "num_tokens", ""))
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluateOptions:
     model_dir: str = option(help="a local HF model dir (config.json and weights, e.g. from export_hf.py)")
-    data: str = option("--data", required=True, help='JSONL of {"prompt", "answer", optional "task"}')
+    data: str = option("--data", required=True, help='JSONL of {"prompt", "answer"} or {"prompt", "completion"} '
+                       '(train.py\'s fine-tuning format; the completion is the answer, like " 42"), each with an '
+                       'optional "task"')
     tokenizer: Optional[str] = option("--tokenizer", help="tokenizer dir (default: the model dir)")
     batch_size: int = option("--batch_size", type=int, default=32)
     max_new_tokens: int = option("--max_new_tokens", type=int, default=8)

@@ -1,21 +1,38 @@
-"""Numeric evaluation of a Hugging Face causal LM on question/answer lines.
+"""Numeric evaluation of a Hugging Face causal LM on question/answer or prompt/completion lines.
 
     qa = load_qa("arithmetic.jsonl")     # {"prompt": "Q: What is 237 + 418? A:", "answer": 655, "task": "add"}
+                                         # or {"prompt": "What is 17 + 25? Answer:", "completion": " 42"}
     report = evaluate_qa(model, tokenizer, qa)
-    report["exact_match"], report["mae"], report["numeric_token_accuracy"]
+    report["exact_match"], report["mae"], report["numeric_accuracy"]
+
+Two record formats, mixed freely in one file:
+
+* **question/answer** ``{"prompt", "answer", "task"?}``: ``answer`` is a number or a numeric string;
+  the teacher-forced text is ``prompt + " " + answer``, tokenized as one text.
+* **prompt/completion** ``{"prompt", "completion", "task"?}``: the fine-tuning format of train.py's
+  ``--data`` and ``--eval_data`` (``smmd_train.data``), so one validation file serves both. The
+  completion is the expected answer alone: a plain decimal number, whitespace around it allowed
+  (``" 42"`` is 42; train.py appends the EOS itself). The teacher-forced tokens are train.py's row
+  without its padding: ``tokenizer(prompt) + tokenizer(completion)``, each text on its own (the EOS
+  after them is never a numeric target).
+
+Every text is tokenized without special tokens (no BOS), as train.py tokenizes its data: the model
+sees what it saw in training.
 
 Two measurements per item, each batched:
 
 * **generation**: greedy continuation of the prompt (left-padded batches); the first number in the
   decoded continuation is the model's answer. ``exact_match``, ``mae``, ``relative_error`` and
   ``unparseable`` come from it.
-* **teacher forcing**: one forward pass over ``prompt + " " + str(answer)``, the training text
-  format. At every answer-span position whose target is a numeric token (``NumericVocab``, policy
-  "integers"), ``numeric_token_accuracy`` checks the argmax over the *full* vocabulary and
-  ``numeric_token_mae`` is ``|E_p[value] - target value|`` with ``p`` the softmax over the numeric
-  tokens only, as the SMMD loss's ``numeric_mae`` statistic.
+* **teacher forcing**: one forward pass over the item's teacher-forced tokens. At every answer-span
+  position whose target is a numeric token (``NumericVocab``, policy "integers"):
 
-Prompts are tokenized with the tokenizer's default special tokens (a BOS where the tokenizer adds one).
+  - ``numeric_accuracy``: the argmax over the *numeric tokens* is the target, as the numeric loss's
+    ``numeric_accuracy`` statistic and train.py's ``eval/numeric_accuracy`` count it;
+  - ``numeric_accuracy_full_vocab``: the argmax over the *full vocabulary* is the target (a
+    non-numeric token may win it); ``numeric_token_accuracy`` is its earlier name, still in reports;
+  - ``numeric_token_mae``: ``|E_p[value] - target value|`` with ``p`` the softmax over the numeric
+    tokens only, as the loss's ``numeric_mae`` statistic (train.py's ``eval/numeric_mae``).
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from smmd_scale import NumericVocab
 # [0-9], not \d, which also matches non-ASCII digits ("٣").
 NUMBER_PATTERN = re.compile(r"[-+]?[0-9]+(?:\.[0-9]+)?")
 _EXAMPLES = 5
+_FORMATS = '{"prompt": ..., "answer": ...} or {"prompt": ..., "completion": ...}'
 
 
 def parse_number(text: str) -> Optional[int | float]:
@@ -56,15 +74,16 @@ def _number_from_string(text: str) -> int | float:
 # ----------------------------------------------------------------------------------------------
 
 def load_qa(path: str | os.PathLike) -> list[dict]:
-    """Read a JSONL file of ``{"prompt": str, "answer": int | float | numeric str, "task": str (optional)}``.
+    """Read a JSONL file of question/answer records ``{"prompt": str, "answer": int | float | numeric str}``
+    or prompt/completion records ``{"prompt": str, "completion": numeric str}`` (train.py's fine-tuning
+    format), each with an optional ``"task": str``; the records come back as they are.
 
     Blank lines are skipped. Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming
     ``path:line`` for a line that is not a JSON object or whose fields are missing or malformed.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"QA file {path} does not exist (expected JSONL lines of "
-                                f'{{"prompt": ..., "answer": ...}})')
+        raise FileNotFoundError(f"QA file {path} does not exist (expected JSONL lines of {_FORMATS})")
     items = []
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
@@ -78,24 +97,48 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
             check_item(record, f"{path}:{line_number}")
             items.append(record)
     if not items:
-        raise ValueError(f"{path} holds no QA items; expected JSONL lines of {{\"prompt\": ..., \"answer\": ...}}")
+        raise ValueError(f"{path} holds no QA items; expected JSONL lines of {_FORMATS}")
     return items
 
 
 def check_item(item, where: str) -> str:
-    """The answer text of ``item`` (see :func:`answer_text`); ``ValueError`` prefixed by ``where`` unless
-    ``item`` is a valid QA dict."""
+    """The answer text of ``item``: :func:`answer_text` of a question/answer record's "answer",
+    :func:`completion_answer` of a prompt/completion record's "completion"; ``ValueError`` prefixed by
+    ``where`` unless ``item`` is a valid record of one of the two formats."""
     if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected a JSON object with \"prompt\" and \"answer\"; got {type(item).__name__}")
-    missing = [field for field in ("prompt", "answer") if field not in item]
+        raise ValueError(f"{where}: expected a JSON object, one of {_FORMATS}; got {type(item).__name__}")
+    if "answer" in item and "completion" in item:
+        raise ValueError(f"{where}: both \"answer\" and \"completion\"; a record is question/answer or "
+                         f"prompt/completion, keep one of the two")
+    expected = "completion" if "completion" in item else "answer"
+    missing = [field for field in ("prompt", expected) if field not in item]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}; every item needs \"prompt\" and \"answer\" "
-                         f"(and optionally \"task\"); got fields {sorted(item)}")
+                         f"(question/answer) or \"prompt\" and \"completion\" (prompt/completion, as train.py's "
+                         f"--eval_data), and optionally \"task\"; got fields {sorted(item)}")
     if not isinstance(item["prompt"], str) or not item["prompt"]:
         raise ValueError(f"{where}: \"prompt\" must be a non-empty string; got {item['prompt']!r}")
     if "task" in item and not isinstance(item["task"], str):
         raise ValueError(f"{where}: \"task\" must be a string; got {item['task']!r}")
+    if expected == "completion":
+        return completion_answer(item["completion"], where)
     return answer_text(item["answer"], where)
+
+
+def completion_answer(completion, where: str = "completion") -> str:
+    """The answer a prompt/completion record's completion holds: the completion without the whitespace
+    around it, which must be a plain decimal number as :func:`answer_text` takes one (``" 42"`` ->
+    ``"42"``). train.py appends the EOS to every completion itself, so the completion is the number alone."""
+    if not isinstance(completion, str) or not completion.strip():
+        raise ValueError(f"{where}: \"completion\" must be a non-empty string, the answer (like \" 42\"); got "
+                         f"{completion!r}")
+    text = completion.strip()
+    if NUMBER_PATTERN.fullmatch(text) is None:
+        raise ValueError(f"{where}: \"completion\" {completion!r} is not a number; evaluate.py scores a "
+                         f"prompt/completion record whose completion is the answer alone: a plain decimal number "
+                         f"(like \" 42\", \"-12\" or \"2.5\"; whitespace around it, but no other text, exponent or "
+                         f"separators)")
+    return text
 
 
 def answer_text(answer, where: str = "answer") -> str:
@@ -122,26 +165,24 @@ def answer_text(answer, where: str = "answer") -> str:
 def evaluate_qa(model, tokenizer, qa: list[dict], batch_size: int = 32, max_new_tokens: int = 8) -> dict:
     """Generation and teacher-forced numeric metrics of ``model`` on ``qa`` (see the module docstring).
 
-    Returns ``{"count", "exact_match", "mae", "relative_error", "unparseable", "numeric_token_accuracy",
+    Returns ``{"count", "exact_match", "mae", "relative_error", "unparseable", "numeric_accuracy",
+    "numeric_accuracy_full_vocab", "numeric_token_accuracy" (the same as the full-vocabulary one),
     "numeric_token_mae", "numeric_tokens", "per_task": {task: {same metric keys}}, "examples": [first 5
-    {"prompt", "answer", "generated", "parsed"}]}``. Means over an empty set (no parseable answer, no
-    numeric answer token) are ``None``. ``per_task`` covers the items that have a "task". The model
-    runs in eval mode under ``torch.no_grad`` and is put back in its previous mode; the tokenizer is
-    not modified. Deterministic for a given model, data and ``batch_size``.
+    {"prompt", "answer" or "completion", "generated", "parsed"}]}``. Means over an empty set (no
+    parseable answer, no numeric answer token) are ``None``. ``per_task`` covers the items that have a
+    "task". The model runs in eval mode under ``torch.no_grad`` and is put back in its previous mode;
+    the tokenizer is not modified. Deterministic for a given model, data and ``batch_size``.
     """
     if not qa:
-        raise ValueError("qa is empty; pass at least one {\"prompt\", \"answer\"} item")
+        raise ValueError("qa is empty; pass at least one {\"prompt\", \"answer\"} or {\"prompt\", \"completion\"} "
+                         "item")
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int; got {value!r}")
     answers = [check_item(item, f"qa[{index}]") for index, item in enumerate(qa)]
     pad_token_id = _pad_token_id(tokenizer)
     vocab = NumericVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-
-    prompts = [item["prompt"] for item in qa]
-    prompt_ids = tokenizer(prompts)["input_ids"]
-    text_ids = tokenizer([prompt + " " + answer for prompt, answer in zip(prompts, answers)])["input_ids"]
-    answer_starts = [_answer_start(prompt, text) for prompt, text in zip(prompt_ids, text_ids)]
+    prompt_ids, text_ids, answer_starts = tokenize_items(tokenizer, qa, answers)
 
     was_training = model.training
     model.eval()
@@ -152,40 +193,76 @@ def evaluate_qa(model, tokenizer, qa: list[dict], batch_size: int = 32, max_new_
     finally:
         model.train(was_training)
 
-    records = []
-    for answer, continuation, (correct, abs_error_sum, count) in zip(answers, generated, numeric):
-        records.append({"answer": _number_from_string(answer), "parsed": parse_number(continuation),
-                        "numeric_correct": correct, "numeric_abs_error_sum": abs_error_sum, "numeric_tokens": count})
+    records = [{"answer": _number_from_string(answer), "parsed": parse_number(continuation), **counts}
+               for answer, continuation, counts in zip(answers, generated, numeric)]
     report = summarize(records)
     tasks = defaultdict(list)
     for item, record in zip(qa, records):
         if "task" in item:
             tasks[item["task"]].append(record)
     report["per_task"] = {task: summarize(tasks[task]) for task in sorted(tasks)}
-    report["examples"] = [{"prompt": item["prompt"], "answer": item["answer"], "generated": continuation,
-                           "parsed": record["parsed"]}
+    report["examples"] = [_example(item, continuation, record["parsed"])
                           for item, continuation, record in zip(qa[:_EXAMPLES], generated, records)]
     return report
 
 
+def _example(item: dict, generated: str, parsed) -> dict:
+    expected = "completion" if "completion" in item else "answer"
+    return {"prompt": item["prompt"], expected: item[expected], "generated": generated, "parsed": parsed}
+
+
 def summarize(records: list[dict]) -> dict:
-    """The metric keys of the report from per-item records (answer, parsed, numeric_* sums)."""
+    """The metric keys of the report from per-item records (answer, parsed, and the
+    :func:`teacher_forced_numeric` sums)."""
     parsed = [record for record in records if record["parsed"] is not None]
     errors = [abs(record["parsed"] - record["answer"]) for record in parsed]
     relative = [error / max(abs(record["answer"]), 1) for error, record in zip(errors, parsed)]
     numeric_tokens = sum(record["numeric_tokens"] for record in records)
+
+    def per_numeric_token(name: str) -> Optional[float]:
+        return sum(record[name] for record in records) / numeric_tokens if numeric_tokens else None
+
+    full_vocab_accuracy = per_numeric_token("full_vocab_correct")
     return {
         "count": len(records),
         "exact_match": sum(record["parsed"] == record["answer"] for record in parsed) / len(records),
         "mae": _mean(errors),
         "relative_error": _mean(relative),
         "unparseable": (len(records) - len(parsed)) / len(records),
-        "numeric_token_accuracy": (sum(record["numeric_correct"] for record in records) / numeric_tokens
-                                   if numeric_tokens else None),
-        "numeric_token_mae": (sum(record["numeric_abs_error_sum"] for record in records) / numeric_tokens
-                              if numeric_tokens else None),
+        "numeric_accuracy": per_numeric_token("numeric_correct"),
+        "numeric_accuracy_full_vocab": full_vocab_accuracy,
+        "numeric_token_accuracy": full_vocab_accuracy,  # its earlier name: readers of earlier reports still work
+        "numeric_token_mae": per_numeric_token("abs_error_sum"),
         "numeric_tokens": numeric_tokens,
     }
+
+
+def tokenize_items(tokenizer, qa: list[dict], answers: list[str]) -> tuple[list, list, list]:
+    """(prompt token ids, teacher-forced token ids, answer-span start), one of each per item, every text
+    tokenized without special tokens, as train.py tokenizes its data (``smmd_train.data``): no BOS.
+
+    A question/answer item's teacher-forced text is ``prompt + " " + answer`` (``answers``: the items'
+    :func:`check_item` texts) tokenized as one text; its span starts where those tokens stop agreeing
+    with the prompt's (:func:`_answer_start`). A prompt/completion item's tokens are the prompt's then
+    the completion's, each text tokenized on its own, as train.py's row of that record (less the EOS,
+    never a numeric target); its span starts right after the prompt.
+    """
+    def encode(texts: list) -> list:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    prompt_ids = encode([item["prompt"] for item in qa])
+    completions = iter(encode([item["completion"] for item in qa if "completion" in item]))
+    joined = iter(encode([item["prompt"] + " " + answer for item, answer in zip(qa, answers)
+                          if "completion" not in item]))
+    text_ids, answer_starts = [], []
+    for item, prompt in zip(qa, prompt_ids):
+        if "completion" in item:
+            text_ids.append(prompt + next(completions))
+            answer_starts.append(max(len(prompt), 1))
+        else:
+            text_ids.append(next(joined))
+            answer_starts.append(_answer_start(prompt, text_ids[-1]))
+    return prompt_ids, text_ids, answer_starts
 
 
 def _mean(values: list) -> Optional[float]:
@@ -253,8 +330,10 @@ def generate_continuations(model, tokenizer, prompt_ids: list, pad_token_id: int
 
 
 def teacher_forced_numeric(model, vocab: NumericVocab, text_ids: list, answer_starts: list, pad_token_id: int,
-                           batch_size: int) -> list[tuple]:
-    """Per item ``(correct, abs_error_sum, numeric_tokens)`` over its answer-span numeric targets.
+                           batch_size: int) -> list[dict]:
+    """Per item, sums over its answer-span numeric targets: ``{"numeric_correct"`` (argmax over the
+    numeric tokens is the target), ``"full_vocab_correct"`` (argmax over the full vocabulary is),
+    ``"abs_error_sum"``, ``"numeric_tokens"}``.
 
     Left padding puts every answer at the end of its row, so one ``logits_to_keep`` = longest answer
     + 1 serves the batch: logits ``[batch, keep, V]`` instead of ``[batch, T, V]``. Position ids are
@@ -278,16 +357,20 @@ def teacher_forced_numeric(model, vocab: NumericVocab, text_ids: list, answer_st
         in_answer = offsets[None, :] <= answer_lengths[:, None]
         numeric = in_answer & torch.isin(targets, token_ids)
         rows, columns = numeric.nonzero(as_tuple=True)
-        numeric_logits = logits[rows, columns]                                 # [P, V]
+        full_logits = logits[rows, columns]                                    # [P, V]
+        numeric_logits = full_logits[:, token_ids]                             # [P, N]
         numeric_targets = targets[rows, columns]                               # [P]
-        correct = numeric_logits.argmax(dim=-1) == numeric_targets
-        probabilities = torch.softmax(numeric_logits[:, token_ids].double(), dim=-1)   # [P, N]
+        full_vocab_correct = full_logits.argmax(dim=-1) == numeric_targets
+        numeric_correct = token_ids[numeric_logits.argmax(dim=-1)] == numeric_targets
+        probabilities = torch.softmax(numeric_logits.double(), dim=-1)         # [P, N]
         target_values = values[torch.searchsorted(token_ids, numeric_targets)]
         abs_error = (probabilities @ values - target_values).abs()
-        zeros = torch.zeros(len(batch), dtype=torch.float64, device=model.device)
-        correct_per_row = zeros.index_add(0, rows, correct.double()).tolist()
-        abs_error_per_row = zeros.index_add(0, rows, abs_error).tolist()
+        sums = torch.zeros(3, len(batch), dtype=torch.float64, device=model.device)  # [3, batch]
+        sums.index_add_(1, rows, torch.stack([numeric_correct.double(), full_vocab_correct.double(), abs_error]))
+        numeric_correct_per_row, full_vocab_correct_per_row, abs_error_per_row = sums.tolist()
         numeric_per_row = numeric.sum(dim=-1).tolist()
         for row, index in enumerate(batch):
-            results[index] = (int(correct_per_row[row]), abs_error_per_row[row], numeric_per_row[row])
+            results[index] = {"numeric_correct": int(numeric_correct_per_row[row]),
+                              "full_vocab_correct": int(full_vocab_correct_per_row[row]),
+                              "abs_error_sum": abs_error_per_row[row], "numeric_tokens": numeric_per_row[row]}
     return results

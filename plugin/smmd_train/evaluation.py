@@ -19,7 +19,14 @@ def held_out_metrics(engine, installed, dataset, micro_batch_size: int, max_batc
                      dp_size: int, dp_group, sp_rank: int = 0, sp_size: int = 1, sp_group=None) -> dict:
     """CE and numeric metrics on held-out blocks, split across the data-parallel replicas; with
     sequence parallelism each rank of an SP group evaluates its shard of the same blocks, and
-    ``dp_group`` (then the dp x sp ranks) sums the shards."""
+    ``dp_group`` (then the dp x sp ranks) sums the shards.
+
+    The numeric metrics are the installed loss's statistics, over the numeric-target positions (with
+    prompt/completion data, the completions' only): ``eval/numeric_accuracy``, the share where the
+    argmax over the numeric tokens is the target, and ``eval/numeric_mae``. launch/evaluate.py
+    reports the same quantities on the same tokens (no BOS, as the data has none) as
+    ``numeric_accuracy`` and ``numeric_token_mae``; docs/training.md ("Evaluating a trained model")
+    defines them all."""
     engine.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=engine.device)  # ce*tokens, tokens, correct, abs err, numeric
     for batch in itertools.islice(eval_batches(dataset, micro_batch_size, max_batches), dp_rank, None, dp_size):

@@ -1,8 +1,13 @@
 """smmd_numeracy.evaluation and launch/evaluate.py on a tiny Llama that memorized a few QA items, so every
 metric has a known value: exact match and MAE exactly, the teacher-forced numeric metrics against a
-per-item, unpadded, float64 reference."""
+per-item, unpadded, float64 reference. The same items as prompt/completion records (train.py's
+fine-tuning format) score the same, on the tokens train.py's data pipeline builds for them; a copy of
+the model whose full-vocabulary argmax is a non-numeric decoy at every numeric answer position tells
+the two numeric accuracies apart, and train.py's held-out evaluation agrees with evaluate.py on it."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +15,9 @@ from helpers import models
 
 from smmd_numeracy import evaluate_qa, load_qa, parse_number
 from smmd_numeracy.evaluate_cli import main as evaluate_main
+from smmd_numeracy.evaluation import check_item, tokenize_items
 from smmd_scale import NumericVocab
+from smmd_train.data import pack_files
 
 # Mixed prompt lengths (left padding is exercised) and answers of 1, 2 and 3 tokens: a negative
 # number, a 4-digit one ("123" "4") and a decimal ("2" "." "5").
@@ -79,25 +86,97 @@ def memorized(tmp_path_factory):
     return model_dir, AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
 
 
+@pytest.fixture(scope="module")
+def decoyed(memorized, tmp_path_factory):
+    """(model dir, model, tokenizer): :func:`decoy_model` of the memorized model, saved."""
+    _, model, tokenizer = memorized
+    model = decoy_model(model, tokenizer, QA)
+    model_dir = tmp_path_factory.mktemp("decoyed")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, model, tokenizer
+
+
 def reference_numeric(model, tokenizer, qa):
-    """(accuracy, mae, count) over numeric answer tokens: one item at a time, no padding, float64 softmax."""
+    """(full-vocabulary accuracy, mae, count) over the numeric answer tokens of question/answer items
+    (:func:`reference_metrics`)."""
+    metrics = reference_metrics(model, tokenizer, qa_rows(tokenizer, qa))
+    return metrics["numeric_accuracy_full_vocab"], metrics["numeric_token_mae"], metrics["numeric_tokens"]
+
+
+def qa_rows(tokenizer, qa):
+    """(token ids, labels) of each question/answer item: ``prompt + " " + answer`` without special
+    tokens, labels -100 on the prompt's tokens."""
+    rows = []
+    for item in qa:
+        prompt_length = len(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
+        ids = tokenizer(item["prompt"] + " " + str(item["answer"]), add_special_tokens=False)["input_ids"]
+        rows.append((ids, [-100] * prompt_length + ids[prompt_length:]))
+    return rows
+
+
+def train_rows(tokenizer, path, seq_len=64):
+    """(token ids, labels) of each record of a prompt/completion file as train.py's data pipeline builds
+    them (``pack_files``, what ``--eval_data`` does), cut after the EOS, the last labelled token."""
+    rows = []
+    for row in pack_files([path], tokenizer, seq_len):
+        length = max(position for position, label in enumerate(row["labels"]) if label != -100) + 1
+        rows.append((row["input_ids"][:length], row["labels"][:length]))
+    return rows
+
+
+def reference_metrics(model, tokenizer, rows):
+    """The teacher-forced numeric metrics over the labelled numeric targets of ``rows`` ((ids, labels)
+    pairs): one row at a time, no padding, float64 logits; the argmax over the numeric tokens and
+    over the full vocabulary, the expected value under the softmax over the numeric tokens."""
     vocab = NumericVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
     value_of = dict(zip(vocab.token_ids.tolist(), vocab.values.tolist()))
     numeric_columns = vocab.token_ids
-    correct, abs_errors = 0, []
+    numeric_correct, full_vocab_correct, abs_errors = 0, 0, []
     with torch.no_grad():
-        for item in qa:
-            prompt_length = len(tokenizer(item["prompt"])["input_ids"])
-            ids = tokenizer(item["prompt"] + " " + str(item["answer"]))["input_ids"]
+        for ids, labels in rows:
             logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-            for position in range(prompt_length, len(ids)):
-                target = ids[position]
+            for position in range(1, len(ids)):
+                target = labels[position]
                 if target not in value_of:
                     continue
-                correct += int(logits[position - 1].argmax()) == target
+                full_vocab_correct += int(logits[position - 1].argmax()) == target
+                numeric_correct += int(numeric_columns[logits[position - 1, numeric_columns].argmax()]) == target
                 probabilities = torch.softmax(logits[position - 1, numeric_columns], dim=-1)
                 abs_errors.append(abs(float(probabilities @ vocab.values) - value_of[target]))
-    return correct / len(abs_errors), sum(abs_errors) / len(abs_errors), len(abs_errors)
+    count = len(abs_errors)
+    return {"numeric_accuracy": numeric_correct / count, "numeric_accuracy_full_vocab": full_vocab_correct / count,
+            "numeric_token_mae": sum(abs_errors) / count, "numeric_tokens": count}
+
+
+def as_completions(qa):
+    """``qa`` as train.py's prompt/completion records: the answer after a space is the completion."""
+    return [{"prompt": item["prompt"], "completion": f" {item['answer']}",
+             **({"task": item["task"]} if "task" in item else {})} for item in qa]
+
+
+METRICS = ("count", "exact_match", "mae", "relative_error", "unparseable", "numeric_accuracy",
+           "numeric_accuracy_full_vocab", "numeric_token_accuracy", "numeric_token_mae", "numeric_tokens")
+
+
+def decoy_model(model, tokenizer, qa):
+    """A copy of ``model`` in which each numeric answer token ``t`` of ``qa`` has a decoy: a word token
+    ``x`` that no prompt holds, whose LM-head row is twice ``t``'s, so ``x``'s logit is twice ``t``'s
+    wherever ``t`` leads with a positive logit. The numeric tokens' logits are unchanged."""
+    import copy
+
+    vocab = NumericVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    numeric = set(vocab.token_ids.tolist())
+    in_prompts = {token for item in qa for token in tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]}
+    targets = sorted({token for ids, labels in qa_rows(tokenizer, qa) for token in labels if token in numeric})
+    words = [token_id for token, token_id in sorted(tokenizer.get_vocab().items(), key=lambda pair: pair[1])
+             if token.lstrip("Ġ").isalpha() and len(token.lstrip("Ġ")) >= 3 and token_id not in in_prompts
+             and token_id not in tokenizer.all_special_ids]
+    decoy = copy.deepcopy(model)
+    with torch.no_grad():
+        for target, word in zip(targets, words):
+            decoy.lm_head.weight[word] = 2 * decoy.lm_head.weight[target]
+    return decoy
 
 
 def test_memorized_items_score_perfectly(memorized):
@@ -254,3 +333,159 @@ def test_evaluate_qa_checks_items_and_arguments(memorized):
         evaluate_qa(model, tokenizer, [])
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         evaluate_qa(model, tokenizer, QA, batch_size=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt/completion records: train.py's fine-tuning format
+# ----------------------------------------------------------------------------------------------
+
+def test_prompt_completion_records_score_as_their_question_answer_twins(memorized, tmp_path):
+    _, model, tokenizer = memorized
+    data = write_jsonl(tmp_path / "sft.jsonl", as_completions(QA))
+    completions = load_qa(data)
+    report = evaluate_qa(model, tokenizer, completions, batch_size=BATCH_SIZE)
+    twin = evaluate_qa(model, tokenizer, QA, batch_size=BATCH_SIZE)
+
+    assert {key: report[key] for key in METRICS} == {key: twin[key] for key in METRICS}
+    assert report["per_task"] == twin["per_task"]
+    assert report["examples"][2] == {"prompt": QA[2]["prompt"], "completion": " 14", "generated": " 14",
+                                     "parsed": 14}
+    # The reference reads the targets off train.py's own rows of the same file.
+    reference = reference_metrics(model, tokenizer, train_rows(tokenizer, data))
+    assert reference["numeric_tokens"] == report["numeric_tokens"] == 10
+    assert report["numeric_accuracy"] == reference["numeric_accuracy"] == 1.0
+    assert report["numeric_accuracy_full_vocab"] == reference["numeric_accuracy_full_vocab"] == 1.0
+    assert report["numeric_token_mae"] == pytest.approx(reference["numeric_token_mae"], rel=1e-4, abs=1e-6)
+    # Both formats in one file.
+    mixed = [item if index % 2 else completion for index, (item, completion) in enumerate(zip(QA, completions))]
+    assert {key: evaluate_qa(model, tokenizer, mixed, batch_size=BATCH_SIZE)[key] for key in METRICS} == \
+        {key: twin[key] for key in METRICS}
+
+
+def test_evaluation_feeds_the_tokens_train_py_trains_on_without_a_bos(memorized, tmp_path):
+    """A tokenizer that adds a BOS by default (Llama's do): train.py's rows have none, and neither have
+    the evaluation's prompts and teacher-forced tokens; the report is that of the same tokenizer
+    without the BOS."""
+    from helpers.style_tokenizers import llama3_style
+    from tokenizers.processors import TemplateProcessing
+
+    _, model, tokenizer = memorized
+    with_bos = llama3_style()
+    with_bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{with_bos.bos_token} $A", special_tokens=[(with_bos.bos_token, with_bos.bos_token_id)])
+    assert with_bos("Q: 1 + 1? A:")["input_ids"][0] == with_bos.bos_token_id
+    data = write_jsonl(tmp_path / "sft.jsonl", as_completions(QA))
+    items = load_qa(data)
+
+    prompt_ids, text_ids, answer_starts = tokenize_items(with_bos, items, [check_item(item, "") for item in items])
+    rows = train_rows(with_bos, data)
+    assert text_ids == [ids[:-1] for ids, _ in rows]  # train.py's row less its EOS
+    assert answer_starts == [next(position for position, label in enumerate(labels) if label != -100)
+                             for _, labels in rows]
+    assert [ids[:start] for ids, start in zip(text_ids, answer_starts)] == prompt_ids
+    assert all(with_bos.bos_token_id not in ids for ids in text_ids)
+    assert evaluate_qa(model, with_bos, items, batch_size=BATCH_SIZE) == \
+        evaluate_qa(model, tokenizer, items, batch_size=BATCH_SIZE)
+
+
+def test_cli_reads_a_prompt_completion_file(memorized, tmp_path, capsys):
+    model_dir, model, tokenizer = memorized
+    data = write_jsonl(tmp_path / "sft.jsonl", as_completions(QA))
+    output = tmp_path / "report.json"
+    evaluate_main([str(model_dir), "--data", str(data), "--batch_size", str(BATCH_SIZE), "--output", str(output)])
+    stdout = capsys.readouterr().out
+
+    assert json.loads(output.read_text()) == json.loads(json.dumps(
+        evaluate_qa(model, tokenizer, load_qa(data), batch_size=BATCH_SIZE)))
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines()]
+    assert table[1][:3] == ["task", "count", "exact_match"] and "num_acc_full_vocab" in table[1]
+    assert table[3][:3] == ["all", "8", "1.0000"]
+
+    neither = write_jsonl(tmp_path / "text.jsonl", as_completions(QA[:2]) + [{"text": "Q: 2 + 2? A: 4"}])
+    with pytest.raises(SystemExit, match=r"text.jsonl:3: missing field\(s\) \['prompt', 'answer'\]; every item "
+                                         r"needs \"prompt\" and \"answer\" \(question/answer\) or \"prompt\" and "
+                                         r"\"completion\" \(prompt/completion"):
+        evaluate_main([str(model_dir), "--data", str(neither)])
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "a", "completion": " 42"}', '{"prompt": "b", "completion": " forty-two"}'],
+     r"qa.jsonl:2: \"completion\" ' forty-two' is not a number"),
+    (['{"prompt": "a", "completion": " 42 apples"}'], r"qa.jsonl:1: \"completion\" ' 42 apples' is not a number"),
+    (['{"prompt": "a", "completion": " 4e2"}'], r"qa.jsonl:1: \"completion\" ' 4e2' is not a number"),
+    (['{"prompt": "a", "completion": 42}'], r"qa.jsonl:1: \"completion\" must be a non-empty string"),
+    (['{"prompt": "a", "completion": " "}'], r"qa.jsonl:1: \"completion\" must be a non-empty string"),
+    (['{"completion": " 42"}'], r"qa.jsonl:1: missing field\(s\) \['prompt'\]"),
+    (['{"prompt": "a", "answer": 42, "completion": " 42"}'], r"qa.jsonl:1: both \"answer\" and \"completion\""),
+    (['{"text": "a 42"}'], r"qa.jsonl:1: missing field\(s\) \['prompt', 'answer'\]; every item needs \"prompt\" "
+                           r"and \"answer\" \(question/answer\) or \"prompt\" and \"completion\""),
+])
+def test_load_qa_prompt_completion_errors(tmp_path, lines, message):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_qa(path)
+
+
+def test_completion_answers(tmp_path):
+    records = [{"prompt": "a", "completion": " 42"}, {"prompt": "b", "completion": "-12\n"},
+               {"prompt": "c", "completion": " 2.5 ", "task": "div"}]
+    path = write_jsonl(tmp_path / "qa.jsonl", records)
+    assert load_qa(path) == records
+    assert [check_item(record, "") for record in records] == ["42", "-12", "2.5"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The two numeric accuracies
+# ----------------------------------------------------------------------------------------------
+
+def test_the_two_numeric_accuracies_differ_where_a_non_numeric_token_leads(decoyed, tmp_path):
+    """At every numeric answer position the decoy model's full-vocabulary argmax is a word and its
+    argmax over the numeric tokens the target: numeric_accuracy 1, the full-vocabulary one 0, in both
+    formats, as the float64 reference reads them off the same rows."""
+    _, model, tokenizer = decoyed
+    data = write_jsonl(tmp_path / "sft.jsonl", as_completions(QA))
+    reference = reference_metrics(model, tokenizer, train_rows(tokenizer, data))
+    assert (reference["numeric_accuracy"], reference["numeric_accuracy_full_vocab"]) == (1.0, 0.0)
+
+    for items in (QA, load_qa(data)):
+        report = evaluate_qa(model, tokenizer, items, batch_size=BATCH_SIZE)
+        assert (report["numeric_accuracy"], report["numeric_accuracy_full_vocab"]) == (1.0, 0.0)
+        assert report["numeric_token_accuracy"] == report["numeric_accuracy_full_vocab"]
+        assert report["numeric_tokens"] == reference["numeric_tokens"]
+        assert report["numeric_token_mae"] == pytest.approx(reference["numeric_token_mae"], rel=1e-4, abs=1e-6)
+        assert report["per_task"]["add"]["numeric_accuracy"] == 1.0
+        assert report["per_task"]["add"]["numeric_accuracy_full_vocab"] == 0.0
+
+
+@pytest.mark.slow
+def test_train_py_and_evaluate_py_agree_on_the_same_prompt_completion_file(decoyed, tmp_path):
+    """The user's case: one prompt/completion file as train.py's --data and --eval_data, then as
+    launch/evaluate.py's --data on the exported model. lr 0 keeps the decoy model as it is; float32 on
+    both sides."""
+    from helpers.host_probe import hang_guard
+    from helpers.launching import REPO, environment, metrics, run, train_command
+
+    model_dir = decoyed[0]
+    data = write_jsonl(tmp_path / "sft.jsonl", as_completions(QA))
+    ds_config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    ds_config.update(bf16={"enabled": False}, tensorboard={"enabled": False})
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    output_dir = tmp_path / "run"
+    run(train_command(launcher="python", deepspeed_config=tmp_path / "ds.json", model=model_dir, data=[data],
+                      eval_data=[data], seq_len=32, micro_batch_size=2, max_steps=1, lr=0.0,
+                      output_dir=output_dir, export_hf=output_dir / "hf"), timeout=600, env=environment())
+    held_out = metrics(output_dir)[1]
+
+    report_path = tmp_path / "report.json"
+    completed = subprocess.run([sys.executable, str(REPO / "launch" / "evaluate.py"), str(output_dir / "hf"),
+                                "--data", str(data), "--output", str(report_path)], env=environment(), cwd=REPO,
+                               capture_output=True, text=True, timeout=hang_guard(120))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+
+    assert held_out["eval/numeric_tokens"] == report["numeric_tokens"] == 10
+    assert held_out["eval/numeric_accuracy"] == report["numeric_accuracy"] == 1.0
+    assert report["numeric_accuracy_full_vocab"] == 0.0
+    assert held_out["eval/numeric_mae"] == pytest.approx(report["numeric_token_mae"], rel=1e-4, abs=1e-6)
+    assert f"report: {report_path}" in completed.stdout
