@@ -41,11 +41,11 @@ from smmd_train.tables import markdown_table
 @contextlib.contextmanager
 def variant(name: str):
     """Patch the plugin for one variant of ours (``base`` changes nothing)."""
-    from smmd_scale import fused_linear, steps
+    from smmd_scale import block_plan, fused_linear
 
-    saved = (steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
+    saved = (block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
     if "rowblock=off" in name:
-        steps.ROW_BLOCK_ELEMENTS = 1 << 62
+        block_plan.ROW_BLOCK_ELEMENTS = 1 << 62
     if "mixed_gemm" in name:
         plain = fused_linear.block_logits
 
@@ -61,7 +61,7 @@ def variant(name: str):
     try:
         yield
     finally:
-        steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits = saved
+        block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits = saved
 
 
 def contender(name: str, shape: bench.Shape, device_type: str):

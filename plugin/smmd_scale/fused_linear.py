@@ -20,8 +20,10 @@ with the logits produced one block of head rows at a time (``[tokens, chunk_size
 
 Extra memory beyond the inputs and the gradients: one block of logits in the compute dtype (plus its
 copy in the input dtype for half inputs), ``d hidden`` in the compute dtype and O(tokens + P * N).
-By default a block holds as many elements as ``hidden`` but at least :data:`MIN_BLOCK_ELEMENTS`,
-which is DeepSpeed's rule for its fused linear CE; ``chunk_size`` sets the head rows per block.
+The blocks are :func:`smmd_scale.block_plan.fused_head_plan`'s: on the CPU a block holds as many
+elements as ``hidden`` but at least ``MIN_BLOCK_ELEMENTS`` (DeepSpeed's rule for its fused linear CE);
+on an accelerator as many as a memory budget allows (``block_budget_bytes``, else a share of the free
+memory); ``chunk_size`` sets the head rows per block on any device.
 Four GEMM passes over the head against three for materialized logits.
 """
 
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from . import checks
+from .block_plan import DeviceProperties, fused_head_plan
 from .call_plan import (
     DEFAULT_OPTIONS,
     CallPlan,
@@ -66,15 +69,11 @@ from .steps import (
     z_loss_per_token,
 )
 
-# A block of logits holds at least this many elements (4 MiB in fp32): smaller GEMMs waste time.
-MIN_BLOCK_ELEMENTS = 1 << 20
-
 
 def default_chunk_size(tokens: int, hidden_size: int, head_rows: int) -> int:
-    """Head rows per block when none is given: a block as large as ``hidden`` (tokens x H elements),
-    at least :data:`MIN_BLOCK_ELEMENTS`, at most the whole head."""
-    elements = max(tokens * hidden_size, MIN_BLOCK_ELEMENTS)
-    return max(1, min(head_rows, elements // max(tokens, 1)))
+    """Head rows per block on the CPU when none is given (:func:`smmd_scale.block_plan.fused_head_plan`)."""
+    return fused_head_plan(tokens, hidden_size, head_rows, torch.float32, torch.float32,
+                           DeviceProperties("cpu")).chunk_size
 
 
 def block_logits(hidden: torch.Tensor, head_rows: torch.Tensor, bias_rows: Optional[torch.Tensor],
@@ -237,7 +236,8 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                             weight: Optional[float] = None, chunk_size: Optional[int] = None,
                             num_numeric_in_batch=None,
                             options: CrossEntropyOptions = DEFAULT_OPTIONS,
-                            sequence_shard: Optional[SequenceShard] = None) -> PerTokenLosses:
+                            sequence_shard: Optional[SequenceShard] = None,
+                            block_budget_bytes: Optional[int] = None) -> PerTokenLosses:
     """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
     :func:`linear_numeric_cross_entropy`."""
     check_numeric_loss(numeric_loss)
@@ -259,7 +259,8 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
                      failed_check=failed_check, options=options, sequence_shard=sequence_shard)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    chunk_size = chunk_size or default_chunk_size(hidden_2d.shape[0], hidden_2d.shape[1], width)
+    chunk_size = fused_head_plan(hidden_2d.shape[0], hidden_2d.shape[1], width, spec.dtype, plan.compute_dtype,
+                                 DeviceProperties.of(hidden.device), block_budget_bytes, chunk_size).chunk_size
     ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
     return PerTokenLosses(ce, numeric, plan, sums, z)
 
@@ -272,7 +273,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                                  logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
                                  z_loss: float = 0.0, label_smoothing: float = 0.0,
                                  accum_dtype: Optional[torch.dtype] = None,
-                                 sequence_shard: Optional[SequenceShard] = None) -> NumericOutput:
+                                 sequence_shard: Optional[SequenceShard] = None,
+                                 block_budget_bytes: Optional[int] = None) -> NumericOutput:
     """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
     making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
@@ -280,7 +282,9 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     head_weight: ``[V_local, H]`` this rank's rows of the head (vocabulary ids from
                  ``vocab_start_index``; all V rows without tensor parallelism)
     targets:     ``[...]`` aligned with hidden (already shifted)
-    chunk_size:  head rows per block of logits (default: a block as large as ``hidden``)
+    chunk_size:  head rows per block of logits (default: :func:`smmd_scale.block_plan.fused_head_plan`'s)
+    block_budget_bytes: on an accelerator, the working memory the blocks may take (default: a quarter
+                 of the free memory, at most 4 GiB); the CPU's plan ignores it
     num_items_in_batch, num_numeric_in_batch: the optimizer step's counts (see
                  :func:`smmd_scale.loss.reduce_losses`)
     reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype, sequence_shard: as in
@@ -297,7 +301,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     losses = linear_per_token_losses(hidden, head_weight, targets, numeric_loss, bias=bias, tp_group=tp_group,
                                      vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
                                      weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch,
-                                     options=options, sequence_shard=sequence_shard)
+                                     options=options, sequence_shard=sequence_shard,
+                                     block_budget_bytes=block_budget_bytes)
     output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
     reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)

@@ -153,7 +153,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, grad.dtype, ctx.lse, grad_z)
         offsets = smoothing_offsets(plan, grad_ce, grad.dtype)
         if options.logit_softcap is not None:
-            for start, end in row_blocks(*grad.shape):
+            for start, end in row_blocks(*grad.shape, grad.device):
                 dense_gradient_(grad[start:end], _lse_rows(ctx.lse, start, end), multiplier[start:end],
                                 None if offsets is None else offsets[start:end], options)
         else:

@@ -16,8 +16,8 @@ block, the backward: autograd carries the mode to its engine), GEMMs among them 
 ``bmm``, ``baddbmm``, ``matmul`` and their ``.out``/``.dtype`` forms), and as syncs: the ops whose
 output size or value the host must read (:data:`SYNCING_OPS`, an ``index``/``index_put`` with a
 boolean index) and ``Tensor.tolist`` (which reads memory without dispatching an op, so the method is
-wrapped while the block runs). Each sync records the innermost frame of ``smmd_scale`` that asked for it (else the innermost
-frame outside torch).
+wrapped while the block runs). Each sync records the innermost frame of ``smmd_scale`` that asked for
+it (else the innermost frame outside torch).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def other_logsumexp(logits: torch.Tensor, plan: CallPlan, positions: torch.Tenso
     tokens = plan.targets.numel()
     shift = torch.zeros(tokens, dtype=plan.compute_dtype, device=logits.device)
     log_sum = torch.full((tokens, ), float("-inf"), dtype=plan.compute_dtype, device=logits.device)
-    for start, end in row_blocks(int(positions.numel()), logits.shape[1]):
+    for start, end in row_blocks(int(positions.numel()), logits.shape[1], logits.device):
         rows = positions[start:end]
         block = logits[rows].to(plan.compute_dtype)
         block[:, plan.local_numeric_columns] = float("-inf")
@@ -130,7 +130,7 @@ class _NumericAlone(torch.autograd.Function):
             else numeric.mass_rows
         coefficient = (numeric.row_coefficient[rows_of] * grad_value[rows_of]).to(compute_dtype)
         lse = numeric.lse[rows_of].to(compute_dtype)
-        for start, end in row_blocks(int(rows_of.numel()), logits.shape[1]):
+        for start, end in row_blocks(int(rows_of.numel()), logits.shape[1], logits.device):
             rows = plan.positions[rows_of[start:end]]
             # a non-numeric column: its softmax times the row's coefficient; a numeric one: its whole gradient
             block = logits[rows].to(compute_dtype).sub_(lse[start:end, None]).exp_().mul_(coefficient[start:end, None])

@@ -24,10 +24,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import block_plan
 from .call_plan import CallPlan, CrossEntropyOptions, NumericSlice, run_exchange
-
-# Rows of a [T, V_local] buffer processed at once where a step needs a temporary of their size.
-ROW_BLOCK_ELEMENTS = 1 << 20
 
 
 class ShiftedLogSumExp(NamedTuple):
@@ -107,10 +105,11 @@ def transform_slope(transformed: torch.Tensor, options: CrossEntropyOptions) -> 
     return None
 
 
-def row_blocks(rows: int, width: int) -> list:
-    """``[(start, end)]`` row ranges of a ``[rows, width]`` buffer, :data:`ROW_BLOCK_ELEMENTS` elements each."""
-    step = max(1, ROW_BLOCK_ELEMENTS // max(width, 1))
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+def row_blocks(rows: int, width: int, device: torch.device) -> list:
+    """``[(start, end)]`` row ranges of a ``[rows, width]`` buffer on ``device`` that a step needing a
+    temporary of their size walks (:func:`smmd_scale.block_plan.row_blocks`: cache-sized on the CPU,
+    the whole buffer on an accelerator)."""
+    return block_plan.row_blocks(rows, width, block_plan.DeviceProperties.of(device))
 
 
 def transformed_logits_and_logsumexp(logits: torch.Tensor, options: CrossEntropyOptions,
@@ -122,7 +121,7 @@ def transformed_logits_and_logsumexp(logits: torch.Tensor, options: CrossEntropy
     transformed = transform_logits_(logits.to(compute_dtype, copy=True), options)
     shift = transformed.amax(dim=-1)
     sums = torch.empty_like(shift)
-    for start, end in row_blocks(*transformed.shape):
+    for start, end in row_blocks(*transformed.shape, transformed.device):
         sums[start:end] = torch.sub(transformed[start:end], shift[start:end, None]).exp_().sum(dim=-1)
     return transformed, ShiftedLogSumExp(shift, sums.log())
 
@@ -164,7 +163,7 @@ def tanh_of_capped_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch
     if expm1.dim() < 2 or not expm1.is_contiguous():  # a vector (the target logits), or a strided buffer
         return expm1.div_(torch.add(expm1, 2.0))
     flat = expm1.view(-1, expm1.shape[-1])
-    for start, end in row_blocks(*flat.shape):
+    for start, end in row_blocks(*flat.shape, flat.device):
         rows = flat[start:end]
         rows.div_(torch.add(rows, 2.0))
     return expm1
@@ -193,7 +192,7 @@ def softcap_dense_gradient_(sigma: torch.Tensor, lse: ShiftedLogSumExp, multipli
     row_scale = lse.log_sum.neg().exp_().mul_(multiplier).mul_(4.0 * options.scale)
     base = torch.sub(cap, lse.shift)
     offsets = None if offsets is None else offsets * (4.0 * options.scale)
-    for start, end in row_blocks(*sigma.shape):
+    for start, end in row_blocks(*sigma.shape, sigma.device):
         rows = sigma[start:end]
         softmax = torch.add(base[start:end, None], rows, alpha=-2.0 * cap).exp_()
         softmax.mul_(row_scale[start:end, None])

@@ -144,14 +144,14 @@ def test_gpu_heads_runs_its_variants_on_cpu_and_restores_the_plugin(tmp_path):
     computing bit for bit what the default does, the bf16 mixed-GEMM variant reported unavailable where the
     device has no such GEMM (the CPU), and the plugin's patched names restored afterwards."""
     from benchmarks import gpu_heads
-    from smmd_scale import fused_linear, steps
+    from smmd_scale import block_plan, fused_linear
 
-    before = (steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
+    before = (block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
     names = ["deepspeed_fused", "ours_fused_zcap", "ours_fused_zcap+rowblock=off",
              "ours_fused_zcap+chunk=1000+mixed_gemm"]
     assert gpu_heads.main(["--device", "cpu", "--quick", "--repeats", "1", "--accuracy", "--out", str(tmp_path),
                            "--contenders", *names]) == 0
-    assert (steps.ROW_BLOCK_ELEMENTS, fused_linear.block_logits) == before
+    assert (block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits) == before
     rows = json.loads((tmp_path / "gpu_heads_cpu_quick.json").read_text())["rows"]
     by_shape = {}
     for row in rows:

@@ -139,7 +139,8 @@ def test_never_a_tokens_by_vocabulary_tensor(generator):
 
 
 def test_default_chunk_size_follows_the_memory_budget():
-    from smmd_scale.fused_linear import MIN_BLOCK_ELEMENTS, default_chunk_size
+    from smmd_scale.block_plan import MIN_BLOCK_ELEMENTS
+    from smmd_scale.fused_linear import default_chunk_size
 
     assert default_chunk_size(4096, 1024, 32000) == 1024  # a block as large as hidden (DeepSpeed's rule)
     assert default_chunk_size(8, 64, 2048) == 2048  # small inputs: the whole head in one block
