@@ -82,6 +82,10 @@ class NumericLossEntry:
     options:       the :class:`LossOption` s its build reads from its group (an option may serve
                    several entries of one group: NTL's ``--ntl_reweigh``)
     reads_dots:    its build takes ``dot_token_ids``, the ids of ``"."`` (a loss that reads decimals)
+    digits_reason: for a loss that reads numbers digit by digit (its vocabulary is the ten digits, from a
+                   tokenizer that spells numbers digit by digit), why, as its refusal says it (``"DEL
+                   weighs each digit by its place in its number"``); "" for a loss of any numeric
+                   vocabulary
     """
 
     name: str
@@ -93,6 +97,7 @@ class NumericLossEntry:
     study_setting: str = ""
     options: tuple = ()
     reads_dots: bool = False
+    digits_reason: str = ""
 
 
 def _finite_at_least_zero(value) -> Optional[str]:
@@ -160,7 +165,9 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
                      "ntl-mse:0.0001 on the values 0..999, chosen on validation", options=(NTL_REWEIGH, )),
     NumericLossEntry("ntl-number", "ntl_number", (), "ntl", NumberLevelNTLoss,
                      "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
-                     "(needs a digit vocabulary: --numeric_policy digits)", options=(NTL_REWEIGH, )),
+                     "(needs a digit vocabulary: --numeric_policy digits, on a tokenizer that spells numbers digit by "
+                     "digit)", options=(NTL_REWEIGH, ),
+                     digits_reason="number-level NTL joins digits into numbers"),
     NumericLossEntry("dist2", "dist2", (), "dist2", DIST2Loss,
                      "DIST2: KL from soft targets exp(-(value distance)^2 / tau) over the numeric tokens to the "
                      "numeric softmax", options=DIST2_OPTIONS),
@@ -169,8 +176,9 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
                      "full-vocabulary softmax", options=GAUSS_LS_OPTIONS),
     NumericLossEntry("del", "del", (), "del", DigitEntropyLoss,
                      "Digit Entropy Loss: per-digit BCE on the digit logits, weighted by the digit softmax and the "
-                     "digit's place (needs a digit vocabulary: --numeric_policy digits)", options=DEL_OPTIONS,
-                     reads_dots=True),
+                     "digit's place (needs a digit vocabulary: --numeric_policy digits, on a tokenizer that spells "
+                     "numbers digit by digit)", options=DEL_OPTIONS,
+                     reads_dots=True, digits_reason="DEL weighs each digit by its place in its number"),
 )}
 
 

@@ -2,7 +2,8 @@
 architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary, the
 numeric loss, and whether the DeepSpeed ops the config needs can be compiled
 (``smmd_train.preflight``). Every rank computes the same plan from the same arguments, so a bad combination
-(a layout the model cannot split, a bad loss option such as ``--smmd_sigmas -1``)
+(a layout the model cannot split, a bad loss option such as ``--smmd_sigmas -1``, a loss that reads
+digits on a tokenizer that writes numbers as multi-digit tokens: ``smmd_train.numeric_targets``)
 raises the same error on every rank, before the model is built, and it can be checked in a single
 process without a launcher.
 
@@ -21,6 +22,7 @@ from .config import Topology, check_tensor_parallel_world, resolve_config
 from .data import check_tokenizer_fits_model
 from .loss_reporter import LossReporter, loss_reporter
 from .model import check_local_sources, model_config
+from .numeric_targets import check_digit_losses
 from .preflight import BuildEnvironment, check_ops, ops_to_compile
 from .presets import PRESETS
 from .run_config import RunConfig
@@ -111,6 +113,9 @@ def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supporte
         warnings.append(f"--warmup_steps {optimization.warmup_steps} -> {warmup_steps}: warmup is at least one step "
                         f"and at most {MAX_WARMUP_FRACTION:.0%} of --max_steps {optimization.max_steps}")
     loss = loss_reporter(config)
+    # before the vocabulary: under --numeric_policy integers the loss would refuse a Llama-3-style tokenizer's
+    # 0..999 without saying that --numeric_policy digits leaves it (nearly) no target there
+    warnings += check_digit_losses(loss.terms(), tokenizer, loss_settings.numeric_policy)
     try:
         vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=loss_settings.numeric_policy,
                                                        max_value=loss_settings.numeric_max_value,

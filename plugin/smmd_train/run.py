@@ -3,7 +3,8 @@
     plan     tokenizer, architecture, resolved DeepSpeed config, parallel layout, numeric vocabulary
              and numeric loss (``smmd_train.plan``): no process group, no weights
     data     rank 0 tokenizes and packs into the cache first, the others then read the cache; a resume
-             that would change the objective or the data is refused here (``smmd_train.experiment``)
+             that would change the objective or the data is refused here (``smmd_train.experiment``), and
+             so are data that hold no target of the numeric loss (``smmd_train.numeric_targets``)
     engine   the model (partitioned as it is built), ``deepspeed.initialize`` (AutoTP shards it and
              makes the LM head vocabulary-parallel), the planned numeric loss installed on the head
 
@@ -31,6 +32,7 @@ from .commits import read_commit
 from .data import pack_files
 from .distributed import Launch, rank_zero_first
 from .experiment import check_resumed_experiment, experiment_record
+from .numeric_targets import check_numeric_targets
 from .plan import RunPlan, plan_run
 from .resume import plan_resume
 from .run_config import ModelData, RunConfig, RunRefused
@@ -95,6 +97,8 @@ def prepare_run(config: RunConfig, launch: Launch, until: str = "engine") -> Pre
             return run
         inputs, checkpointing = config.model_data, config.checkpointing
         run.train_blocks = _packed(inputs, plan, inputs.data)
+        plan.warnings += check_numeric_targets(run.train_blocks, plan, config.optimization.seed,
+                                               config.optimization.max_steps, resumed=run.resume_tag is not None)
         run.eval_blocks = _packed(inputs, plan, inputs.eval_data) if inputs.eval_data else None
         run.experiment = experiment_record(inputs, plan.loss, plan.numeric_vocab, run.train_blocks)
         if run.resume_tag is not None:
@@ -104,6 +108,8 @@ def prepare_run(config: RunConfig, launch: Launch, until: str = "engine") -> Pre
     except (ValueError, FileNotFoundError) as error:
         raise RunRefused(str(error)) from error
     if until == "engine":
+        for warning in plan.warnings:  # before the model is built, which can take minutes
+            log(f"warning: {warning}")
         _build_engine(run)
     return run
 

@@ -173,16 +173,22 @@ def step_targets(inputs: dict) -> torch.Tensor:
     return inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
 
 
+def local_target_counts(shift_labels: torch.Tensor, numeric_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[2]`` int64: the valid targets of ``shift_labels`` (any shape) and, given the numeric
+    vocabulary's ids ``numeric_token_ids`` (None: none counted), its numeric-target positions."""
+    valid = shift_labels != IGNORE_INDEX
+    numeric = (torch.isin(shift_labels, numeric_token_ids.to(shift_labels.device)) & valid
+               if numeric_token_ids is not None else torch.zeros_like(valid))
+    return torch.stack([valid.sum(), numeric.sum()]).to(torch.int64)
+
+
 def target_counts(shift_labels: torch.Tensor, numeric_token_ids: Optional[torch.Tensor], group) -> dict:
     """The counts that make each rank's loss its share of the objective, as the loss's keyword
     arguments: ``num_items_in_batch`` (valid targets) and, given the numeric vocabulary's ids
     ``numeric_token_ids`` (None: the model's own loss), ``num_numeric_in_batch`` (numeric-target
     positions), both summed over the targets that the ranks of ``group`` hold (one small
     all-reduce; every rank of ``group`` must call, with its own ``shift_labels`` of any shape)."""
-    valid = shift_labels != IGNORE_INDEX
-    numeric = (torch.isin(shift_labels, numeric_token_ids.to(shift_labels.device)) & valid
-               if numeric_token_ids is not None else torch.zeros_like(valid))
-    counts = torch.stack([valid.sum(), numeric.sum()]).to(torch.int64)
+    counts = local_target_counts(shift_labels, numeric_token_ids)
     dist.all_reduce(counts, group=group)
     if numeric_token_ids is None:
         return {"num_items_in_batch": counts[0]}

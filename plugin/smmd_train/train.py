@@ -55,10 +55,9 @@ def main(config: RunConfig) -> None:
     seed_everything(optimization.seed)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
 
-    # Plan, data, model, engine, numeric loss: a bad option or config fails (on every rank) before the model exists.
+    # Plan, data, model, engine, numeric loss: a bad option or config fails (on every rank) before the model exists,
+    # and the plan's warnings are logged before it is built.
     run = prepare_run(config, launch)
-    for warning in run.plan.warnings:
-        log(f"warning: {warning}")
 
     # Resume (model/optimizer/scheduler from DeepSpeed, then step, data position, skip count and RNG),
     # overwrite an earlier run or start at step 0, as the plan decided.
