@@ -218,8 +218,9 @@ def test_the_loss_core_runs_one_way():
     """What a loss is knows nothing of calls; the per-call plan and the steps know no concrete loss."""
     direct = {name: {module for module, _, _ in imports_of(name, path, MODULES)} for name, path in MODULES.items()}
     assert direct["smmd_scale.call_plan"] <= {"smmd_scale.checks", "smmd_scale.parallel", "smmd_scale.vocab",
-                                              "smmd_scale.sequence_shard"}
-    assert direct["smmd_scale.steps"] <= {"smmd_scale.call_plan"}
+                                              "smmd_scale.sequence_shard", "smmd_scale.block_plan"}
+    assert direct["smmd_scale.steps"] <= {"smmd_scale.call_plan", "smmd_scale.block_plan"}
+    assert direct["smmd_scale.block_plan"] == set()  # the plan is a function of shapes and the device alone
     assert direct["smmd_scale.parallel"] <= {"smmd_scale.checks"}
     assert direct["smmd_scale.sequence_shard"] <= {"smmd_scale.parallel"}  # a call's slice of the sequence
     for op in ("smmd_scale.loss", "smmd_scale.fused_linear", "smmd_scale.steps", "smmd_scale.call_plan",

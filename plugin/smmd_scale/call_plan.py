@@ -19,6 +19,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from . import checks
+from .block_plan import DeviceProperties
 from .parallel import ExchangeResult, ExchangeState, RankContribution, exchange, group_size_and_rank
 from .sequence_shard import SequenceShard, numeric_positions
 from .vocab import NumericVocab
@@ -283,7 +284,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
                                            ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
                                            num_numeric_in_batch=num_numeric_in_batch, weight=weight,
-                                           options=options)
+                                           options=options,
+                                           values_on_host=not DeviceProperties.of(spec.device).accelerator)
     if failed_check is not None:
         if not tensor_parallel:
             raise failed_check.error()

@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import compat
+
 # dtypes and device types are carried as indices into these tables.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -137,13 +139,16 @@ def _device_code(device: torch.device) -> tuple:
 
 def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
-                 num_numeric_in_batch=None, weight: Optional[float] = None, options=None) -> Optional[FailedCheck]:
+                 num_numeric_in_batch=None, weight: Optional[float] = None, options=None,
+                 values_on_host: bool = True) -> Optional[FailedCheck]:
     """Validate one call's tensors and per-call arguments; return the first failed check or ``None``.
 
     logits: a ``LogitsSpec`` of ``[..., V_local]`` (the tensor need not exist), targets: ``[...]``.
     ``options``: the call's ``CrossEntropyOptions`` (their values; their types were checked at the call).
-    Only cheap checks; the one data-dependent check (targets in range) costs a single reduction and
-    a host read.
+    Only cheap checks. The data-dependent ones (targets in range; counts given as tensors) read a value
+    back to the host where ``values_on_host`` (the CPU's plan); on an accelerator's plan they are
+    device-side asserts instead (no host sync; the message cannot name the position, and under tensor
+    parallelism every rank, holding the same targets, fails alike).
     """
     if not logits.dtype.is_floating_point:
         return FailedCheck(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
@@ -158,10 +163,13 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         return FailedCheck(LOGITS_WIDTH, (width, vocab_size))
     if vocab_start_index < 0 or vocab_start_index + width > vocab_size:
         return FailedCheck(SHARD_OUTSIDE_VOCAB, (vocab_start_index, vocab_start_index + width, vocab_size, width))
-    if num_items_in_batch is not None and float(num_items_in_batch) < 0:
-        return FailedCheck(NUM_ITEMS, (int(num_items_in_batch), ))
-    if num_numeric_in_batch is not None and float(num_numeric_in_batch) < 0:
-        return FailedCheck(NUM_NUMERIC, (int(num_numeric_in_batch), ))
+    for code, count in ((NUM_ITEMS, num_items_in_batch), (NUM_NUMERIC, num_numeric_in_batch)):
+        if count is None:
+            continue
+        if isinstance(count, torch.Tensor) and not values_on_host:
+            compat.device_assert(count >= 0, _ERRORS[code][1].format("a negative count"))
+        elif float(count) < 0:
+            return FailedCheck(code, (int(count), ))
     if weight is not None and not (math.isfinite(weight) and weight >= 0):
         return FailedCheck(WEIGHT, (float_bits(weight), ))
     if options is not None:
@@ -170,6 +178,11 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
             return failed
     flat = targets.reshape(-1)
     out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
+    if not values_on_host:
+        compat.device_assert(~out_of_range.any(), f"targets hold an id outside the vocabulary [0, {vocab_size}) "
+                             f"that is not ignore_index={ignore_index} (checked on the device, which cannot say "
+                             "where: run the batch on the CPU to find the position)")
+        return None
     if out_of_range.any():
         position = int(out_of_range.nonzero()[0, 0])
         return FailedCheck(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))

@@ -64,6 +64,16 @@ def torch_dispatch_mode():
                    purpose="count the ATen ops and host syncs of a loss call")
 
 
+def device_assert(condition, message: str) -> None:
+    """Fail with ``message`` where ``condition`` (a bool tensor) is False, checked on its device without a
+    host sync (``torch._assert_async``, private; checked against torch 2.13): on a GPU the kernel
+    asserts and the process's next sync reports it; on the CPU it raises at once (RuntimeError)."""
+    import torch
+
+    private(torch, "_assert_async", package="torch", checked="2.13.0",
+            purpose="check the loss's input values on the device without reading them back")(condition, message)
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers / tokenizers (used by the loss plugin)
 # ---------------------------------------------------------------------------------------------

@@ -182,16 +182,14 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             lo, hi = plan.numeric_columns
             numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
             blocks = _blocks(head_weight.shape[0], ctx.chunk_size)
-            # Every block's target rows and numeric columns found once, before the loop (a fixed
-            # number of host syncs, none per block): the owned targets sorted, cut at the block starts.
-            owned_rows = plan.owned.nonzero().squeeze(1)
-            owned_targets, order = plan.local_targets[owned_rows].sort()
-            owned_rows = owned_rows[order]
-            block_starts = torch.tensor([start for start, _ in blocks] + [head_weight.shape[0]], device=hidden.device)
-            row_bounds = torch.searchsorted(owned_targets, block_starts).tolist()
-            local_columns = plan.local_numeric_columns.tolist()
+            # No data-dependent row lists (no host sync): each block adds every row's target coefficient at
+            # its target column, 0 where the target is outside the block (inside the block, so that the
+            # one-hot part is rounded with the rest of the block into the product dtype). The numeric
+            # columns come from the vocabulary's host list.
+            all_rows = torch.arange(hidden.shape[0], device=hidden.device)
+            local_columns = [token_id - plan.vocab_start_index for token_id in plan.loss.vocab.token_id_list[lo:hi]]
 
-            for index, (start, end) in enumerate(blocks):
+            for start, end in blocks:
                 head_rows = head_weight[start:end].to(hidden.dtype)
                 bias_rows = None if bias is None else bias[start:end]
                 logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
@@ -201,9 +199,9 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                 else:
                     grad_logits = dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets,
                                                   options)
-                rows = owned_rows[row_bounds[index]:row_bounds[index + 1]]
-                targets = owned_targets[row_bounds[index]:row_bounds[index + 1]] - start
-                grad_logits.index_put_((rows, targets), target_coefficient[rows], accumulate=True)
+                in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
+                grad_logits.index_put_((all_rows, (plan.local_targets - start).clamp(0, end - start - 1)),
+                                       torch.where(in_block, target_coefficient, 0.0), accumulate=True)
                 first, last = _numeric_columns_in_block(local_columns, start, end)
                 if last > first and plan.positions.numel():
                     columns = plan.local_numeric_columns[first:last] - start

@@ -34,6 +34,7 @@ from .checks import REDUCTIONS, check_reduction  # noqa: F401  (loss.check_reduc
 from .deprecation import renamed, renamed_class, warn_renamed
 from .sequence_shard import SequenceShard
 from .steps import (
+    CallStats,
     ShiftedLogSumExp,
     claim_single_backward,
     cross_entropy_per_token,
@@ -49,7 +50,6 @@ from .steps import (
     smoothing_offsets,
     softmax_rescale,
     stat_sums,
-    stats_dict,
     target_coefficients,
     transform_logits_,
     transform_slope,
@@ -66,7 +66,8 @@ class NumericOutput:
         the call's numeric loss (SMMD, NTL, or a weighted sum of them) and ``z`` the z-loss (0 when
         off). Scalars under ``reduction="mean"`` or ``"sum"``; under ``"none"`` each has the targets'
         shape (CE and z 0 at ignored positions, the numeric loss 0 where the target is not numeric).
-    stats: detached Python floats — the numeric loss's parts as means over numeric positions
+    stats: detached Python floats (a mapping read from the device when a value is first asked for: the
+        op itself syncs nothing to the host) — the numeric loss's parts as means over numeric positions
         (SMMD: ``smmd``, ``mmd`` and ``smooth``; NTL: ``ntl_was`` or ``ntl_mse``), ``numeric_tokens``
         (P), ``numeric_accuracy`` (argmax over the numeric tokens is the target token),
         ``numeric_mae`` (|E_q[value] - target value|), ``comm_calls`` and ``comm_bytes`` (this
@@ -98,7 +99,7 @@ class PerTokenLosses(NamedTuple):
     z: Optional[torch.Tensor] = None
 
     def stats(self) -> dict:
-        return stats_dict(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()))
+        return CallStats(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()))
 
 
 def _lse_rows(lse: ShiftedLogSumExp, start: int, end: int) -> ShiftedLogSumExp:
@@ -160,9 +161,11 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
             grad.mul_((row_scale[0] * multiplier * options.scale)[:, None])
             if offsets is not None:
                 grad.sub_((offsets * options.scale)[:, None])
-        rows = plan.owned.nonzero().squeeze(1)
+        # Every row adds its coefficient at its (clamped) target column, 0 where another shard owns the
+        # target: no data-dependent row list, so no host sync.
         coefficients = target_coefficients(plan, grad_ce, ctx.target_slope, grad.dtype)
-        grad.index_put_((rows, plan.local_targets[rows]), coefficients[rows], accumulate=True)
+        grad.index_put_((torch.arange(grad.shape[0], device=grad.device), plan.local_targets),
+                        torch.where(plan.owned, coefficients, 0.0), accumulate=True)
         lo, hi = plan.numeric_columns
         if hi > lo and plan.positions.numel():
             numeric_rows = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(grad.dtype)[:, None]

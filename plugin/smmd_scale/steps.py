@@ -19,6 +19,7 @@ z-loss and the numeric loss all read the same transformed logits.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -401,6 +402,44 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
     counts = torch.tensor([comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes], dtype=torch.float64,
                           device=plan.valid.device)
     return torch.cat([torch.stack(sums), counts])
+
+
+class CallStats(MutableMapping):
+    """A call's statistics (``NumericOutput.stats``): a mapping of the floats :func:`stats_dict` gives,
+    kept as :func:`stat_sums`' one device tensor until a value is first read, then read on the host
+    once. The op itself never reads them (no host sync in its forward or backward); a trainer reads
+    them where it syncs anyway (at its logging interval). Values set on it need no read."""
+
+    def __init__(self, stat_names: tuple, sums: torch.Tensor, numeric_tokens: int):
+        self._pending = (stat_names, sums, numeric_tokens)
+        self._values: Optional[dict] = None
+        self._set: dict = {}
+
+    def _read(self) -> dict:
+        if self._values is None:
+            self._values = {**stats_dict(*self._pending), **self._set}
+        return self._values
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __setitem__(self, key, value):
+        self._set[key] = value
+        if self._values is not None:
+            self._values[key] = value
+
+    def __delitem__(self, key):
+        self._set.pop(key, None)
+        del self._read()[key]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self):
+        return len(self._read())
+
+    def __repr__(self):
+        return repr(self._read()) if self._values is not None else "CallStats(<not read yet>)"
 
 
 def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> dict:

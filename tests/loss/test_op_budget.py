@@ -1,0 +1,138 @@
+"""What the loss ops would launch on a GPU, counted on the CPU under the accelerator's block plan
+(``smmd_scale.op_count``, ``smmd_scale.block_plan.plan_as``): host syncs and ATen ops per forward and
+backward, for every registered loss, materialized and fused, with and without a tensor count.
+
+The budgets are ceilings at what the ops do now, so that a change that adds a sync or a pile of ops
+fails here, naming where. Where they stand against the targets (0 host syncs; about 100 ops for the
+fused head at one block, about 20 per further block): the backward of both ops syncs nothing; the
+forward still reads the numeric positions' count (``sequence_shard.numeric_positions``: the numeric
+slice's rows are sized by the data), and the digit-run losses (DEL, number-level NTL) find their runs
+on the host; docs/fused_linear.md has the table (``benchmarks.op_counts``).
+"""
+
+import pytest
+import torch
+
+from smmd_scale import NumericVocab, linear_numeric_cross_entropy, numeric_cross_entropy, steps
+from smmd_scale.block_plan import DeviceProperties, plan_as
+from smmd_scale.op_count import count_ops
+from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
+
+H200 = DeviceProperties("cuda", free_bytes=139 << 30)
+TOKENS, HIDDEN, VOCAB = 96, 16, 600
+DIGIT_IDS = list(range(10, 20))
+# Host syncs of one forward where they stand now: the numeric positions' count (every loss), and the
+# digit runs of the losses that join digits into numbers. The backward: none.
+FORWARD_SYNCS = {name: 1 for name in NUMERIC_LOSSES} | {"ntl-number": 9, "del": 8}
+ALLOWED_SITES = {"sequence_shard.py", "number_level.py", "digit_entropy.py"}
+# ATen ops of one forward + backward at one block (now: 140-190 for the simple losses, 250-290 for the
+# digit-run ones; +10% for torch's own op choices changing between versions).
+OPS = {name: 210 for name in NUMERIC_LOSSES} | {"ntl-number": 320, "del": 300}
+OPS_PER_BLOCK = 55  # the fused head's forward + backward per further block (now 48)
+
+
+def problem(generator):
+    vocab = NumericVocab(DIGIT_IDS, [float(value) for value in range(10)], VOCAB)
+    targets = torch.randint(0, VOCAB, (TOKENS, ), generator=generator)
+    targets[::2] = torch.randint(10, 20, (TOKENS // 2, ), generator=generator)  # digit runs of one
+    targets[1::4] = torch.randint(10, 20, (TOKENS // 4, ), generator=generator)  # and of two
+    targets[::7] = -100
+    return vocab, targets
+
+
+def counted_call(op: str, loss, targets, generator, num_items=None, **options) -> tuple:
+    """(forward count, backward count) of one call of ``op`` under the accelerator's plan."""
+    with plan_as(H200):
+        if op == "materialized":
+            inputs = [torch.randn(TOKENS, VOCAB, generator=generator).requires_grad_()]
+            with count_ops() as forward:
+                output = numeric_cross_entropy(*inputs, targets, loss, num_items_in_batch=num_items, **options)
+        else:
+            inputs = [torch.randn(TOKENS, HIDDEN, generator=generator).requires_grad_(),
+                      torch.randn(VOCAB, HIDDEN, generator=generator).requires_grad_()]
+            with count_ops() as forward:
+                output = linear_numeric_cross_entropy(*inputs, targets, loss, num_items_in_batch=num_items,
+                                                      **options)
+        with count_ops() as backward:
+            output.total.backward()
+    return forward, backward
+
+
+def check_budget(name: str, forward, backward) -> None:
+    """Fail naming each sync site when ``name``'s call is over its budget."""
+    sites = forward.sync_sites + backward.sync_sites
+    assert backward.sync_count == 0, f"{name}: the backward syncs the host: {backward.sync_sites}"
+    assert forward.sync_count <= FORWARD_SYNCS[name], f"{name}: {forward.summary()}"
+    assert {site.split(":")[0] for site in sites} <= ALLOWED_SITES, f"{name}: a new sync site: {sites}"
+    assert forward.ops + backward.ops <= OPS[name], f"{name}: {forward.summary()} + {backward.summary()}"
+
+
+@pytest.mark.parametrize("op", ["materialized", "fused"])
+@pytest.mark.parametrize("tensor_count", [False, True])
+def test_every_loss_keeps_its_sync_and_op_budget_on_an_accelerator(generator, op, tensor_count):
+    vocab, targets = problem(generator)
+    defaults = options_from(lambda option: option.default)
+    for name in NUMERIC_LOSSES:
+        loss = build_numeric_loss(vocab, [(name, 1.0)], defaults, dot_token_ids=[5])
+        count = torch.tensor(TOKENS) if tensor_count else None
+        check_budget(name, *counted_call(op, loss, targets, generator, num_items=count))
+
+
+def test_the_fused_heads_cost_per_block(generator):
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    ops = {}
+    for chunk_size in (VOCAB, VOCAB // 4):
+        forward, backward = counted_call("fused", loss, targets, generator, chunk_size=chunk_size)
+        ops[chunk_size] = forward.ops + backward.ops
+    assert (ops[VOCAB // 4] - ops[VOCAB]) / 3 <= OPS_PER_BLOCK, ops
+
+
+def test_a_planted_host_read_fails_the_budget(generator, monkeypatch):
+    """The budget catches a sync anywhere in the op: a careless ``.item()`` planted in one shared step."""
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    plain = steps.cross_entropy_per_token
+
+    def careless(lse, *args, **kwargs):
+        float(lse.shift.max())  # a host read, as a debugging print would do
+        return plain(lse, *args, **kwargs)
+
+    monkeypatch.setattr("smmd_scale.loss.cross_entropy_per_token", careless)
+    # (the site named is the innermost frame of smmd_scale: the op's forward that called the step)
+    with pytest.raises(AssertionError, match=r"smmd: .*2 host syncs: .*loss.py:\d+ in forward: aten\._local_scalar"):
+        check_budget("smmd", *counted_call("materialized", loss, targets, generator))
+
+
+def test_value_checks_are_device_side_asserts_on_an_accelerator(generator):
+    """On the accelerator's plan the targets' range and a tensor count are checked on the device (no host
+    read): a bad value still fails the call, with what was wrong."""
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    logits = torch.randn(TOKENS, VOCAB, generator=generator)
+    bad = targets.clone()
+    bad[3] = VOCAB + 5
+    with plan_as(H200), count_ops() as counted:
+        with pytest.raises(RuntimeError, match=rf"targets hold an id outside the vocabulary \[0, {VOCAB}\)"):
+            numeric_cross_entropy(logits, bad, loss)
+        with pytest.raises(RuntimeError, match="num_items_in_batch=a negative count must be >= 0"):
+            numeric_cross_entropy(logits, targets, loss, num_items_in_batch=torch.tensor(-3))
+    assert "checks.py" not in " ".join(counted.sync_sites)
+    # On the CPU's plan the same inputs are refused on the host, naming the position.
+    with pytest.raises(ValueError, match=r"targets\[3\] = 605 is outside the vocabulary"):
+        numeric_cross_entropy(logits, bad, loss)
+    with pytest.raises(ValueError, match=r"num_items_in_batch=-3 must be >= 0"):
+        numeric_cross_entropy(logits, targets, loss, num_items_in_batch=torch.tensor(-3))
+
+
+def test_the_statistics_are_read_only_when_asked_for(generator):
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    with plan_as(H200):
+        with count_ops() as counted:
+            output = numeric_cross_entropy(torch.randn(TOKENS, VOCAB, generator=generator), targets, loss)
+        assert "Tensor.tolist" not in counted.syncs
+        with count_ops() as reading:
+            positions = output.stats["numeric_tokens"]
+    assert reading.syncs["Tensor.tolist"] == 1 and positions == int((targets >= 10).logical_and(targets < 20).sum())
+    assert set(output.stats) >= {"smmd", "numeric_accuracy", "numeric_mae", "tokens"}
