@@ -3,9 +3,10 @@
     python -m benchmarks.gpu_heads --device cuda           # on a lent GPU (about 3 minutes on an H200)
     python -m benchmarks.gpu_heads --device cpu --quick    # the same code paths at a toy size
 
-For each shape (tokens x H x V, dtype) and contender (torch's CE on materialized logits, DeepSpeed's
-fused linear CE, ours fused with CE + SMMD, and with z-loss 1e-4 + soft-cap 30 on), one forward +
-backward of head matmul + loss:
+For each shape (tokens x H x V, dtype) and contender (torch's CE on materialized logits, torch's chunked
+linear CE, DeepSpeed's fused linear CE, Liger-Kernel's where it installs, ours fused with CE only, with
+CE + SMMD, and with z-loss 1e-4 + soft-cap 30 on, under the accelerator's block plan of
+``smmd_scale.block_plan``; ``+plan=cpu`` the CPU's blocks), one forward + backward of head matmul + loss:
 
 * time: the median of ``--repeats`` calls timed with device events, after two warm-ups, the
   contenders interleaved call by call (so a clock or thermal drift hits all alike);
@@ -44,6 +45,9 @@ def variant(name: str):
     from smmd_scale import block_plan, fused_linear
 
     saved = (block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits)
+    planned = contextlib.nullcontext()
+    if "plan=cpu" in name:  # the CPU's block plan on the device: today's GPU plan against the old one
+        planned = block_plan.plan_as(block_plan.DeviceProperties("cpu"))
     if "rowblock=off" in name:
         block_plan.ROW_BLOCK_ELEMENTS = 1 << 62
     if "mixed_gemm" in name:
@@ -59,7 +63,8 @@ def variant(name: str):
 
         fused_linear.block_logits = mixed
     try:
-        yield
+        with planned:
+            yield
     finally:
         block_plan.ROW_BLOCK_ELEMENTS, fused_linear.block_logits = saved
 
@@ -70,10 +75,23 @@ def contender(name: str, shape: bench.Shape, device_type: str):
     from smmd_scale.compat import has_mixed_precision_gemm
 
     base, *extras = name.split("+")
+    if base == "liger_fused":
+        return liger_fused(device_type)
     if "mixed_gemm" in extras and shape.dtype == "bf16" and not has_mixed_precision_gemm(device_type):
         raise bench.Unavailable("no fp32-output bf16 GEMM (aten::mm.dtype) on this device")
     chunk = next((int(extra.split("=")[1]) for extra in extras if extra.startswith("chunk=")), None)
     return bench.build(base, shape, bench.numeric_token_ids(shape), chunk_size=chunk)
+
+
+def liger_fused(device_type: str):
+    """Liger-Kernel's fused linear CE (its Triton kernels, CE only): the reference users pick on GPUs."""
+    if device_type != "cuda":
+        raise bench.Unavailable("Liger-Kernel's Triton kernels need a CUDA device")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as error:
+        raise bench.Unavailable(f"liger-kernel not installed ({error}); pip install liger-kernel") from error
+    return lambda hidden, weight, targets: liger_fused_linear_cross_entropy(hidden, weight, targets)
 
 
 def timed_call(device, loss, inputs) -> float:
@@ -152,12 +170,10 @@ def float64_reference(shape, inputs, name: str):
 
 SHAPES = {"quick": [bench.Shape(512, 128, 4000, "fp32"), bench.Shape(512, 128, 4000, "bf16")],
           "gpu": [bench.Shape(4096, 1024, 32000, "fp32"), bench.Shape(4096, 1024, 32000, "bf16"),
-                  bench.Shape(16384, 4096, 128256, "bf16")]}
-DEFAULT_CONTENDERS = ("torch_ce", "deepspeed_fused", "ours_fused", "ours_fused_zcap",
-                      "ours_fused_zcap+rowblock=off", "ours_fused_zcap+mixed_gemm",
-                      "ours_fused_zcap+rowblock=off+mixed_gemm", "ours_fused+mixed_gemm",
-                      "ours_fused_zcap+chunk=4096+rowblock=off+mixed_gemm",
-                      "ours_fused_zcap+chunk=8192+rowblock=off+mixed_gemm")
+                  bench.Shape(16384, 4096, 128256, "fp32"), bench.Shape(16384, 4096, 128256, "bf16")]}
+# Ours run the accelerator's block plan (smmd_scale.block_plan); +plan=cpu the CPU's blocks, as before it.
+DEFAULT_CONTENDERS = ("torch_ce", "torch_linear_ce", "deepspeed_fused", "liger_fused", "ours_fused_w0", "ours_fused",
+                      "ours_fused_zcap", "ours_fused+plan=cpu", "ours_fused+mixed_gemm", "ours_fused_zcap+mixed_gemm")
 
 
 @dataclass(frozen=True)
