@@ -1,4 +1,4 @@
-"""The loss plugin's inventory of private upstream APIs (transformers, tokenizers, DeepSpeed): every
+"""The loss plugin's inventory of private upstream APIs (transformers, tokenizers, TRL, DeepSpeed): every
 one ``smmd_scale`` uses is reached here and nowhere else.
 
 Upstream can change these without notice. Each function below names what it reaches for, imports
@@ -128,6 +128,28 @@ def assigned_loss_function(model) -> tuple:
 def forget_loss_function(model) -> None:
     """Undo an assignment of ``model.loss_function``: the model's class default applies again."""
     vars(model).pop(_LOSS_FUNCTION_ATTRIBUTE, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL (the SFTTrainer integration, integrations/trl.py)
+# ---------------------------------------------------------------------------------------------
+
+def sft_metrics(trainer) -> dict:
+    """``{"train": {name: [values]}, "eval": {...}}``: the metrics ``SFTTrainer.compute_loss`` records per
+    micro-batch and ``SFTTrainer.log`` averages into the logs, then clears (``SFTTrainer._metrics``)."""
+    return private(trainer, "_metrics", package="trl", checked="1.16.0",
+                   purpose="record SFTTrainer's entropy, token accuracy and token count beside the numeric loss hook")
+
+
+def sft_train_tokens(trainer, tokens: int) -> int:
+    """Add a training micro-batch's input ``tokens`` (counted over all processes) to ``SFTTrainer``'s
+    ``num_tokens`` total as it does (``_total_train_tokens += tokens // _tp_size``: tensor-parallel
+    ranks share a batch); returns the total."""
+    purpose = "count SFTTrainer's num_tokens metric beside the numeric loss hook"
+    tp_size = private(trainer, "_tp_size", package="trl", checked="1.16.0", purpose=purpose)
+    total = private(trainer, "_total_train_tokens", package="trl", checked="1.16.0", purpose=purpose)
+    trainer._total_train_tokens = total + tokens // tp_size
+    return trainer._total_train_tokens
 
 
 # ---------------------------------------------------------------------------------------------

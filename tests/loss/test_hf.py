@@ -191,3 +191,29 @@ def test_trainer_gradient_accumulation_trains_the_same_objective(tmp_path, gener
         assert (weights - reference).abs().max().item() <= 1e-5 * reference.abs().max().item(), accumulation
     unattached = _trainer_weights(tmp_path, (ids, labels), 4, attach=False)
     assert (unattached - reference).abs().max().item() > 1e-4  # per-micro-batch numeric means train another thing
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"label_smoothing_factor": 0.1},
+     r"label_smoothing_factor=0.1: .* pass ce_options=\{'label_smoothing': 0.1\} to smmd_scale.install"),
+    ({"use_liger_kernel": True}, r"use_liger_kernel=True: Liger's fused linear cross-entropy replaces"),
+])
+def test_attach_refuses_a_trainer_whose_loss_skips_the_hook(tmp_path, generator, arguments, message):
+    """The Trainer's label smoother and Liger's fused linear CE compute the loss without the model's
+    loss_function: attach_to_trainer refuses them before it changes anything. Liger without its fused
+    head keeps the model's loss and is accepted."""
+    ids, labels = batch(generator)
+    model = tiny_llama()
+    installed = smmd_scale.install(model, SMMDLoss(numeric_vocab()))
+
+    def trainer(**extra):
+        return Trainer(model=model, train_dataset=models.token_rows(ids, labels), args=TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", **extra))
+
+    refused = trainer(**arguments)
+    with pytest.raises(ValueError, match=message):
+        installed.attach_to_trainer(refused)
+    assert "get_batch_samples" not in vars(refused)
+    if "use_liger_kernel" in arguments:
+        installed.attach_to_trainer(trainer(use_liger_kernel=True,
+                                            liger_kernel_config={"fused_linear_cross_entropy": False}))

@@ -211,3 +211,112 @@ def test_on_two_processes_a_window_pools_both_processes_micro_batches(tmp_path, 
             assert log["loss_smmd"] == pytest.approx(smmd_sum / positions, rel=1e-5)
             assert log["numeric_positions"] == positions
             assert log["loss_total"] == pytest.approx(log["loss"], rel=1e-4)  # the Trainer's loss over both
+
+
+def evaluated_trainer(tmp_path, generator, weight=0.5, **arguments):
+    """(a Trainer with SMMD attached, trained 2 steps on rows() and evaluated every ``eval_steps``, its
+    model, the evaluation rows)."""
+    ids, labels = rows(generator)
+    eval_ids, eval_labels = rows(generator, count=6)
+    model = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)), weight=weight)
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels), eval_dataset=models.token_rows(
+        eval_ids, eval_labels), args=TrainingArguments(**{
+            "output_dir": str(tmp_path), "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2,
+            "max_steps": 2, "learning_rate": 3e-2, "use_cpu": True, "save_strategy": "no", "report_to": [],
+            "seed": 0, **arguments}))
+    installed.attach_to_trainer(trainer)
+    return trainer, model, (eval_ids, eval_labels)
+
+
+def test_evaluation_logs_the_ce_and_numeric_parts_of_the_evaluation_set(tmp_path, generator):
+    """evaluate() over 3 batches: eval_loss_ce is the plain CE of the model on the whole set and each
+    numeric part its reference (float64, computed apart from the hook); eval_loss is the trained
+    objective, the batches' CE + weight x SMMD averaged over them; the parts reach the returned
+    metrics and log_history."""
+    trainer, model, (eval_ids, eval_labels) = evaluated_trainer(tmp_path, generator)
+    trainer.train()
+    metrics = trainer.evaluate()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=eval_ids).logits.double()  # no labels: the hook is not called
+    targets = F.pad(eval_labels, (0, 1), value=-100)[..., 1:]
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+    assert metrics["eval_loss_ce"] == pytest.approx(ce.item(), rel=1e-5)
+    assert metrics["eval_loss_smmd"] == pytest.approx(smmd(logits, targets).item(), rel=1e-5)
+    assert metrics["eval_loss_numeric"] == pytest.approx(metrics["eval_loss_smmd"], rel=1e-6)
+    assert metrics["eval_loss_total"] == pytest.approx(metrics["eval_loss_ce"] + 0.5 * metrics["eval_loss_numeric"])
+    assert metrics["eval_numeric_positions"] == torch.isin(targets, torch.tensor(NUMERIC_IDS)).sum().item()
+    assert 0 <= metrics["eval_numeric_accuracy"] <= 1 and metrics["eval_numeric_mae"] >= 0
+    batches = [(logits[start:start + 2], targets[start:start + 2]) for start in range(0, 6, 2)]
+    objective = sum(F.cross_entropy(batch_logits.reshape(-1, VOCAB_SIZE), batch_targets.reshape(-1))
+                    + 0.5 * smmd(batch_logits, batch_targets) for batch_logits, batch_targets in batches) / 3
+    assert metrics["eval_loss"] == pytest.approx(objective.item(), rel=1e-5)
+    assert metrics["eval_loss"] > metrics["eval_loss_ce"]
+    logged = [entry for entry in trainer.state.log_history if "eval_loss" in entry][-1]
+    assert {key: logged[key] for key in metrics if key.startswith("eval_loss")} == \
+        {key: value for key, value in metrics.items() if key.startswith("eval_loss")}
+
+
+def test_metric_for_best_model_loss_ce_selects_and_stops_by_ce(tmp_path, generator):
+    """metric_for_best_model="loss_ce" (the Trainer reads eval_loss_ce) picks the evaluation with the
+    lowest CE part, and early stopping stops at the first evaluation whose CE part does not improve."""
+    from transformers import EarlyStoppingCallback
+
+    trainer, _, _ = evaluated_trainer(tmp_path, generator, weight=20.0, max_steps=6, learning_rate=5e-2,
+                                      eval_strategy="steps", eval_steps=1, save_strategy="best",
+                                      metric_for_best_model="loss_ce", greater_is_better=False)
+    trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=1))
+    trainer.train()
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    ce = [entry["eval_loss_ce"] for entry in evaluations]
+    first_worse = next((index for index in range(1, len(ce)) if ce[index] >= min(ce[:index])), None)
+    assert len(evaluations) == (6 if first_worse is None else first_worse + 1)
+    best = min(evaluations, key=lambda entry: entry["eval_loss_ce"])
+    assert trainer.state.best_metric == best["eval_loss_ce"] != best["eval_loss"]
+    assert trainer.state.best_global_step == best["step"]
+
+
+def _plain_ce(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func that trains plain CE: the hook is never called."""
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="sum") / \
+        num_items_in_batch
+
+
+def _own_loss_llama():
+    """A Llama whose forward computes its own CE instead of calling self.loss_function."""
+    from transformers import LlamaForCausalLM
+
+    class OwnLossLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
+            output = super().forward(input_ids=input_ids, **kwargs)
+            targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            output.loss = F.cross_entropy(output.logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+            return output
+
+    config = models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64, seed=0).config
+    return OwnLossLlama(config)
+
+
+@pytest.mark.parametrize("case", ["compute_loss_func", "model"])
+def test_a_first_step_that_never_calls_the_hook_raises_before_the_update(tmp_path, generator, case):
+    """Real trainers that train another loss than the installed one: a compute_loss_func of plain CE, a
+    model whose forward computes its own loss. The first step raises, naming the classes, and leaves
+    the weights as they were."""
+    ids, labels = rows(generator)
+    model = _own_loss_llama() if case == "model" else models.tiny_llama(VOCAB_SIZE, hidden_size=32, max_positions=64)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(NUMERIC_IDS, VALUES, VOCAB_SIZE)))
+    trainer = Trainer(model=model, train_dataset=models.token_rows(ids, labels),
+                      compute_loss_func=_plain_ce if case == "compute_loss_func" else None,
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                             gradient_accumulation_steps=2, max_steps=2, use_cpu=True,
+                                             save_strategy="no", report_to=[]))
+    installed.attach_to_trainer(trainer)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    name = type(model).__name__
+    with pytest.raises(RuntimeError, match=f"^Trainer ran its first training step on {name} without calling the "
+                                           "smmd_scale loss hook"):
+        trainer.train()
+    assert all(torch.equal(parameter, start) for parameter, start in zip(model.parameters(), before))
+    assert installed.last_stats is None

@@ -44,7 +44,8 @@ class NumericCausalLMLoss:
     :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off), ``last_counts`` the
     (``num_items_in_batch``, ``num_numeric_in_batch``) they were divided by (None: the call's own counts)
     and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the
-    head's input, no logits).
+    head's input, no logits); ``calls`` counts the calls so far (how :class:`NumericLossCallback` tells a
+    fresh call from the last one it recorded).
     """
 
     def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0,
@@ -58,6 +59,7 @@ class NumericCausalLMLoss:
         self.last_counts: Optional[tuple] = None
         self.last_path: Optional[str] = None
         self.last_z: Optional[torch.Tensor] = None
+        self.calls = 0
         self.ce_options = dict(ce_options or {})
         if "reduction" in self.ce_options:
             raise ValueError("the loss_function hook returns the mean loss HF expects; reduction is not a ce_option")
@@ -169,6 +171,7 @@ class NumericCausalLMLoss:
         self.last_z = output.z.detach()
         self.last_counts = counts
         self.last_path = path
+        self.calls += 1
 
 
 class InstalledLoss:
@@ -196,23 +199,38 @@ class InstalledLoss:
         return self.hook.tp_group is not None
 
     def attach_to_trainer(self, trainer) -> None:
-        """Make a ``transformers.Trainer`` train the same objective for any gradient accumulation:
-        when the Trainer counts a step's tokens for ``num_items_in_batch`` (its ``get_batch_samples``),
-        the step's numeric-target positions are counted the same way (gathered and divided across
-        devices as the Trainer does) and the hook divides the numeric term by them, so each
-        micro-batch returns its share of the step's objective. Without it the Trainer's steps weigh
-        each micro-batch's numeric mean by its tokens, not by its numbers.
+        """Make a ``transformers.Trainer`` (or TRL's ``SFTTrainer``) train CE + weight x the numeric loss,
+        the same objective for any gradient accumulation: when the Trainer counts a step's tokens for
+        ``num_items_in_batch`` (its ``get_batch_samples``), the step's numeric-target positions are
+        counted the same way (gathered and divided across devices as the Trainer does) and the hook
+        divides the numeric term by them, so each micro-batch returns its share of the step's
+        objective. Without it the Trainer's steps weigh each micro-batch's numeric mean by its tokens,
+        not by its numbers.
 
         Also adds a :class:`~smmd_scale.integrations.hf_callback.NumericLossCallback` ahead of the
         Trainer's other callbacks: every training log then holds the loss parts (``loss_ce``,
         ``loss_numeric``, ``loss_smmd``, ..., ``loss_total``) and numeric metrics of its logging
-        window, in ``log_history`` and in whatever the Trainer reports to (TensorBoard, W&B)."""
-        from .hf_callback import NumericLossCallback
+        window, every evaluation the same parts of the evaluation set (``eval_loss_ce``, ...), in
+        ``log_history`` and in whatever the Trainer reports to (TensorBoard, W&B); and if the first
+        training step never calls the hook, it raises before the optimizer applies that step.
 
+        ``SFTTrainer`` computes its loss without the model's ``loss_function``: its ``compute_loss``
+        is replaced by the Trainer's, with TRL's metrics kept (:mod:`smmd_scale.integrations.trl`).
+        Refused, before anything changes: a trainer that trains another model than the one
+        ``install`` hooked, the Trainer's label smoother (``label_smoothing_factor``), Liger's fused
+        linear cross-entropy and an ``SFTTrainer`` whose ``loss_type`` is not ``"nll"``: each
+        computes its loss without calling the hook."""
+        from .hf_callback import NumericLossCallback
+        from .trl import attach_to_sft_trainer, is_sft_trainer
+
+        check_trainer_calls_hook(trainer, self.model)
+        if is_sft_trainer(trainer):
+            attach_to_sft_trainer(trainer)
         accelerator = trainer.accelerator
         reduce = None if accelerator.num_processes == 1 else (
             lambda sums: accelerator.reduce(sums.to(accelerator.device), reduction="sum"))
-        trainer.callback_handler.callbacks.insert(0, NumericLossCallback(self, reduce))
+        trainer.callback_handler.callbacks.insert(0, NumericLossCallback(self, reduce,
+                                                                         trainer_name=type(trainer).__name__))
         fetch = trainer.get_batch_samples
         hook = self.hook
 
@@ -243,6 +261,28 @@ class InstalledLoss:
     def __repr__(self):
         fused = ", fused linear head" if self.fused_linear else ""
         return f"InstalledLoss(on {type(self.model).__name__}{fused}, {self.hook!r})"
+
+
+def check_trainer_calls_hook(trainer, model) -> None:
+    """Refuse (one line: what, and what to do) a ``transformers.Trainer`` set up so that it never calls
+    the hook installed on ``model``. What cannot be told from the set-up (a ``compute_loss`` or
+    ``compute_loss_func`` of one's own, a model whose forward computes its own loss) is checked at the
+    first training step by :class:`~smmd_scale.integrations.hf_callback.NumericLossCallback`."""
+    trained = trainer.model
+    if not any(module is model for module in trained.modules()):
+        raise ValueError(f"{type(trainer).__name__} trains a {type(trained).__name__} that is not (and does not wrap) "
+                         f"the {type(model).__name__} smmd_scale.install hooked; install the loss on the model "
+                         "passed to the trainer (trainer.model), or build the trainer with that model")
+    if trainer.label_smoother is not None:
+        factor = trainer.args.label_smoothing_factor
+        raise ValueError(f"label_smoothing_factor={factor}: the Trainer's label smoother computes the loss from the "
+                         "logits without the hook; set label_smoothing_factor=0 and pass ce_options="
+                         f"{{'label_smoothing': {factor}}} to smmd_scale.install")
+    liger = trainer.args.liger_kernel_config or {}
+    if trainer.args.use_liger_kernel and liger.get("fused_linear_cross_entropy", True):
+        raise ValueError("use_liger_kernel=True: Liger's fused linear cross-entropy replaces the model's forward and "
+                         "loss, so the hook is never called; pass liger_kernel_config={'fused_linear_cross_entropy': "
+                         "False} (smmd_scale.install(..., fused_linear=True) fuses the head with the numeric loss)")
 
 
 def set_loss_function(model, hook) -> None:
