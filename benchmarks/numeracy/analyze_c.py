@@ -39,16 +39,20 @@ def _cpu_hours(rows) -> float:
         row.get("eval_cpu_seconds") or 0.0 for row in rows) / 3600
 
 
+def _read(path: Path, default: dict) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
 def budget_rows(work_dir: Path, runs: list, selections: list) -> list:
-    """CPU-hours of each stage (train.py and the evaluation): probe, pilot, selection, grid."""
-    probe_path, pilot_path = work_dir / "probe.json", work_dir / "pilot.json"
-    probe = json.loads(probe_path.read_text()) if probe_path.is_file() else {}
-    pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else {"runs": []}
+    """CPU-hours of each stage (train.py and the evaluation): throughput, pilot, selection, grid."""
+    throughput = _read(work_dir / "throughput.json", {"rows": []})
+    pilot = _read(work_dir / "pilot.json", {"runs": []})
     # every arm's selection shares one CE reference run: counted once
     references = {json.dumps(selection["reference"], sort_keys=True): selection["reference"]
                   for selection in selections}
     selection_rows = [row for selection in selections for row in selection["candidates"]] + list(references.values())
-    stages = [("probe", 1 if probe else 0, probe.get("cpu_seconds", 0.0) / 3600),
+    stages = [("throughput", len(throughput["rows"]),
+               sum(row["run_cpu_seconds"] for row in throughput["rows"]) / 3600),
               ("pilot", len(pilot["runs"]), _cpu_hours(pilot["runs"])),
               ("selection", len(selection_rows), _cpu_hours(selection_rows)),
               ("grid", len(runs), _cpu_hours(runs))]
@@ -60,11 +64,16 @@ def budget_rows(work_dir: Path, runs: list, selections: list) -> list:
 
 def summary_markdown(work_dir: Path, study: dict, runs: list, analysis: dict, selections: list) -> str:
     settings = study["settings"]
-    pilot_path, probe_path = work_dir / "pilot.json", work_dir / "probe.json"
-    pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else {"runs": []}
-    probe = json.loads(probe_path.read_text()) if probe_path.is_file() else {}
-    pilot_rows = [{"operands below": str(run["operand_range"]), "lr": f"{run['lr']:g}",
-                   "CE val exact match (%)": analyze_a.scaled(run["val_exact_match"], 100.0)} for run in pilot["runs"]]
+    pilot = _read(work_dir / "pilot.json", {"runs": []})
+    throughput = _read(work_dir / "throughput.json", {"rows": []})
+    band = settings["pilot"]["band"]
+    pilot_rows = [{"task": run["task"], "examples": str(run["train_examples"]), "lr": f"{run['lr']:g}",
+                   "CE val exact match (%)": analyze_a.scaled(run["val_exact_match"], 100.0),
+                   "train CPU-s": f"{run['train_cpu_seconds']:.0f}"} for run in pilot["runs"]]
+    throughput_rows = [{"micro-batch": str(row["micro_batch_size"]), "CPU-s per step": f"{row['step_cpu_seconds']:.2f}",
+                        "examples per CPU-s": f"{row['examples_per_cpu_second']:.2f}",
+                        "peak RSS (MiB)": f"{row['peak_rss_mib']:.0f}",
+                        "load average": f"{row['load_average_before'][0]:.1f}"} for row in throughput["rows"]]
     budget = budget_rows(work_dir, runs, selections)
     lines = [
         "# Tier C: fine-tuning pretrained SmolLM2-135M-Instruct on arithmetic in digits "
@@ -72,19 +81,20 @@ def summary_markdown(work_dir: Path, study: dict, runs: list, analysis: dict, se
         f"Arms {', '.join(analysis['arms'])}; seeds {analysis['seeds']}; {len(runs)} runs reported. "
         f"`launch/train.py --model {settings['model']}` under ZeRO-3 in one process: {settings['steps']} steps x "
         f"{settings['micro_batch_size']} prompt/completion rows (loss on the completion and its EOS), lr "
-        f"{settings['lr']:g}, operands 0..{settings['operand_range'] - 1} (out of range: one operand with one digit "
-        f"more). Weights chosen on validation: "
+        f"{settings['lr']:g}, task {settings['task']}: {', '.join(settings['operations'])} with operands "
+        f"0..{settings['operand_range'] - 1} (out of range: one operand with one digit more). Weights chosen on "
+        "validation: "
         + (", ".join(f"{arm} {weight:g}" for arm, weight in study.get("weights", {}).items()) or "none") + ". "
         f"Items scored per run: {analyze_a.scored_counts(runs)}.", "",
-        *([f"**Exploratory, outside the pre-registered plan**: {pilot['exploratory']['why']} (operands below "
-           f"{pilot['exploratory']['operand_range']}, lr {pilot['exploratory']['lr']:g}). Exact match sits near "
-           "the floor here; read the verdicts below as exploratory, not as the pre-registered rule's.", ""]
-          if pilot.get("exploratory") else []),
-        f"Timing probe: {probe.get('step_seconds', float('nan')):.2f} s per step (median of {probe.get('steps', 0)} "
-        f"steps at micro-batch {probe.get('micro_batch_size', 'n/a')}, seq_len {probe.get('seq_len', 'n/a')}; load "
-        f"average {', '.join(f'{value:.1f}' for value in probe.get('load_average', ()))}).", "",
-        "**Pilot** (CE alone, seed 2000, validation; the band is "
-        f"{pilot.get('band', [0.3, 0.7])[0]:.0%}-{pilot.get('band', [0.3, 0.7])[1]:.0%})", "",
+        *([f"**Exploratory, outside the pre-registered plan**: {pilot['exploratory']['why']} ("
+           f"{pilot['exploratory']['task']}, {pilot['exploratory']['train_examples']} examples, lr "
+           f"{pilot['exploratory']['lr']:g}). Read the verdicts below as exploratory, not as the pre-registered "
+           "rule's.", ""] if pilot.get("exploratory") else []),
+        f"**Throughput** (CPU-seconds of train.py's own process, {throughput.get('date', 'n/a')}; the study trains "
+        f"at micro-batch {settings['micro_batch_size']})", "",
+        markdown_table(throughput_rows, [(key, key, "s") for key in throughput_rows[0]]) if throughput_rows
+        else "(not measured)", "",
+        f"**Pilot** (CE alone, seed 2000, validation; the band is {band[0]:.0%}-{band[1]:.0%})", "",
         markdown_table(pilot_rows, [(key, key, "s") for key in pilot_rows[0]]) if pilot_rows else "(no pilot run)", "",
         "**Budget**", "", markdown_table(budget, [(key, key, "s") for key in budget[0]]), "",
         analyze_a.tables(analysis, METRICS), "",

@@ -14,8 +14,9 @@ Problems are prompt/completion records, the loss on the completion (and its EOS)
 Splits (``build_data``), disjoint by the problem (for the symmetric ``add`` and ``dist`` by the unordered
 operand pair): ``train``, ``val`` (selection and the pilot only), ``test`` (the primary split, at least
 1,000 items), ``oor`` (an operand with one digit more than the operand range allows, never trained).
-The operand range and the learning rate come from the CE-only pilot (``pilot_next``), the number of
-steps from the timing probe (``planned_steps``).
+The task (operations and operand range), the training length and the lr come from the CE-only pilot,
+whose ladder is pre-registered in ``benchmarks/numeracy/preregistration.json`` (``pilot_points``,
+``pilot_next``); the micro-batch is registered there too, from the throughput measurement.
 """
 
 from __future__ import annotations
@@ -28,21 +29,13 @@ from pathlib import Path
 
 OPERATIONS = ("add", "sub", "dist")
 SPLITS = ("train", "val", "test", "oor")
-# The study's settings (benchmarks/numeracy/README.md, Tier C); the operand range, lr and steps are
-# fixed by the pilot and the probe (study_c.plan).
+# The study's settings (benchmarks/numeracy/README.md, Tier C). The micro-batch, the pilot's ladder and the
+# per-run cap are pre-registered (study_c.registered_pilot); the task, the examples and the lr are the pilot's.
 SETTINGS = {
     "data_seed": 0, "val_items": 300, "test_items": 1002, "oor_items": 300, "nll_items": 300,
-    "plain_sequences": 16, "plain_seq_len": 64, "micro_batch_size": 8, "warmup_fraction": 0.1,
-    "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 10, "eval_batch_size": 64,
-    "probe_steps": 20, "max_step_seconds": 4.5, "train_seconds_per_run": 150.0, "min_steps": 40, "max_steps": 400,
+    "plain_sequences": 16, "plain_seq_len": 64, "warmup_fraction": 0.1,
+    "deepspeed_config": "ds_configs/zero3.json", "threads": 1, "nice": 19, "eval_batch_size": 64,
 }
-# The pilot: CE alone on the pilot seed, starting at 3-digit operands and lr 1e-4; too easy -> one digit
-# more, too hard -> a larger lr first, then one digit less (``pilot_next``). The band is CE's validation
-# exact match after the planned steps.
-PILOT_RANGES = (100, 1000, 10000)
-PILOT_LRS = (1e-4, 3e-4)
-PILOT_START = (1000, 1e-4)
-PILOT_BAND = (0.30, 0.70)
 WEIGHTS = (0.1, 0.3, 1.0)
 _DIGITS = {"numeric_policy": "digits"}
 # name -> the train.py loss name; every numeric arm's weight is chosen on validation from WEIGHTS. SMMD and
@@ -88,19 +81,35 @@ def _draw(rng: random.Random, op: str, low: int, high: int, oor_high: int = 0) -
     return op, a, b
 
 
+def problems_per_operation(operand_range: int) -> int:
+    """Distinct problems of one operation with operands in [0, operand_range): unordered pairs for ``add``
+    and ``dist``, a >= b for ``sub``; n (n + 1) / 2 each."""
+    return operand_range * (operand_range + 1) // 2
+
+
+def train_pool(operand_range: int, operations, val_items: int, test_items: int, wanted: int) -> int:
+    """The distinct training problems a task can hold beside its validation and test items (as
+    ``split_problems`` deals them out over ``operations``): ``wanted`` or fewer. A run that trains on more
+    examples than its pool goes round it again (train.py draws a new permutation each epoch)."""
+    held_out_per_operation = sum(math.ceil(count / len(operations)) for count in (val_items, test_items))
+    return min(wanted, (problems_per_operation(operand_range) - held_out_per_operation) * len(operations))
+
+
 def split_problems(operand_range: int, train_items: int, val_items: int, test_items: int, oor_items: int,
-                   seed: int) -> dict:
-    """{split: [(op, a, b)]}, disjoint by ``_key``, the operations in turn; held-out splits are drawn first."""
-    rng = random.Random(f"tier_c/{seed}/{operand_range}")
-    capacity = operand_range * operand_range // 2
-    if val_items + test_items + train_items > capacity:
-        raise ValueError(f"operand range {operand_range} has about {capacity} distinct problems per operation, "
-                         f"fewer than the {val_items + test_items + train_items} the splits need")
+                   seed: int, operations=OPERATIONS) -> dict:
+    """{split: [(op, a, b)]}, disjoint by ``_key``, ``operations`` in turn; held-out splits are drawn first."""
+    rng = random.Random(f"tier_c/{seed}/{'+'.join(operations)}/{operand_range}")
+    needed = sum(math.ceil(count / len(operations)) for count in (val_items, test_items, train_items))
+    if needed > problems_per_operation(operand_range):
+        raise ValueError(f"operands below {operand_range} give {problems_per_operation(operand_range)} distinct "
+                         f"problems per operation, fewer than the {needed} per operation that {val_items} validation, "
+                         f"{test_items} test and {train_items} training items over {len(operations)} operations "
+                         "need; ask for fewer (tier_c.train_pool)")
     seen, splits = set(), {}
     for split, count in (("val", val_items), ("test", test_items), ("oor", oor_items), ("train", train_items)):
         problems = []
         while len(problems) < count:
-            op = OPERATIONS[len(problems) % len(OPERATIONS)]
+            op = operations[len(problems) % len(operations)]
             problem = _draw(rng, op, 0, operand_range, operand_range * 10 if split == "oor" else 0)
             if _key(*problem) not in seen:
                 seen.add(_key(*problem))
@@ -121,9 +130,11 @@ def plain_text() -> str:
 
 
 def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_items: int, test_items: int,
-               oor_items: int, nll_items: int, plain_sequences: int, plain_seq_len: int, seed: int = 0) -> dict:
-    """Write Tier C's files under ``out_dir``; returns their paths, the sizes and ``seq_len`` (the longest
-    training row, prompt + completion + EOS, rounded up to a multiple of 4).
+               oor_items: int, nll_items: int, plain_sequences: int, plain_seq_len: int, seed: int = 0,
+               operations=OPERATIONS) -> dict:
+    """Write Tier C's files under ``out_dir``; returns their paths, the sizes and ``seq_len``: the longest
+    training row, prompt + completion + EOS (train.py pads every row to it, so it is no longer than the
+    training records need; held-out items are not rows).
 
     ``train.jsonl``  {"prompt", "completion"}: the training problems (train.py's fine-tuning format);
     ``qa_val.jsonl`` / ``qa_eval.jsonl`` {"prompt", "answer", "task" = "<split>/<op>"}: validation, and
@@ -131,7 +142,7 @@ def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_
                      score the teacher-forced answer NLL);
     ``plain.json``   {"input_ids"}: ``plain_sequences`` rows of ``plain_seq_len`` tokens of ``plain_text``.
     """
-    splits = split_problems(operand_range, train_items, val_items, test_items, oor_items, seed)
+    splits = split_problems(operand_range, train_items, val_items, test_items, oor_items, seed, operations)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"train": out_dir / "train.jsonl", "qa_val": out_dir / "qa_val.jsonl",
@@ -146,7 +157,7 @@ def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_
                     handle.write(json.dumps({"prompt": prompt(op, a, b), "answer": answer(op, a, b),
                                              "task": f"{split}/{op}"}) + "\n")
     longest = max(len(tokenizer(prompt(*problem) + str(answer(*problem)), add_special_tokens=False)["input_ids"]) + 1
-                  for split in SPLITS for problem in splits[split])
+                  for problem in splits["train"])
     ids = tokenizer(plain_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < plain_sequences * plain_seq_len:
         raise ValueError(f"the plain text has {len(ids)} tokens, fewer than {plain_sequences} x {plain_seq_len}")
@@ -154,47 +165,74 @@ def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_
     paths["plain"].write_text(json.dumps({"input_ids": rows, "python": sys.version.split()[0]}))
     return {**{key: str(path) for key, path in paths.items()}, **{f"{split}_items": len(problems)
                                                                    for split, problems in splits.items()},
-            "nll_items": min(nll_items, test_items), "seq_len": 4 * math.ceil(longest / 4),
+            "nll_items": min(nll_items, test_items), "seq_len": longest,
             "longest_answer_digits": max(len(str(answer(*problem))) for split in SPLITS for problem in splits[split])}
 
 
-def planned_steps(step_seconds: float, settings: dict) -> int:
-    """The steps of every run: the per-run training budget over the probe's seconds per step, within
-    [min_steps, max_steps]."""
-    steps = int(settings["train_seconds_per_run"] // step_seconds)
-    return max(settings["min_steps"], min(settings["max_steps"], steps))
+# ----------------------------------------------------------------------------------------------
+# The pilot: a pre-registered ladder of (task, training examples, lr), CE alone
+# ----------------------------------------------------------------------------------------------
+
+def pilot_points(ladder: dict) -> list:
+    """Every point of the pilot's ``ladder`` (``preregistration.json``, tiers.c.pilot) in the registered
+    order: the tasks as listed (the study's own task first, then easier ones), within a task the
+    training lengths ascending, within a length the learning rates ascending. Each point is
+    {"task", "operations", "operand_range", "train_examples", "lr"}."""
+    return [{"task": task["name"], "operations": list(task["operations"]), "operand_range": task["operand_range"],
+             "train_examples": examples, "lr": lr}
+            for task in ladder["tasks"] for examples in sorted(ladder["train_examples"])
+            for lr in sorted(ladder["lrs"])]
 
 
-def pilot_next(history: list):
-    """The next (operand_range, lr) of the CE-only pilot, or None when it is decided or cannot go on.
-
-    ``history``: [(operand_range, lr, validation exact match)] in the order run. In the band -> None
-    (decided); above it -> the next larger range, same lr; below it -> the next larger lr at this range,
-    else the next smaller range at the first lr. A candidate already run, or outside the grid, ends it
-    (None, undecided: ``pilot_choice`` says so)."""
-    if not history:
-        return PILOT_START
-    operand_range, lr, exact = history[-1]
-    low, high = PILOT_BAND
-    if low <= exact <= high:
-        return None
-    ranges = list(PILOT_RANGES)
-    index = ranges.index(operand_range)
-    if exact > high:
-        candidate = (ranges[index + 1], lr) if index + 1 < len(ranges) else None
-    elif PILOT_LRS.index(lr) + 1 < len(PILOT_LRS):
-        candidate = (operand_range, PILOT_LRS[PILOT_LRS.index(lr) + 1])
-    else:
-        candidate = (ranges[index - 1], PILOT_LRS[0]) if index > 0 else None
-    tried = {(entry[0], entry[1]) for entry in history}
-    return None if candidate is None or candidate in tried else candidate
+def point_key(point: dict) -> tuple:
+    return point["task"], point["train_examples"], point["lr"]
 
 
-def pilot_choice(history: list):
-    """(operand_range, lr) of the last pilot run when it landed in the band, else None."""
-    if history and PILOT_BAND[0] <= history[-1][2] <= PILOT_BAND[1]:
-        return history[-1][0], history[-1][1]
-    return None
+def in_band(exact_match: float, band) -> bool:
+    return band[0] <= exact_match <= band[1]
+
+
+def pilot_next(ladder: dict, history: list, predicted_cpu_seconds) -> tuple:
+    """The pilot's next point and the points it passes over, by the registered stopping rule.
+
+    ``history``: the points run so far, each a ``pilot_points`` point with ``val_exact_match`` (CE's
+    greedy exact match on validation); ``predicted_cpu_seconds(point)``: the training CPU-seconds of a
+    point (from the throughput measurement). Returns (the next point to run, or None when the pilot is
+    over; [(point, why)] passed over before it). The rule, in order over ``pilot_points``:
+
+    * a run in the band (``ladder["band"]``, inclusive) ends the pilot: the first such point is the study's;
+    * a point already run is not run again;
+    * a point whose predicted training CPU exceeds ``ladder["cap_cpu_seconds"]`` is passed over;
+    * a point is passed over when the same task at the same lr with fewer examples scored above the band
+      (more training at the same lr is taken not to lower CE's exact match);
+    * no point left: the pilot is over without a point in the band (``pilot_choice`` is None).
+    """
+    band = ladder["band"]
+    if any(in_band(run["val_exact_match"], band) for run in history):
+        return None, []
+    ran = {point_key(run) for run in history}
+    too_easy = [run for run in history if run["val_exact_match"] > band[1]]
+    passed = []
+    for point in pilot_points(ladder):
+        if point_key(point) in ran:
+            continue
+        if predicted_cpu_seconds(point) > ladder["cap_cpu_seconds"]:
+            passed.append((point, f"predicted {predicted_cpu_seconds(point):.0f} CPU-s of training, over the cap "
+                                  f"of {ladder['cap_cpu_seconds']:g}"))
+            continue
+        easier = [run for run in too_easy if run["task"] == point["task"] and run["lr"] == point["lr"]
+                  and run["train_examples"] < point["train_examples"]]
+        if easier:
+            passed.append((point, f"{easier[0]['train_examples']} examples at this lr already scored "
+                                  f"{easier[0]['val_exact_match']:.1%}, above the band"))
+            continue
+        return point, passed
+    return None, passed
+
+
+def pilot_choice(ladder: dict, history: list):
+    """The first run of ``history`` in the band (the study's point), else None."""
+    return next((run for run in history if in_band(run["val_exact_match"], ladder["band"])), None)
 
 
 # ----------------------------------------------------------------------------------------------

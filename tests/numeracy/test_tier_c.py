@@ -19,23 +19,120 @@ REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = Path(study_c.DEFAULT_MODEL)
 
 
-def test_pilot_moves_difficulty_then_lr_and_stops_in_the_band_or_when_it_would_repeat():
-    assert tier_c.pilot_next([]) == (1000, 1e-4)
-    assert tier_c.pilot_next([(1000, 1e-4, 0.5)]) is None                       # in the band: decided
-    assert tier_c.pilot_choice([(1000, 1e-4, 0.5)]) == (1000, 1e-4)
-    assert tier_c.pilot_next([(1000, 1e-4, 0.9)]) == (10000, 1e-4)              # too easy: one digit more
-    assert tier_c.pilot_next([(1000, 1e-4, 0.1)]) == (1000, 3e-4)               # too hard: a larger lr first
-    assert tier_c.pilot_next([(1000, 1e-4, 0.1), (1000, 3e-4, 0.2)]) == (100, 1e-4)  # then one digit less
-    # Oscillating between two ranges ends the pilot undecided instead of looping.
-    history = [(1000, 1e-4, 0.1), (1000, 3e-4, 0.2), (100, 1e-4, 0.9)]
-    assert tier_c.pilot_next(history) is None and tier_c.pilot_choice(history) is None
-    assert tier_c.pilot_next([(10000, 1e-4, 0.95)]) is None                      # nothing harder in the grid
+LADDER = {"band": [0.3, 0.7], "cap_cpu_seconds": 900, "micro_batch_size": 32, "train_examples": [3000, 1000, 10000],
+          "lrs": [3e-4, 1e-4], "tasks": [{"name": "hard", "operations": ["add", "sub", "dist"], "operand_range": 1000},
+                                         {"name": "easy", "operations": ["add"], "operand_range": 100}]}
 
 
-def test_planned_steps_divide_the_run_budget_by_the_probe_within_bounds():
-    settings = dict(tier_c.SETTINGS, train_seconds_per_run=240.0, min_steps=40, max_steps=400)
-    assert tier_c.planned_steps(3.0, settings) == 80
-    assert tier_c.planned_steps(10.0, settings) == 40 and tier_c.planned_steps(0.1, settings) == 400
+def _cost(point):  # one CPU-second per 10 examples: 10,000 examples (1,000 s) are over the 900 s cap
+    return point["train_examples"] / 10
+
+
+def _run(point, exact):
+    return {**point, "val_exact_match": exact}
+
+
+def test_pilot_points_go_task_by_task_then_by_length_then_by_lr():
+    order = [(point["task"], point["train_examples"], point["lr"]) for point in tier_c.pilot_points(LADDER)]
+    assert order == [(task, examples, lr) for task in ("hard", "easy") for examples in (1000, 3000, 10000)
+                     for lr in (1e-4, 3e-4)]
+    registered = tier_c.pilot_points(study_c.registered_pilot())
+    assert [point["task"] for point in registered[::6]] == ["add-sub-dist-999", "add-sub-dist-99", "add-99"]
+    assert [(point["train_examples"], point["lr"]) for point in registered[:6]] == \
+        [(1000, 3e-4), (1000, 1e-3), (2000, 3e-4), (2000, 1e-3), (4000, 3e-4), (4000, 1e-3)]
+
+
+def test_the_pilot_stops_at_the_first_point_in_the_band():
+    point, passed = tier_c.pilot_next(LADDER, [], _cost)
+    assert (point["task"], point["train_examples"], point["lr"]) == ("hard", 1000, 1e-4) and passed == []
+    history = [_run(point, 0.05)]
+    point, _ = tier_c.pilot_next(LADDER, history, _cost)          # below the band: the next point in order
+    assert (point["train_examples"], point["lr"]) == (1000, 3e-4)
+    history.append(_run(point, 0.30))                              # the band is inclusive
+    assert tier_c.pilot_next(LADDER, history, _cost) == (None, [])
+    assert tier_c.pilot_choice(LADDER, history) == history[1]
+    assert tier_c.pilot_choice(LADDER, history[:1]) is None
+
+
+def test_the_pilot_passes_over_points_over_the_cap_and_longer_runs_at_an_lr_already_too_easy():
+    history = [_run(point, exact) for point, exact in zip(tier_c.pilot_points(LADDER), (0.1, 0.8))]
+    point, passed = tier_c.pilot_next(LADDER, history, _cost)
+    assert (point["task"], point["train_examples"], point["lr"]) == ("hard", 3000, 1e-4) and passed == []
+    history.append(_run(point, 0.2))
+    point, passed = tier_c.pilot_next(LADDER, history, _cost)
+    # (hard, 3000, 3e-4): 1000 examples at 3e-4 scored 80%; 10,000 examples: predicted 1,000 CPU-s > 900
+    assert [(skipped["task"], skipped["train_examples"], skipped["lr"]) for skipped, _ in passed] == \
+        [("hard", 3000, 3e-4), ("hard", 10000, 1e-4), ("hard", 10000, 3e-4)]
+    assert "above the band" in passed[0][1] and "over the cap" in passed[1][1]
+    assert (point["task"], point["train_examples"], point["lr"]) == ("easy", 1000, 1e-4)
+
+
+def test_a_pilot_that_never_reaches_the_band_ends_without_a_choice():
+    history = []
+    while (point := tier_c.pilot_next(LADDER, history, _cost)[0]) is not None:
+        assert point not in [{key: run[key] for key in point} for run in history]  # never the same point twice
+        history.append(_run(point, 0.01))
+    assert [(run["task"], run["train_examples"]) for run in history] == \
+        [(task, examples) for task in ("hard", "easy") for examples in (1000, 1000, 3000, 3000)]
+    assert tier_c.pilot_choice(LADDER, history) is None
+
+
+def test_predicted_cpu_extends_the_throughput_run_by_its_per_step_cost():
+    throughput = {"rows": [{"micro_batch_size": 32, "steps": 6, "step_cpu_seconds": 4.0, "run_cpu_seconds": 80.0}]}
+    predict = study_c.predicted_cpu_seconds(throughput, 32)
+    assert predict({"train_examples": 1000}) == pytest.approx(80.0 + (32 - 6) * 4.0)  # ceil(1000 / 32) = 32 steps
+    assert study_c.point_settings({"micro_batch_size": 32}, {**LADDER["tasks"][0], "task": "hard",
+                                                             "train_examples": 1000, "lr": 1e-4})["steps"] == 32
+    with pytest.raises(SystemExit, match="not the registered 64"):
+        study_c.predicted_cpu_seconds(throughput, 64)
+
+
+_STEPS_SCRIPT = """
+import json, pathlib, sys, time
+with open(pathlib.Path(sys.argv[1]) / "metrics.jsonl", "a") as handle:
+    handle.write(json.dumps({"step": 0, "run/world_size": 1}) + "\\n")
+    handle.flush()
+    for step in (1, 2, 3):
+        began = time.process_time()
+        while time.process_time() - began < 0.3:  # a step's work
+            pass
+        handle.write(json.dumps({"step": step, "loss/ce": 1.0, "cpu": time.process_time()}) + "\\n")
+        handle.flush()
+        time.sleep(1.0)  # idle wall time, which the CPU count must leave out
+"""
+
+
+def test_run_sampled_reads_the_process_cpu_at_each_logged_step(tmp_path):
+    run = study_c.run_sampled([sys.executable, "-c", _STEPS_SCRIPT, str(tmp_path)], tmp_path, dict(os.environ))
+    assert sorted(run["cpu_at_step"]) == [1, 2, 3]
+    # the process's own count of its CPU between its records (the reference) against the /proc readings
+    own = {record["step"]: record["cpu"] for record in map(json.loads, (tmp_path / "metrics.jsonl").open())
+           if "cpu" in record}
+    assert run["cpu_at_step"][3] - run["cpu_at_step"][1] == pytest.approx(own[3] - own[1], abs=0.1)
+    assert run["wall_seconds"] > 3.0 > run["cpu_seconds"] >= run["cpu_at_step"][3] and run["peak_rss_mib"] > 0
+
+
+def test_every_registered_task_has_room_for_its_held_out_items_and_a_training_pool():
+    ladder, settings = study_c.registered_pilot(), tier_c.SETTINGS
+    assert ladder["band"] == [0.3, 0.7] and ladder["cap_cpu_seconds"] <= 15 * 60
+    for task in ladder["tasks"]:
+        pool = tier_c.train_pool(task["operand_range"], task["operations"], settings["val_items"],
+                                 settings["test_items"], max(ladder["train_examples"]))
+        splits = tier_c.split_problems(task["operand_range"], pool, settings["val_items"], settings["test_items"],
+                                       settings["oor_items"], settings["data_seed"], tuple(task["operations"]))
+        assert {op for op, _, _ in splits["train"]} == set(task["operations"]) and len(splits["train"]) == pool
+        assert pool >= min(ladder["train_examples"])
+    # add on 0..99 has 5,050 distinct problems: 1,302 held out leave 3,748 to train on (a longer run repeats them)
+    assert tier_c.train_pool(100, ["add"], 300, 1002, 10000) == 3748
+    # dealt out split by split, as split_problems does: on 0..29 (465 problems per operation) 301 validation and
+    # 2 test items over 3 operations take 101 + 1 of each, leaving 3 x 363; one training item more is refused
+    three = ("add", "sub", "dist")
+    assert tier_c.train_pool(30, three, 301, 2, 10000) == 3 * 363
+    assert len(tier_c.split_problems(30, 3 * 363, 301, 2, 0, 0, three)["train"]) == 3 * 363
+    with pytest.raises(ValueError, match="distinct problems per operation"):
+        tier_c.split_problems(30, 3 * 363 + 1, 301, 2, 0, 0, three)
+    with pytest.raises(ValueError, match="distinct problems per operation"):
+        tier_c.split_problems(50, 100, 300, 1002, 30, 0, ("add", ))
 
 
 def test_digit_accuracy_and_scores():
@@ -63,11 +160,17 @@ def test_splits_are_disjoint_fit_the_rows_and_out_of_range_has_one_digit_more(tm
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     data = tier_c.build_data(tmp_path, tokenizer, operand_range=1000, train_items=600, val_items=90, test_items=1002,
                              oor_items=60, nll_items=30, plain_sequences=16, plain_seq_len=64, seed=0)
+    small = tier_c.build_data(tmp_path / "small", tokenizer, operand_range=100, train_items=600, val_items=90,
+                              test_items=300, oor_items=60, nll_items=30, plain_sequences=16, plain_seq_len=64,
+                              seed=0, operations=("add", ))
     train = [json.loads(line) for line in open(data["train"])]
     qa = [json.loads(line) for line in open(data["qa_eval"])] + [json.loads(line) for line in open(data["qa_val"])]
     assert len(train) == 600 and data["test_items"] == 1002
     assert sum(item["task"].startswith("test/") for item in qa) == 1002
-    assert data["seq_len"] == 16  # "|999-999|=" and "1998" and EOS: 15 tokens
+    # rows as long as the longest training record: "|100-999|=" "899" and EOS, 14 tokens (out of range, "|1000-999|="
+    # and so on, is never a training row); add alone on 0..99: "99+99=" "198" and EOS, 10 tokens
+    assert data["seq_len"] == 14 and small["seq_len"] == 10
+    assert all("+" in json.loads(line)["prompt"] for line in open(small["train"]))
     keys = {}
     for split, records in (("train", [(row["prompt"], int(row["completion"])) for row in train]),
                            ("held", [(item["prompt"], item["answer"]) for item in qa])):
@@ -110,13 +213,15 @@ def _synthetic_run(directory, arm, seed, exact):
 def test_report_and_pipeline_check_on_synthetic_runs(tmp_path):
     work, results = tmp_path / "work", tmp_path / "results"
     work.mkdir()
-    settings = dict(tier_c.SETTINGS, model="/models/smollm2", steps=70, operand_range=1000, lr=1e-4)
+    point = {"task": "add-99", "operations": ["add"], "operand_range": 100, "train_examples": 3000, "lr": 1e-4}
+    settings = dict(tier_c.SETTINGS, model="/models/smollm2", micro_batch_size=32, pilot=LADDER, steps=94, **point)
     (work / "study.json").write_text(json.dumps({"tier": "c", "settings": settings, "weights": {"smmd": 0.3}}))
-    (work / "probe.json").write_text(json.dumps({"steps": 20, "step_seconds": 3.4, "micro_batch_size": 8, "seq_len": 16,
-                                                 "load_average": [7.0, 6.9, 6.1], "cpu_seconds": 72.0}))
-    (work / "pilot.json").write_text(json.dumps({"runs": [{"operand_range": 1000, "lr": 1e-4, "val_exact_match": 0.45,
-                                                           "train_cpu_seconds": 300.0, "eval_cpu_seconds": 60.0}],
-                                                 "band": [0.3, 0.7]}))
+    (work / "throughput.json").write_text(json.dumps({"date": "2026-11-29", "rows": [
+        {"micro_batch_size": size, "step_cpu_seconds": seconds, "examples_per_cpu_second": size / seconds,
+         "run_cpu_seconds": 36.0, "peak_rss_mib": 5000.0, "load_average_before": [3.0, 2.5, 2.0]}
+        for size, seconds in ((8, 4.0), (32, 8.0))]}))
+    (work / "pilot.json").write_text(json.dumps({"runs": [{**point, "val_exact_match": 0.45, "train_cpu_seconds": 300.0,
+                                                           "eval_cpu_seconds": 60.0}]}))
     rng = np.random.default_rng(0)
     gains = [0.05, 0.06, 0.04, 0.05, 0.05]
     for seed, gain in enumerate(gains):
@@ -129,9 +234,10 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path):
     assert analysis["tests"]["perplexity"]["rows"][0]["mean_difference"] == pytest.approx(0.0)
     summary = (results / "tier_c_summary.md").read_text()
     assert "Q4_1" in summary and "| smmd | 5.00 pp | [4.12, 5.88] | 1.19 pp | recommend |" in summary
-    assert "recommend" in summary and "3.40 s per step" in summary
-    # Budget: probe 72 s, pilot 360 s, grid 10 x 396 s (train.py and evaluation).
-    assert "| all | 12 | 1.22 |" in summary
+    assert "| 32 | 8.00 | 4.00 | 5000 | 3.0 |" in summary                  # the throughput table
+    assert "| add-99 | 3000 | 0.0001 | 45.0 | 300 |" in summary and "operands 0..99" in summary
+    # Budget: throughput 2 x 36 s, pilot 360 s, grid 10 x 396 s (train.py and evaluation).
+    assert "| all | 13 | 1.22 |" in summary
     assert analyze_c.check_pipeline(results, ["ce", "smmd"], list(range(5))) == []
     assert any("missing" in problem for problem in analyze_c.check_pipeline(results, ["ce", "smmd"], list(range(6))))
     assert math.isfinite(analysis["tests"]["answer_nll"]["rows"][0]["p_holm_study"]) or \
