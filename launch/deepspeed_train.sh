@@ -19,21 +19,35 @@
 #   the refusal names the flag alone).
 # The caller sets LAUNCH_DIR (this folder); relative paths stay relative to the caller's folder (the
 # deepspeed launcher starts every rank there, on every node), the defaults below are absolute.
+# With --dry_run among the arguments, train.py runs here, in one process, for the NUM_NODES x GPUS_PER_NODE
+# ranks the job would start (--world_size, --gpus_per_node): no launcher, no hostfile read.
 NUM_NODES="${NUM_NODES:-1}"
 HOSTFILE="${HOSTFILE:-$LAUNCH_DIR/hostfile}"
 
-launcher=("${PYTHON:-python}" -m smmd_train.launcher --nodes "$NUM_NODES")
-if [ "$NUM_NODES" -gt 1 ]; then
-  if [ ! -f "$HOSTFILE" ]; then
-    echo "NUM_NODES=$NUM_NODES needs a hostfile: HOSTFILE=$HOSTFILE does not exist (copy $LAUNCH_DIR/hostfile.example)" >&2
-    exit 2
+dry_run=()
+for argument in "$@"; do
+  if [ "$argument" = "--dry_run" ]; then
+    : "${GPUS_PER_NODE:?a dry run checks the NUM_NODES x GPUS_PER_NODE ranks of the job: set GPUS_PER_NODE}"
+    dry_run=(--world_size "$((NUM_NODES * GPUS_PER_NODE))" --gpus_per_node "$GPUS_PER_NODE")
   fi
-  launcher+=(--hostfile "$HOSTFILE")
+done
+
+if [ ${#dry_run[@]} -gt 0 ]; then
+  launcher=("${PYTHON:-python}")
+else
+  launcher=("${PYTHON:-python}" -m smmd_train.launcher --nodes "$NUM_NODES")
+  if [ "$NUM_NODES" -gt 1 ]; then
+    if [ ! -f "$HOSTFILE" ]; then
+      echo "NUM_NODES=$NUM_NODES needs a hostfile: HOSTFILE=$HOSTFILE does not exist (copy $LAUNCH_DIR/hostfile.example)" >&2
+      exit 2
+    fi
+    launcher+=(--hostfile "$HOSTFILE")
+  fi
+  [ -z "${GPUS_PER_NODE:-}" ] || launcher+=(--gpus_per_node "$GPUS_PER_NODE")
+  [ -z "${MASTER_ADDR:-}" ] || launcher+=(--master_addr "$MASTER_ADDR")
+  [ -z "${MASTER_PORT:-}" ] || launcher+=(--master_port "$MASTER_PORT")
+  [ -z "${DEEPSPEED:-}" ] || launcher+=(--deepspeed "$DEEPSPEED")
 fi
-[ -z "${GPUS_PER_NODE:-}" ] || launcher+=(--gpus_per_node "$GPUS_PER_NODE")
-[ -z "${MASTER_ADDR:-}" ] || launcher+=(--master_addr "$MASTER_ADDR")
-[ -z "${MASTER_PORT:-}" ] || launcher+=(--master_port "$MASTER_PORT")
-[ -z "${DEEPSPEED:-}" ] || launcher+=(--deepspeed "$DEEPSPEED")
 
 config="${DS_CONFIG:-$(dirname "$LAUNCH_DIR")/ds_configs/zero3.json}"
 # shellcheck disable=SC2086  # DATA may list several files
@@ -73,4 +87,4 @@ PY
   done
 fi
 
-exec "${launcher[@]}" "$LAUNCH_DIR/train.py" "${flags[@]}" "$@"
+exec "${launcher[@]}" "$LAUNCH_DIR/train.py" "${flags[@]}" ${dry_run[@]+"${dry_run[@]}"} "$@"

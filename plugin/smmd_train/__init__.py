@@ -6,6 +6,7 @@ vocabulary and loss), data loading and packing (``data``), model presets and cre
 which are committed: ``commits``; resumed under another layout: ``universal``), whether an output
 dir is resumed, refused or overwritten (``resume``), held-out evaluation (``evaluation``), the
 non-finite step guard (``guard``), Hugging Face export (``export``), the training monitor
-(``monitor``) and its TensorBoard views (``dashboards``), scaling sweeps (``scaling``) and the memory
-planner behind ``launch/estimate.py`` (``memory``). Needs the ``train`` extra.
+(``monitor``) and its TensorBoard views (``dashboards``), scaling sweeps (``scaling``), the memory
+planner behind ``launch/estimate.py`` (``memory``) and ``train.py --dry_run``, the start checked for a
+job's world size in one process (``dry_run``). Needs the ``train`` extra.
 """

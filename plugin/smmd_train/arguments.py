@@ -210,6 +210,20 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
                       "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")
 
+    dry = parser.add_argument_group("dry run (before booking the cluster)")
+    dry.add_argument("--dry_run", action="store_true",
+                     help="check the start for --world_size ranks in this one process (the plan and every refusal of "
+                     "a real start, the data, the resume, DeepSpeed's process groups on torch's fake backend, the "
+                     "model on the meta device) and print what each rank will hold and send; no weight is "
+                     "allocated, nothing is sent, no step runs (exit 0; 2 with a real start's refusals, or when the "
+                     "micro-batch does not fit the GPUs)")
+    dry.add_argument("--world_size", type=int, default=1, help="with --dry_run: the ranks of the job (nodes x GPUs "
+                     "per node)")
+    dry.add_argument("--gpus_per_node", type=int, help="with --dry_run: ranks per node (default: 8, or --world_size "
+                     "when smaller)")
+    dry.add_argument("--gpu_memory_gib", type=float, default=80.0, help="with --dry_run: each GPU's memory, for "
+                     "the memory verdict")
+
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--deepspeed_config", help="the DeepSpeed JSON config (required; see ds_configs/)")
     parser.add_argument("--deepspeed", action="store_true",
@@ -258,8 +272,30 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         parser.error("--resume continues the run in --output_dir and --overwrite_output_dir removes it: pass one")
     if args.fused_linear and args.framework_loss:
         parser.error("--fused_linear is smmd_scale's fused head + loss: it cannot be combined with --framework_loss")
+    check_dry_run_options(parser, args)
     args.cache_dir = args.cache_dir or str(Path(args.output_dir, "cache"))
     return args
+
+
+DRY_RUN_OPTIONS = ("world_size", "gpus_per_node", "gpu_memory_gib")
+
+
+def check_dry_run_options(parser: TrainArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the dry run's options without ``--dry_run`` (a launched run's world is its launcher's) and a world
+    that is not whole nodes; fill in the default ``--gpus_per_node``."""
+    given = [name for name in DRY_RUN_OPTIONS if name in args.explicit]
+    if given and not args.dry_run:
+        parser.error(f"--{given[0]} is an option of --dry_run; a launched run's world is the ranks its launcher "
+                     "starts")
+    if args.world_size < 1:
+        parser.error(f"--world_size {args.world_size} must be >= 1")
+    if args.gpus_per_node is None:
+        args.gpus_per_node = min(8, args.world_size)
+    if args.gpus_per_node < 1 or args.world_size % args.gpus_per_node:
+        parser.error(f"--world_size {args.world_size} is not a whole number of nodes of --gpus_per_node "
+                     f"{args.gpus_per_node}; give the ranks per node with --gpus_per_node")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        parser.error(f"--gpu_memory_gib {args.gpu_memory_gib:g} must be a positive number")
 
 
 def explicit_flags(argv: Optional[Sequence[str]] = None) -> tuple:

@@ -96,3 +96,16 @@ def flops_per_token(model, seq_len: int) -> float:
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     config = model.config
     return 6.0 * parameters + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def rank_parameters(model) -> dict:
+    """What this rank holds of ``model`` under ZeRO-3 (+ AutoTP), counted from its parameters:
+    ``tensor_parallel``, the elements of its AutoTP shard (``ds_numel``: a ZeRO-3 parameter's whole size;
+    without AutoTP the whole model), and ``zero_partition``, the elements of its ZeRO-3 partition of them
+    (``ds_tensor``: each parameter split into equal parts, the last padded: a parameter AutoTP shards
+    over the world / TP data-parallel ranks, one it leaves whole, built under ``zero.Init`` before AutoTP,
+    over the world). A dry run (``smmd_train.dry_run``) computes the same two numbers from the model's
+    shapes."""
+    parameters = list(model.parameters())
+    return {"tensor_parallel": sum(p.ds_numel for p in parameters),
+            "zero_partition": sum(p.ds_tensor.ds_numel for p in parameters)}

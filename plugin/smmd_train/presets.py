@@ -28,6 +28,7 @@ are tied for ``tiny``, ``10m`` .. ``3b`` (as Llama-3.2 1B/3B) and untied for ``7
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from .autotp import check_tensor_parallel_split, kv_head_shares, near_even_shares
@@ -179,6 +180,42 @@ def parameter_count(config, tp_size: int = 1) -> int:
     norms = family.layer_norms * config.hidden_size + family.qk_norm * 2 * head_dim(config)  # whole on every rank
     layer = sum(_attention_params(config, tp_size).values()) + sum(_mlp_params(config, tp_size).values()) + norms
     return embedding + config.num_hidden_layers * layer + config.hidden_size + head
+
+
+# The projections AutoTP splits, by the module name of a Llama-family decoder (Llama, Mistral, Qwen2/3,
+# Gemma): column-parallel ones split their output rows (and bias), row-parallel ones their input columns
+# (their bias stays whole); the LM head splits its vocabulary rows.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def rank_numel(name: str, shape: tuple, config, tp_size: int, rank: int) -> int:
+    """Elements of the parameter ``name`` (``shape``: its whole shape in the model of ``config``) that
+    tensor-parallel ``rank`` of ``tp_size`` holds under AutoTP with a vocabulary-parallel head: the
+    attention projections by KV head (each with its query heads), the MLP widths and the vocabulary
+    near-evenly (:mod:`smmd_train.autotp`), the embedding split only when tied to the head; norms and
+    every other parameter whole. Summed over a model's parameters on rank 0 it is
+    :func:`parameter_count`; a model type outside :data:`DECODER_FAMILIES` raises ValueError."""
+    *_, module, kind = ["", *name.split(".")]
+    numel = math.prod(shape)
+    if tp_size == 1:
+        return numel
+    decoder_family(config)
+    width = head_dim(config)
+    kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[rank]
+    split = {"q_proj": config.num_attention_heads // config.num_key_value_heads * kv_heads * width,
+             "k_proj": kv_heads * width, "v_proj": kv_heads * width,
+             "gate_proj": near_even_shares(config.intermediate_size, tp_size)[rank],
+             "up_proj": near_even_shares(config.intermediate_size, tp_size)[rank]}
+    split["o_proj"], split["down_proj"] = split["q_proj"], split["gate_proj"]
+    vocab_rows = near_even_shares(config.vocab_size, tp_size)[rank]
+    if module in _COLUMN_PARALLEL:
+        return numel // shape[0] * split[module]
+    if module in _ROW_PARALLEL:
+        return split[module] * shape[0] if kind == "weight" else numel
+    if module == "lm_head" or (module == "embed_tokens" and config.tie_word_embeddings):
+        return vocab_rows * numel // shape[0]
+    return numel
 
 
 def largest_layer_params(config, tp_size: int = 1) -> int:

@@ -67,6 +67,7 @@ class PreparedRun:
     resume_tag: Optional[str] = None  # the committed checkpoint --resume continues (every rank's choice)
     experiment: Optional[dict] = None  # what the run trains on, for the commit markers (experiment_record)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
+    rank_parameters: Optional[dict] = None  # what this rank holds (smmd_train.model.rank_parameters)
 
     @property
     def micro_batch_size(self) -> int:
@@ -81,16 +82,21 @@ class PreparedRun:
         return self.micro_batch_size * self.accumulation * self.plan.topology.dp_size * self.config.model_data.seq_len
 
 
-def prepare_run(config: RunConfig, launch: Launch, until: str = "engine") -> PreparedRun:
+def prepare_run(config: RunConfig, launch: Launch, until: str = "engine", accelerator: Optional[tuple] = None
+                ) -> PreparedRun:
     """Set up the run of ``config`` (``smmd_train.run_config.RunConfig``) on ``launch``'s ranks, up to
-    and including the stage ``until`` (one of :data:`STAGES`)."""
+    and including the stage ``until`` (one of :data:`STAGES`). ``accelerator``: (DeepSpeed's device name,
+    whether it computes bf16 natively) to plan for; default: this machine's (a dry run plans for the job's
+    GPUs: ``smmd_train.dry_run.planned_accelerator``)."""
     if until not in STAGES:
         raise ValueError(f"until={until!r} must be one of {STAGES}")
-    from deepspeed.accelerator import get_accelerator
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
+        device = get_accelerator()
+        accelerator = (device.device_name(), native_bf16(device))
     try:
-        plan = plan_run(config, launch.world_size, accelerator.device_name(), native_bf16(accelerator))
+        plan = plan_run(config, launch.world_size, *accelerator)
         check_tensor_parallel_within_node(plan.topology.tp_size, launch.local_size)
         run = PreparedRun(config=config, launch=launch, plan=plan, resume_tag=plan_resume(config.checkpointing, plan))
         if until == "plan":
@@ -182,10 +188,10 @@ def _build_engine(run: PreparedRun) -> None:
     from deepspeed.utils import groups
 
     from .data import PackedBatches
+    from .model import rank_parameters
 
     inputs, plan, topology = run.config.model_data, run.plan, run.plan.topology
-    log(f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel x "
-        f"{topology.sp_size} sequence-parallel ({run.launch.launcher})")
+    log(layout_line(topology, run.launch.launcher))
     run.engine, run.flops_per_token = build_engine(
         plan.model_config, plan.ds_config, topology.tp_size, inputs.seq_len, pretrained_dir=plan.pretrained_dir,
         trust_remote_code=inputs.trust_remote_code,
@@ -202,7 +208,23 @@ def _build_engine(run: PreparedRun) -> None:
         run.sp_rank, run.sp_loss_scale = dist.get_rank(run.sp_group), shard_loss_scale(run.engine, topology.sp_size)
     run.batches = PackedBatches(run.train_blocks, run.micro_batch_size, run.dp_rank, topology.dp_size,
                                 run.config.optimization.seed, accumulation=run.accumulation)
+    run.rank_parameters = rank_parameters(run.engine.module)
+    log(parameters_line(run.rank_parameters, topology))
     log(f"loss: {plan.loss.install(run.engine)}")
+
+
+def layout_line(topology, launcher: str) -> str:
+    """The log line of the run's layout (a dry run logs the same one)."""
+    return (f"world {topology.world_size} = {topology.dp_size} data-parallel x {topology.tp_size} tensor-parallel x "
+            f"{topology.sp_size} sequence-parallel ({launcher})")
+
+
+def parameters_line(parameters: dict, topology) -> str:
+    """The log line of the parameters rank 0 holds (``smmd_train.model.rank_parameters``; a dry run counts the
+    same two numbers)."""
+    held = (f"{parameters['tensor_parallel']:,} after AutoTP (--tp {topology.tp_size})" if topology.tp_size > 1 else
+            f"{parameters['tensor_parallel']:,} (no AutoTP)")
+    return f"parameters on rank 0: {held}, {parameters['zero_partition']:,} in its ZeRO-3 partition"
 
 
 def step_counts(run: PreparedRun, micro_batches: list) -> dict:
@@ -276,6 +298,6 @@ def write_run_config(run: PreparedRun) -> None:
     Path(run.config.checkpointing.output_dir, "run_config.json").write_text(json.dumps(
         {"args": dict(run.config.command_line), "deepspeed_config": plan.ds_config,
          "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
-         "sp_size": topology.sp_size, "launcher": run.launch.launcher,
+         "sp_size": topology.sp_size, "launcher": run.launch.launcher, "rank_parameters": run.rank_parameters,
          "tensorboard_dir": plan.tensorboard_dir, "model_config": run.engine.module.config.to_dict(),
          "numeric_vocab": repr(plan.numeric_vocab)}, indent=1, default=str))

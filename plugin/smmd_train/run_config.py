@@ -123,8 +123,19 @@ class Logging:
     tensorboard_dir: str = setting("--tensorboard_dir", json=("tensorboard.output_path", "tensorboard.job_name"))
 
 
+@dataclass(**SECTION)
+class Target:
+    """The job a dry run (``--dry_run``: ``smmd_train.dry_run``) checks the start of, from one process: its
+    ranks, ranks per node and GPU memory. A launched run's world is its launcher's."""
+
+    dry_run: bool = setting("--dry_run")
+    world_size: int = setting("--world_size")
+    gpus_per_node: int = setting("--gpus_per_node")  # parse_args defaults it to min(8, world_size)
+    gpu_memory_gib: float = setting("--gpu_memory_gib")
+
+
 SECTIONS = {"model_data": ModelData, "optimization": Optimization, "layout": Layout, "loss": Loss,
-            "checkpointing": Checkpointing, "logging": Logging}
+            "checkpointing": Checkpointing, "logging": Logging, "target": Target}
 
 # Flags the parser takes that set no field, and why.
 PARSER_ONLY = {
@@ -144,6 +155,7 @@ class RunConfig:
     loss: Loss
     checkpointing: Checkpointing
     logging: Logging
+    target: Target
     deepspeed_config: str = setting("--deepspeed_config")  # the file
     deepspeed: Mapping  # the file's JSON, with --tp's AutoTP degree; its "auto" values resolved by the plan
     deprecated: tuple  # one note per deprecated flag given, for the plan's warnings

@@ -8,7 +8,9 @@ Also ``smmd-train ...`` (a console command: one process, or a launcher that star
 to bottom: start the process group -> prepare the run (plan: tokenizer, architecture, resolved
 DeepSpeed config, parallel layout, numeric vocabulary and loss, where every bad option fails; data;
 model and engine; the numeric loss installed on the (possibly vocabulary-parallel) LM head) ->
-resume -> train steps, with evaluation and checkpoints at their own cadence -> export. Its pieces are
+resume -> train steps, with evaluation and checkpoints at their own cadence -> export. ``--dry_run``
+runs :func:`dry_run` instead: the same start for ``--world_size`` ranks in one process, up to the
+first step, without the hardware, and what each rank will hold and send. Its pieces are
 the ``smmd_train`` package (``smmd_train.run`` sets the run up); its flags are in
 ``smmd_train/arguments.py``.
 """
@@ -103,6 +105,49 @@ def main(config: RunConfig) -> None:
         log(line)
 
 
+def dry_run(config: RunConfig) -> None:
+    """``--dry_run``: the start of the run of ``config`` checked for ``--world_size`` ranks in this one process,
+    and what each rank will hold and send (``smmd_train.dry_run``). Raises :class:`RunRefused` with the lines
+    a real start would refuse with, or when the micro-batch does not fit the GPUs."""
+    from .dry_run import (
+        build_parallel_groups,
+        dry_run_launch,
+        format_report,
+        meta_model,
+        planned_accelerator,
+        report,
+        start_fake_world,
+        unfit,
+        write_report,
+    )
+    from .run import layout_line, log, parameters_line, prepare_run
+
+    Path(config.checkpointing.output_dir).mkdir(parents=True, exist_ok=True)
+    launch, accelerator = dry_run_launch(config.target), planned_accelerator()
+
+    # Plan and data as rank 0 of a real start makes them, for the job's GPUs: its refusals, in the same words.
+    run = prepare_run(config, launch, until="data", accelerator=accelerator)
+    for warning in run.plan.warnings:
+        log(f"warning: {warning}")
+
+    # The world on torch's fake backend (nothing is sent), the model on the meta device (no storage), and
+    # DeepSpeed's process groups on them, as the engine makes them.
+    start_fake_world(launch)
+    model = meta_model(run)
+    groups = build_parallel_groups(run, model)
+    log(layout_line(run.plan.topology, launch.launcher))
+
+    # What rank 0 holds and sends: one table, and dry_run.json.
+    record = report(run, model, groups, accelerator)
+    if "zero_partition" in record["parameters"]:
+        log(parameters_line(record["parameters"], run.plan.topology))
+    print(format_report(record), flush=True)
+    log(f"report: {write_report(record, config.checkpointing.output_dir)}")
+    refusal = unfit(record)
+    if refusal:
+        raise RunRefused(refusal)
+
+
 def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, checkpoint_tag) -> list:
     """The console's end-of-run summary: what was trained, the final losses and throughput, the held-out
     metrics, and where the checkpoint, the metrics, TensorBoard and the export went."""
@@ -139,9 +184,9 @@ def load_program() -> None:
 
 
 def cli(argv=None) -> None:
-    """Run :func:`main`, then shut the process group down in order; the exit code says how it ended
-    (0 trained, 2 refused: one line per problem on rank 0, 3 stopped for non-finite losses). A bad command
-    line exits 2 from the parser, before anything heavy is imported."""
+    """Run :func:`main` (:func:`dry_run` with ``--dry_run``), then shut the process group down in order; the
+    exit code says how it ended (0 trained or checked, 2 refused: one line per problem on rank 0, 3 stopped
+    for non-finite losses). A bad command line exits 2 from the parser, before anything heavy is imported."""
     args = parse_args(argv, description=__doc__)
     from .process_start import keep_imports, pause_collections
 
@@ -156,7 +201,11 @@ def cli(argv=None) -> None:
 
     exit_code = 0
     try:
-        main(RunConfig.from_args(args))
+        config = RunConfig.from_args(args)
+        if config.target.dry_run:
+            dry_run(config)
+        else:
+            main(config)
     except RunRefused as error:  # raised on every rank, before the model was built
         if os.environ.get("RANK", "0") == "0":
             for problem in str(error).splitlines():
