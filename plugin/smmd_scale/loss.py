@@ -34,8 +34,8 @@ from .checks import REDUCTIONS, check_reduction  # noqa: F401  (loss.check_reduc
 from .deprecation import renamed, renamed_class, warn_renamed
 from .sequence_shard import SequenceShard
 from .steps import (
-    CallStats,
     ShiftedLogSumExp,
+    call_stats,
     claim_single_backward,
     cross_entropy_per_token,
     dense_gradient_,
@@ -66,8 +66,9 @@ class NumericOutput:
         the call's numeric loss (SMMD, NTL, or a weighted sum of them) and ``z`` the z-loss (0 when
         off). Scalars under ``reduction="mean"`` or ``"sum"``; under ``"none"`` each has the targets'
         shape (CE and z 0 at ignored positions, the numeric loss 0 where the target is not numeric).
-    stats: detached Python floats (a mapping read from the device when a value is first asked for: the
-        op itself syncs nothing to the host) — the numeric loss's parts as means over numeric positions
+    stats: detached Python floats (a dict; on an accelerator a mapping read from the device when a value
+        is first asked for, so that the op syncs nothing to the host: ``dict(out.stats)`` to keep them) —
+        the numeric loss's parts as means over numeric positions
         (SMMD: ``smmd``, ``mmd`` and ``smooth``; NTL: ``ntl_was`` or ``ntl_mse``), ``numeric_tokens``
         (P), ``numeric_accuracy`` (argmax over the numeric tokens is the target token),
         ``numeric_mae`` (|E_q[value] - target value|), ``comm_calls`` and ``comm_bytes`` (this
@@ -99,7 +100,8 @@ class PerTokenLosses(NamedTuple):
     z: Optional[torch.Tensor] = None
 
     def stats(self) -> dict:
-        return CallStats(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()))
+        return call_stats(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()),
+                          self.plan.spec.device)
 
 
 def _lse_rows(lse: ShiftedLogSumExp, start: int, end: int) -> ShiftedLogSumExp:

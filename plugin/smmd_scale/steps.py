@@ -442,6 +442,14 @@ class CallStats(MutableMapping):
         return repr(self._read()) if self._values is not None else "CallStats(<not read yet>)"
 
 
+def call_stats(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int, device: torch.device):
+    """``NumericOutput.stats``: a dict of floats (:func:`stats_dict`) on the CPU's plan, where reading
+    them costs nothing; on an accelerator's plan a :class:`CallStats`, read when first asked for."""
+    if block_plan.DeviceProperties.of(device).accelerator:
+        return CallStats(stat_names, sums, numeric_tokens)
+    return stats_dict(stat_names, sums, numeric_tokens)
+
+
 def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> dict:
     """:func:`stat_sums` as the floats of ``NumericOutput.stats`` (one host sync): the loss's parts
     and the numeric accuracy and MAE as means over the numeric positions, counts as ints."""
