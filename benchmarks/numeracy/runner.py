@@ -57,7 +57,12 @@ def run_measured(command: list, log: Path, env: dict) -> tuple:
             process.wait()
             raise
         process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
-        raise RunFailed(f"{' '.join(command[:3])} ... exited {process.returncode}; {log}:\n{tail}")
+    check_exit(command, process.returncode, log)
     return time.monotonic() - began, usage.ru_utime + usage.ru_stime
+
+
+def check_exit(command: list, returncode: int, log: Path) -> None:
+    """:class:`RunFailed` with the tail of ``log`` unless the run of ``command`` exited 0."""
+    if returncode != 0:
+        tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
+        raise RunFailed(f"{' '.join(command[:3])} ... exited {returncode}; {log}:\n{tail}")

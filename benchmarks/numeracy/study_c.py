@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.numeracy import analyze_a, analyze_c, study_a
-from benchmarks.numeracy.runner import REPO, RunFailed, child_environment, write_json
+from benchmarks.numeracy.runner import REPO, RunFailed, check_exit, child_environment, write_json
 from smmd_numeracy import tier_c
 from smmd_train.arguments import train_command
 from smmd_train.options import option, parse_options
@@ -202,9 +202,7 @@ def run_sampled(command: list, output_dir: Path, env: dict, poll_seconds: float 
             process.wait()
             raise
     process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
-        raise RunFailed(f"{' '.join(command[:3])} ... exited {process.returncode}; {log}:\n{tail}")
+    check_exit(command, process.returncode, log)
     return {"wall_seconds": time.monotonic() - began, "cpu_seconds": usage.ru_utime + usage.ru_stime,
             "peak_rss_mib": usage.ru_maxrss / 1024, "cpu_at_step": cpu_at_step}
 
