@@ -47,18 +47,31 @@ def run_measured(command: list, log: Path, env: dict) -> tuple:
     """Run ``command`` with its output in ``log``: (wall seconds, CPU seconds of the child and everything it
     waited for), or ``RunFailed`` with the log's tail. The CPU is the child's own rusage (``os.wait4``), so
     runs side by side (``--jobs``) each count their own, which ``os.times`` deltas would mix."""
+    wall_seconds, usage = run_watched(command, log, env)
+    return wall_seconds, usage.ru_utime + usage.ru_stime
+
+
+def run_watched(command: list, log: Path, env: dict, watch=None, poll_seconds: float = 0.5) -> tuple:
+    """Run ``command`` with its output in ``log`` until it ends: (wall seconds, its ``os.wait4`` rusage),
+    or ``RunFailed`` with the log's tail; killed if this process is interrupted. ``watch(pid)``, if
+    given, is called every ``poll_seconds`` while it runs."""
     began = time.monotonic()
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
-            _, status, usage = os.wait4(process.pid, 0)
+            while True:
+                pid, status, usage = os.wait4(process.pid, 0 if watch is None else os.WNOHANG)
+                if pid:
+                    break
+                watch(process.pid)
+                time.sleep(poll_seconds)
         except BaseException:
             process.kill()
             process.wait()
             raise
         process.returncode = os.waitstatus_to_exitcode(status)
     check_exit(command, process.returncode, log)
-    return time.monotonic() - began, usage.ru_utime + usage.ru_stime
+    return time.monotonic() - began, usage
 
 
 def check_exit(command: list, returncode: int, log: Path) -> None:

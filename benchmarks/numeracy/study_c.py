@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.numeracy import analyze_a, analyze_c, study_a
-from benchmarks.numeracy.runner import REPO, RunFailed, check_exit, child_environment, write_json
+from benchmarks.numeracy.runner import REPO, RunFailed, child_environment, run_watched, write_json
 from smmd_numeracy import tier_c
 from smmd_train.arguments import train_command
 from smmd_train.options import option, parse_options
@@ -178,32 +177,21 @@ def run_sampled(command: list, output_dir: Path, env: dict, poll_seconds: float 
     "peak_rss_mib", "cpu_at_step" {step: CPU-seconds when its record appeared}}. The CPU is the process's,
     not the machine's, so other work on a shared machine slows the run without changing the count (beyond
     cache effects). ``RunFailed`` with the log's tail when it fails."""
-    metrics_path, log = output_dir / "metrics.jsonl", output_dir / "train.log"
-    cpu_at_step, read_bytes, began = {}, 0, time.monotonic()
-    with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            while True:
-                pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-                if pid:
-                    break
-                if metrics_path.is_file() and metrics_path.stat().st_size > read_bytes:
-                    cpu = _process_cpu_seconds(process.pid)
-                    text = metrics_path.read_text()
-                    read_bytes = len(text.encode())
-                    for line in text.splitlines(keepends=True):
-                        if line.endswith("\n") and "loss/ce" in line:
-                            step = json.loads(line)["step"]
-                            if step not in cpu_at_step and cpu is not None:
-                                cpu_at_step[step] = cpu
-                time.sleep(poll_seconds)
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
-    process.returncode = os.waitstatus_to_exitcode(status)
-    check_exit(command, process.returncode, log)
-    return {"wall_seconds": time.monotonic() - began, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+    metrics_path, cpu_at_step, read = output_dir / "metrics.jsonl", {}, {"bytes": 0}
+
+    def watch(pid: int) -> None:
+        if metrics_path.is_file() and metrics_path.stat().st_size > read["bytes"]:
+            cpu = _process_cpu_seconds(pid)
+            text = metrics_path.read_text()
+            read["bytes"] = len(text.encode())
+            for line in text.splitlines(keepends=True):
+                if line.endswith("\n") and "loss/ce" in line:
+                    step = json.loads(line)["step"]
+                    if step not in cpu_at_step and cpu is not None:
+                        cpu_at_step[step] = cpu
+
+    wall_seconds, usage = run_watched(command, output_dir / "train.log", env, watch, poll_seconds)
+    return {"wall_seconds": wall_seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
             "peak_rss_mib": usage.ru_maxrss / 1024, "cpu_at_step": cpu_at_step}
 
 
