@@ -10,7 +10,6 @@ every rank derives the same capacity from the same sequence of all-reduced heade
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -173,6 +172,9 @@ class CallPlan:
     options: the call's :class:`CrossEntropyOptions`
     sequence_shard: the whole sequence's targets when the call holds a slice of each sequence
         (:class:`~smmd_scale.sequence_shard.SequenceShard`), None when it holds whole sequences
+    live: None when ``positions`` are exactly the numeric positions (P of them, a size read from the
+        data); else ``[T]`` bool: the plan holds a fixed capacity of T rows (the call's tokens), the
+        numeric positions first, and ``live`` says which rows are numeric (:func:`fixed_capacity`)
     """
 
     loss: NumericLossLike
@@ -194,10 +196,42 @@ class CallPlan:
     with_ce: bool
     options: CrossEntropyOptions = DEFAULT_OPTIONS
     sequence_shard: Optional[SequenceShard] = None
+    live: Optional[torch.Tensor] = None
+    live_count: Optional[torch.Tensor] = None
 
     @property
     def tensor_parallel(self) -> bool:
         return self.exchange_state is not None
+
+    @property
+    def numeric_count(self):
+        """The call's numeric positions: an int, or on a fixed-capacity plan a 0-dim int64 tensor
+        (counted on the device once, with the plan; reading it is the caller's host sync)."""
+        return int(self.positions.numel()) if self.live is None else self.live_count
+
+
+def padded_numeric_positions(vocab: NumericVocab, targets: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """(positions, numeric_targets, live) at a fixed capacity of ``T`` rows for ``targets [T]`` (ids in
+    the vocabulary, e.g. clamped into it) and ``valid [T]``: the numeric positions first, then spare
+    rows at position 0 (``live`` False, their numeric target 0). A lookup table gives each id's index
+    in the numeric vocabulary; ``torch.nonzero_static`` a size that does not depend on the data (no
+    host sync; one shape for a compiled graph)."""
+    index = vocab.index_table(targets.device)[targets]
+    found = torch.nonzero_static((index >= 0) & valid, size=targets.numel(), fill_value=-1).squeeze(1)
+    live = found >= 0
+    positions = found.clamp_min(0)
+    return positions, index[positions].clamp_min(0), live
+
+
+def fixed_capacity(loss: NumericLossLike, device: torch.device, tensor_parallel: bool, sequence_shard) -> bool:
+    """Whether a call's numeric positions are held at a fixed capacity (the call's tokens) rather than
+    at the count the targets hold: on an accelerator's plan or inside ``torch.compile``, where reading
+    the count back to the host would stall the device or break the graph. Not under tensor or
+    sequence parallelism (the exchange's header carries the count, and its rows have a capacity of
+    their own) nor for a loss that reads digit runs (it finds them from the exact positions)."""
+    if tensor_parallel or sequence_shard is not None or getattr(loss, "reads_runs", False):
+        return False
+    return DeviceProperties.of(device).accelerator or torch.compiler.is_compiling()
 
 
 # Exchange state per tensor-parallel group (weak keys: a destroyed group is not kept alive), then per loss.
@@ -258,7 +292,7 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
               num_items_in_batch=None, weight: Optional[float] = None, num_numeric_in_batch=None,
               failed_check: Optional[checks.FailedCheck] = None,
               options: CrossEntropyOptions = DEFAULT_OPTIONS,
-              sequence_shard: Optional[SequenceShard] = None) -> CallPlan:
+              sequence_shard: Optional[SequenceShard] = None, may_pad_positions: bool = False) -> CallPlan:
     """Validate (all ranks reach the same verdict) and plan one call.
 
     No collective runs unless the input is bad under tensor parallelism: then this rank joins the
@@ -266,6 +300,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     ``failed_check``: a verdict the caller already reached (the fused linear path checks its own
     inputs first). ``sequence_shard``: see :class:`CallPlan`; checked to hold ``targets`` as its
     slice (an error on the rank whose slice differs, as for the inputs on one device).
+    ``may_pad_positions``: the caller handles a fixed-capacity plan (``CallPlan.live``), taken where
+    :func:`fixed_capacity` says so (the CE + numeric ops; the loss alone keeps the exact positions).
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
@@ -285,7 +321,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                                            ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
                                            num_numeric_in_batch=num_numeric_in_batch, weight=weight,
                                            options=options,
-                                           values_on_host=not DeviceProperties.of(spec.device).accelerator)
+                                           values_on_host=not (DeviceProperties.of(spec.device).accelerator
+                                                               or torch.compiler.is_compiling()))
     if failed_check is not None:
         if not tensor_parallel:
             raise failed_check.error()
@@ -304,15 +341,22 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     token_ids, values = vocab.on(spec.device, compute_dtype)
     flat_targets = targets.reshape(-1).to(torch.long)
     valid = flat_targets != loss.ignore_index
-    owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
-    local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
+    if tensor_parallel:
+        owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
+        local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
+    else:  # one device holds the whole vocabulary (checked): every valid target is its own
+        owned, local_targets = valid, flat_targets.clamp(0, max(width - 1, 0))
     # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
-    positions, numeric_targets = numeric_positions(flat_targets, token_ids, loss.ignore_index)
-    lo = bisect.bisect_left(vocab.token_id_list, vocab_start_index)
-    hi = bisect.bisect_left(vocab.token_id_list, vocab_start_index + width)
+    if may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard):
+        positions, numeric_targets, live = padded_numeric_positions(vocab, local_targets, valid)
+    else:
+        (positions, numeric_targets), live = numeric_positions(flat_targets, token_ids, loss.ignore_index), None
+    lo, hi = vocab.count_below(vocab_start_index), vocab.count_below(vocab_start_index + width)
+    local_numeric_columns = token_ids[lo:hi] if vocab_start_index == 0 else token_ids[lo:hi] - vocab_start_index
     return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,
                     owned=owned, local_targets=local_targets, positions=positions, numeric_targets=numeric_targets,
-                    numeric_columns=(lo, hi), local_numeric_columns=token_ids[lo:hi] - vocab_start_index,
+                    numeric_columns=(lo, hi), local_numeric_columns=local_numeric_columns,
                     vocab_start_index=vocab_start_index, tp_group=tp_group,
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
-                    compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard)
+                    compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard,
+                    live=live, live_count=None if live is None else live.sum())

@@ -177,7 +177,7 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         if failed is not None:
             return failed
     flat = targets.reshape(-1)
-    out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab_size))
+    out_of_range = (flat.clamp(0, vocab_size - 1) != flat) & (flat != ignore_index)
     if not values_on_host:
         compat.device_assert(~out_of_range.any(), f"targets hold an id outside the vocabulary [0, {vocab_size}) "
                              f"that is not ignore_index={ignore_index} (checked on the device, which cannot say "

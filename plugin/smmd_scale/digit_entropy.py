@@ -46,6 +46,7 @@ class DigitEntropyLoss(NumericLoss):
     """
 
     name = "del"
+    reads_runs = True  # a digit's place in its number
 
     def __init__(self, vocab: NumericVocab, dot_token_ids: Optional[Sequence[int]] = (), place_base: float = 1.02,
                  scale: float = 0.01, sequence_dim: int = -1, ignore_index: int = -100):

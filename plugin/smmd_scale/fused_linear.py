@@ -29,7 +29,6 @@ Four GEMM passes over the head against three for materialized logits.
 
 from __future__ import annotations
 
-import bisect
 from typing import Optional
 
 import torch
@@ -56,9 +55,11 @@ from .steps import (
     cross_entropy_per_token,
     dense_gradient_,
     exchange_or_keep_local,
+    live_rows,
     merge_block_logsumexp,
     numeric_loss_and_gradient,
     numeric_per_token,
+    numeric_upstream,
     row_multipliers,
     smoothing_offsets,
     softcap_dense_gradient_,
@@ -105,44 +106,19 @@ def _blocks(rows: int, chunk_size: int):
     return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
 
 
-def _numeric_columns_in_block(local_columns: list, start: int, end: int) -> tuple:
-    """(first, last) positions in the sorted ``local_columns`` that fall in ``[start, end)``."""
-    return bisect.bisect_left(local_columns, start), bisect.bisect_left(local_columns, end)
-
-
 class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
     """``hidden [T, H]``, ``head_weight [V_local, H]``, ``bias [V_local]`` -> (CE ``[T]``, numeric loss ``[T]``,
     z-loss ``[T]``, statistics)."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int):
+    def forward(ctx, hidden, head_weight, bias, plan: CallPlan, chunk_size: int, accelerator: bool):
         with torch.autocast(hidden.device.type, enabled=False):  # the block GEMMs in the product dtype
             ctx.save_for_backward(hidden, head_weight, bias)
             hidden = hidden.to(plan.spec.dtype)  # the product dtype (a copy only for mixed dtypes)
             compute_dtype = plan.compute_dtype
-            tokens = hidden.shape[0]
-            running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
-                                       torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
-            target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
             options = plan.options
-            logit_sum = torch.zeros_like(target_logits) if options.label_smoothing else None
-            for start, end in _blocks(head_weight.shape[0], chunk_size):
-                logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end],
-                                      compute_dtype)
-                in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
-                picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
-                target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
-                if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
-                    capped_sigmoid_(logits, options)
-                    factor, offset = -2.0 * options.logit_softcap, options.logit_softcap
-                else:
-                    transform_logits_(logits, options)
-                    factor, offset = None, 0.0
-                if logit_sum is not None:
-                    logit_sum += logits.sum(dim=-1) if factor is None else \
-                        logits.sum(dim=-1).mul_(factor).add_(offset * (end - start))
-                running = merge_block_logsumexp(running, logits, factor, offset)
-            local_lse = ShiftedLogSumExp(running.shift, running.log_sum.log())
+            sweep = _forward_sweep_accelerator if accelerator else _forward_sweep_cpu
+            local_lse, target_logits, logit_sum = sweep(hidden, head_weight, bias, plan, chunk_size)
 
             numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
             numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
@@ -157,7 +133,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             sums = stat_sums(plan, numeric, pieces.comm)
             ctx.mark_non_differentiable(sums)
 
-            ctx.plan, ctx.chunk_size = plan, chunk_size
+            ctx.plan, ctx.chunk_size, ctx.accelerator = plan, chunk_size, accelerator
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
             ctx.target_slope = transform_slope(target_logits, options)
             return ce, numeric_per_token(plan, numeric, ce), z, sums
@@ -167,65 +143,218 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
         # Nothing saved is changed here (each block is recomputed), so retain_graph=True may run it again.
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as in the forward
             hidden, head_weight, bias = ctx.saved_tensors
-            hidden_dtype, weight_dtype = hidden.dtype, head_weight.dtype
+            hidden_dtype = hidden.dtype
             hidden = hidden.to(ctx.plan.spec.dtype)
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-            options = plan.options
-            multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, compute_dtype, lse, grad_z)
+            upstream = numeric_upstream(plan, grad_numeric, compute_dtype)
+            multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, upstream, compute_dtype, lse, grad_z)
             offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
             target_coefficient = target_coefficients(plan, grad_ce, ctx.target_slope, compute_dtype)
             grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
             grad_weight = torch.empty_like(head_weight) if needs_weight else None
             grad_bias = torch.empty_like(bias) if needs_bias else None  # from the compute-dtype block
             lo, hi = plan.numeric_columns
-            numeric_grad = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(compute_dtype)[:, None]
-            blocks = _blocks(head_weight.shape[0], ctx.chunk_size)
-            # No data-dependent row lists (no host sync): each block adds every row's target coefficient at
-            # its target column, 0 where the target is outside the block (inside the block, so that the
-            # one-hot part is rounded with the rest of the block into the product dtype). The numeric
-            # columns come from the vocabulary's host list.
-            all_rows = torch.arange(hidden.shape[0], device=hidden.device)
-            local_columns = [token_id - plan.vocab_start_index for token_id in plan.loss.vocab.token_id_list[lo:hi]]
-
-            for start, end in blocks:
-                head_rows = head_weight[start:end].to(hidden.dtype)
-                bias_rows = None if bias is None else bias[start:end]
-                logits = block_logits(hidden, head_rows, bias_rows, compute_dtype)
-                if options.logit_softcap is not None:
-                    grad_logits = softcap_dense_gradient_(capped_sigmoid_(logits, options), lse, multiplier, offsets,
-                                                          options)
-                else:
-                    grad_logits = dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets,
-                                                  options)
-                in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
-                grad_logits.index_put_((all_rows, (plan.local_targets - start).clamp(0, end - start - 1)),
-                                       torch.where(in_block, target_coefficient, 0.0), accumulate=True)
-                first, last = _numeric_columns_in_block(local_columns, start, end)
-                if last > first and plan.positions.numel():
-                    columns = plan.local_numeric_columns[first:last] - start
-                    grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
-                                           accumulate=True)
-                if needs_bias:
-                    grad_bias[start:end] = grad_logits.sum(dim=0)
-                grad_logits = grad_logits.to(hidden.dtype)
-                if needs_weight:
-                    if weight_dtype == hidden.dtype:
-                        torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
-                    else:
-                        grad_weight[start:end] = grad_logits.T @ hidden
-                if needs_hidden:
-                    if hidden.dtype == compute_dtype:
-                        grad_hidden.addmm_(grad_logits, head_rows)
-                    else:
-                        grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
-
+            numeric_grad = live_rows(plan, ctx.numeric_grad[:, lo:hi] * upstream[:, None])
+            if ctx.accelerator:
+                _backward_sweep_accelerator(hidden, head_weight, bias, plan, ctx.chunk_size, lse, multiplier, offsets,
+                                            target_coefficient, numeric_grad, grad_hidden, grad_weight, grad_bias)
+            else:
+                _backward_sweep_cpu(hidden, head_weight, bias, plan, ctx.chunk_size, lse, multiplier, offsets,
+                                    target_coefficient, numeric_grad, grad_hidden, grad_weight, grad_bias)
             if needs_hidden:
                 if plan.tensor_parallel:
                     reduce_input_gradient(grad_hidden, plan.tp_group)
                 grad_hidden = grad_hidden.to(hidden_dtype)
-            return grad_hidden, grad_weight, grad_bias, None, None
+            return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _forward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
+    """The forward's pass over the head's blocks on the CPU's plan: (this shard's
+    :class:`ShiftedLogSumExp`, the raw target logits ``[T]``, the transformed logits' row sums or None).
+    A running (max, sum) merged block by block, the target logit picked from its block."""
+    compute_dtype, options = plan.compute_dtype, plan.options
+    tokens = hidden.shape[0]
+    running = ShiftedLogSumExp(torch.full((tokens, ), float("-inf"), dtype=compute_dtype, device=hidden.device),
+                               torch.zeros(tokens, dtype=compute_dtype, device=hidden.device))
+    target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
+    logit_sum = torch.zeros_like(target_logits) if options.label_smoothing else None
+    for start, end in _blocks(head_weight.shape[0], chunk_size):
+        logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
+        in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
+        picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
+        target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
+        if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
+            capped_sigmoid_(logits, options)
+            factor, offset = -2.0 * options.logit_softcap, options.logit_softcap
+        else:
+            transform_logits_(logits, options)
+            factor, offset = None, 0.0
+        if logit_sum is not None:
+            logit_sum += logits.sum(dim=-1) if factor is None else \
+                logits.sum(dim=-1).mul_(factor).add_(offset * (end - start))
+        running = merge_block_logsumexp(running, logits, factor, offset)
+    return ShiftedLogSumExp(running.shift, running.log_sum.log()), target_logits, logit_sum
+
+
+class _TargetBlocks:
+    """Where each row's target column lies among the head's blocks, found once for a pass (the
+    accelerator's sweeps): with one block the target's own column; with several, each row's block
+    (-1 where this shard does not own the target) and its column within the block."""
+
+    def __init__(self, plan: CallPlan, chunk_size: int, blocks: int):
+        self.single = blocks == 1
+        if not self.single:
+            self.block = torch.where(plan.owned, plan.local_targets // chunk_size, -1)
+            self.column = plan.local_targets % chunk_size
+
+    def columns(self, plan: CallPlan, start: int, end: int) -> torch.Tensor:
+        """``[T]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
+        return plan.local_targets if self.single else self.column.clamp(max=end - start - 1)
+
+    def in_block(self, plan: CallPlan, index: int) -> torch.Tensor:
+        """``[T]`` bool: the row's target is this shard's and lies in block ``index``."""
+        return plan.owned if self.single else self.block == index
+
+
+def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
+    """:func:`_forward_sweep_cpu` on an accelerator's plan, in fewer and larger ops: each block's own
+    (max, sum of exp) kept, merged once after the pass (with one block: nothing to merge); the target
+    column found once (:class:`_TargetBlocks`)."""
+    compute_dtype, options = plan.compute_dtype, plan.options
+    blocks = _blocks(head_weight.shape[0], chunk_size)
+    where = _TargetBlocks(plan, chunk_size, len(blocks))
+    target_logits = logit_sum = None
+    shifts, sums = [], []
+    for index, (start, end) in enumerate(blocks):
+        logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
+        picked = logits.gather(1, where.columns(plan, start, end)[:, None]).squeeze(1)
+        previous = 0.0 if target_logits is None else target_logits
+        target_logits = torch.where(where.in_block(plan, index), picked, previous)
+        if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
+            cap = options.logit_softcap
+            capped_sigmoid_(logits, options)
+            shift = logits.amin(dim=-1).mul_(-2.0 * cap).add_(cap)  # the largest logit is at the smallest σ
+            if options.label_smoothing:
+                block_sum = logits.sum(dim=-1).mul_(-2.0 * cap).add_(cap * (end - start))
+            total = torch.add((cap - shift)[:, None], logits, alpha=-2.0 * cap, out=logits).exp_().sum(dim=-1)
+        else:
+            transform_logits_(logits, options)
+            if options.label_smoothing:
+                block_sum = logits.sum(dim=-1)
+            shift = logits.amax(dim=-1)
+            total = logits.sub_(shift[:, None]).exp_().sum(dim=-1)
+        if options.label_smoothing:
+            logit_sum = block_sum if logit_sum is None else logit_sum + block_sum
+        shifts.append(shift)
+        sums.append(total)
+    if len(blocks) == 1:
+        return ShiftedLogSumExp(shifts[0], sums[0].log()), target_logits, logit_sum
+    shifts, sums = torch.stack(shifts, dim=1), torch.stack(sums, dim=1)
+    shift = shifts.amax(dim=1)
+    return ShiftedLogSumExp(shift, (sums * (shifts - shift[:, None]).exp()).sum(dim=1).log()), target_logits, logit_sum
+
+
+def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: int, lse: ShiftedLogSumExp,
+                        multiplier, offsets, target_coefficient, numeric_grad, grad_hidden, grad_weight,
+                        grad_bias) -> None:
+    """The backward's pass over the head's blocks on the CPU's plan: each block recomputed and turned
+    into its gradient in place, ``d head_weight`` written and ``d hidden`` accumulated."""
+    compute_dtype = plan.compute_dtype
+    blocks = _blocks(head_weight.shape[0], chunk_size)
+    # No data-dependent row lists (no host sync): each block adds every row's target coefficient at its
+    # target column, 0 where the target is outside the block (inside the block, so that the one-hot part
+    # is rounded with the rest of the block into the product dtype).
+    all_rows = torch.arange(hidden.shape[0], device=hidden.device)
+    for start, end in blocks:
+        grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier, offsets)
+        in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
+        grad_logits.index_put_((all_rows, (plan.local_targets - start).clamp(0, end - start - 1)),
+                               torch.where(in_block, target_coefficient, 0.0), accumulate=True)
+        _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
+        _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
+                               grad_bias)
+
+
+def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int, lse: ShiftedLogSumExp,
+                                multiplier, offsets, target_coefficient, numeric_grad, grad_hidden, grad_weight,
+                                grad_bias) -> None:
+    """:func:`_backward_sweep_cpu` on an accelerator's plan: the target column found once
+    (:class:`_TargetBlocks`), and where the product runs in the compute dtype without a logit
+    transform, the log-sum-exp subtracted inside the recomputing GEMM (``addmm`` with ``-lse`` as its
+    bias: one op where there were three; the softmax then carries the rounding of ``shift + log_sum``
+    in the compute dtype, a relative 6e-8 of it in fp32, ~2e-5 of a probability at logits ~300)."""
+    blocks = _blocks(head_weight.shape[0], chunk_size)
+    where = _TargetBlocks(plan, chunk_size, len(blocks))
+    all_rows = torch.arange(hidden.shape[0], device=hidden.device)
+    coefficient = torch.where(plan.owned, target_coefficient, 0.0) if where.single else target_coefficient
+    options, compute_dtype = plan.options, plan.compute_dtype
+    folded = hidden.dtype == compute_dtype and not options.transforms_logits
+    if folded:
+        negative_lse = (lse.shift + lse.log_sum).neg_()[:, None]
+    for index, (start, end) in enumerate(blocks):
+        if folded:
+            head_rows = head_weight[start:end].to(hidden.dtype)
+            offset = negative_lse if bias is None else negative_lse + bias[start:end].to(hidden.dtype)
+            grad_logits = torch.addmm(offset, hidden, head_rows.T).exp_().mul_(multiplier[:, None])
+            if offsets is not None:
+                grad_logits.sub_(offsets[:, None])
+        else:
+            grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier,
+                                                     offsets)
+        block_coefficient = coefficient if where.single else \
+            torch.where(where.in_block(plan, index), coefficient, 0.0)
+        grad_logits.index_put_((all_rows, where.columns(plan, start, end)), block_coefficient, accumulate=True)
+        _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
+        _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
+                               grad_bias)
+
+
+def _block_gradient(hidden, head_weight, bias, plan: CallPlan, start: int, end: int, lse: ShiftedLogSumExp,
+                    multiplier, offsets) -> tuple:
+    """The block ``[start, end)`` of head rows recomputed and turned in place into the dense part of its
+    gradient (softmax times the row multipliers, minus the smoothing offsets, through the transform):
+    (that ``[T, B]`` block in the compute dtype, the head rows in the product dtype)."""
+    options = plan.options
+    head_rows = head_weight[start:end].to(hidden.dtype)
+    logits = block_logits(hidden, head_rows, None if bias is None else bias[start:end], plan.compute_dtype)
+    if options.logit_softcap is not None:
+        return softcap_dense_gradient_(capped_sigmoid_(logits, options), lse, multiplier, offsets, options), head_rows
+    return dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets, options), head_rows
+
+
+def _add_numeric_columns_(grad_logits, plan: CallPlan, start: int, end: int, numeric_grad) -> None:
+    """Add the numeric loss's ``[P, hi - lo]`` gradient at its columns that fall in the block (the
+    numeric columns come from the vocabulary's host list, so the block's share needs no device read)."""
+    lo, hi = plan.numeric_columns
+    first, last = plan.loss.vocab.count_below(plan.vocab_start_index + start) - lo, \
+        plan.loss.vocab.count_below(plan.vocab_start_index + end) - lo
+    first, last = max(first, 0), min(last, hi - lo)
+    if last > first and plan.positions.numel():
+        columns = plan.local_numeric_columns[first:last]
+        columns = columns - start if start else columns
+        grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
+                               accumulate=True)
+
+
+def _write_block_gradients(grad_logits, hidden, head_rows, start: int, end: int, compute_dtype, grad_hidden,
+                           grad_weight, grad_bias) -> None:
+    """From a block's gradient ``[T, B]`` (compute dtype): write ``d bias`` and ``d head_weight`` for its
+    rows, and add its share of ``d hidden`` (products in hidden's dtype, as the forward's)."""
+    if grad_bias is not None:
+        grad_bias[start:end] = grad_logits.sum(dim=0)
+    grad_logits = grad_logits.to(hidden.dtype)
+    if grad_weight is not None:
+        if grad_weight.dtype == hidden.dtype:
+            torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
+        else:
+            grad_weight[start:end] = grad_logits.T @ hidden
+    if grad_hidden is not None:
+        if hidden.dtype == compute_dtype:
+            grad_hidden.addmm_(grad_logits, head_rows)
+        else:
+            grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
 
 
 def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
@@ -255,11 +384,14 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                       logits_dtype or hidden.dtype, hidden.device)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     failed_check=failed_check, options=options, sequence_shard=sequence_shard)
+                     failed_check=failed_check, options=options, sequence_shard=sequence_shard,
+                     may_pad_positions=True)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     chunk_size = fused_head_plan(hidden_2d.shape[0], hidden_2d.shape[1], width, spec.dtype, plan.compute_dtype,
                                  DeviceProperties.of(hidden.device), block_budget_bytes, chunk_size).chunk_size
-    ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size)
+    device = DeviceProperties.of(hidden.device)
+    ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size,
+                                                                device.accelerator)
     return PerTokenLosses(ce, numeric, plan, sums, z)
 
 

@@ -42,9 +42,11 @@ from .steps import (
     exchange_or_keep_local,
     gather_numeric_logits,
     gather_target_logits,
+    live_rows,
     local_softmax_and_logsumexp,
     numeric_loss_and_gradient,
     numeric_per_token,
+    numeric_upstream,
     row_blocks,
     row_multipliers,
     smoothing_offsets,
@@ -100,8 +102,7 @@ class PerTokenLosses(NamedTuple):
     z: Optional[torch.Tensor] = None
 
     def stats(self) -> dict:
-        return call_stats(self.plan.loss.stat_names, self.stat_sums, int(self.plan.positions.numel()),
-                          self.plan.spec.device)
+        return call_stats(self.plan.loss.stat_names, self.stat_sums, self.plan.spec.device)
 
 
 def _lse_rows(lse: ShiftedLogSumExp, start: int, end: int) -> ShiftedLogSumExp:
@@ -137,14 +138,21 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
 
         ctx.consumed = False
         ctx.logits_dtype = logits.dtype
-        ctx.plan, ctx.numeric_grad, ctx.row_coefficient = plan, numeric.grad, numeric.row_coefficient
-        ctx.lse, ctx.target_slope = pieces.lse, transform_slope(target_logits, options)
+        ctx.plan = plan
         if ctx.needs_input_grad[0]:
-            if softcapped:
-                ctx.save_for_backward(buffer)
-            else:  # under tensor parallelism the global softmax is softmax_local * exp(lse_local - lse)
-                row_scale = softmax_rescale(local_lse, pieces.lse) if plan.tensor_parallel else torch.ones_like(ce)
-                ctx.save_for_backward(buffer, row_scale)
+            # Every tensor backward reads is saved through save_for_backward (none kept on ctx), which
+            # is also what lets torch.compile trace the op into one graph. Under tensor parallelism the
+            # global softmax is softmax_local * exp(lse_local - lse); the soft-capped path has no row scale.
+            row_scale = None
+            if not softcapped and plan.tensor_parallel:
+                row_scale = softmax_rescale(local_lse, pieces.lse)
+            # (Inside torch.compile the buffer is saved as a copy: Dynamo refuses to save a tensor the
+            # forward wrote in place; the compiled graph is functional, and the compiler plans its memory.)
+            saved = (buffer, row_scale, pieces.lse.shift, pieces.lse.log_sum, numeric.grad, numeric.row_coefficient,
+                     transform_slope(target_logits, options))
+            if torch.compiler.is_compiling():
+                saved = tuple(None if tensor is None else tensor.clone() for tensor in saved)
+            ctx.save_for_backward(*saved)
         return ce, numeric_per_token(plan, numeric, ce), z, sums
 
     @staticmethod
@@ -152,25 +160,29 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         claim_single_backward(ctx)
         plan = ctx.plan
         options = plan.options
-        grad, *row_scale = ctx.saved_tensors  # the working buffer becomes the gradient
-        multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, grad_numeric, grad.dtype, ctx.lse, grad_z)
+        # the working buffer becomes the gradient
+        grad, row_scale, shift, log_sum, numeric_grad, row_coefficient, target_slope = ctx.saved_tensors
+        lse = ShiftedLogSumExp(shift, log_sum)
+        upstream = numeric_upstream(plan, grad_numeric, grad.dtype)
+        multiplier = row_multipliers(plan, row_coefficient, grad_ce, upstream, grad.dtype, lse, grad_z)
         offsets = smoothing_offsets(plan, grad_ce, grad.dtype)
         if options.logit_softcap is not None:
             for start, end in row_blocks(*grad.shape, grad.device):
-                dense_gradient_(grad[start:end], _lse_rows(ctx.lse, start, end), multiplier[start:end],
+                dense_gradient_(grad[start:end], _lse_rows(lse, start, end), multiplier[start:end],
                                 None if offsets is None else offsets[start:end], options)
         else:
-            grad.mul_((row_scale[0] * multiplier * options.scale)[:, None])
+            grad.mul_((multiplier * options.scale if row_scale is None else row_scale * multiplier * options.scale)
+                      [:, None])
             if offsets is not None:
                 grad.sub_((offsets * options.scale)[:, None])
         # Every row adds its coefficient at its (clamped) target column, 0 where another shard owns the
         # target: no data-dependent row list, so no host sync.
-        coefficients = target_coefficients(plan, grad_ce, ctx.target_slope, grad.dtype)
+        coefficients = target_coefficients(plan, grad_ce, target_slope, grad.dtype)
         grad.index_put_((torch.arange(grad.shape[0], device=grad.device), plan.local_targets),
                         torch.where(plan.owned, coefficients, 0.0), accumulate=True)
         lo, hi = plan.numeric_columns
         if hi > lo and plan.positions.numel():
-            numeric_rows = ctx.numeric_grad[:, lo:hi] * grad_numeric[plan.positions].to(grad.dtype)[:, None]
+            numeric_rows = live_rows(plan, numeric_grad[:, lo:hi] * upstream[:, None])
             grad.index_put_((plan.positions[:, None], plan.local_numeric_columns[None, :]), numeric_rows,
                             accumulate=True)
         return grad.to(ctx.logits_dtype), None
@@ -198,7 +210,7 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
     spec = logits_spec(logits, targets)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     options=options, sequence_shard=sequence_shard)
+                     options=options, sequence_shard=sequence_shard, may_pad_positions=True)
     ce, numeric, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
     return PerTokenLosses(ce, numeric, plan, sums, z)
 
@@ -240,15 +252,18 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
     valid_tokens = plan.valid.sum()
     numeric_sum = losses.numeric.sum()
     items = valid_tokens.clamp_min(1) if num_items_in_batch is None else _count(num_items_in_batch, losses.ce)
-    ce, z = losses.ce.sum() / items, z_per_token.sum() / items
+    ce = losses.ce.sum() / items
+    z = z_per_token.sum() / items if plan.options.z_loss else None
     if num_numeric_in_batch is not None:
         numeric_term = numeric_sum / _count(num_numeric_in_batch, losses.numeric)
     else:
-        numeric_term = numeric_sum / max(int(plan.positions.numel()), 1)
+        count = plan.numeric_count
+        numeric_term = numeric_sum / (max(count, 1) if isinstance(count, int) else count.clamp_min(1))
         if num_items_in_batch is not None:
             numeric_term = numeric_term * valid_tokens / _count(num_items_in_batch, losses.ce)
-    return NumericOutput(total=ce + z + weight * numeric_term, ce=ce, numeric=numeric_term, stats=losses.stats(),
-                         z=z)
+    total = ce + weight * numeric_term if z is None else ce + z + weight * numeric_term
+    return NumericOutput(total=total, ce=ce, numeric=numeric_term, stats=losses.stats(),
+                         z=torch.zeros_like(ce) if z is None else z)
 
 
 def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: NumericLossLike,

@@ -165,6 +165,8 @@ class NumberLevelNTLoss(NumericLoss):
     0 for Megatron's ``[s, b]``).
     """
 
+    reads_runs = True  # a number spans its digit positions
+
     def __init__(self, vocab: NumericVocab, reweigh: bool = True, float_level: bool = False,
                  dot_token_ids: Optional[Sequence[int]] = None, max_number_length: int = 20,
                  sequence_dim: int = -1, ignore_index: int = -100):

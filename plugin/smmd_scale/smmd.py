@@ -64,8 +64,10 @@ class SMMDLoss(NumericLoss):
     def _kernel_and_degree(self, device: torch.device, dtype: torch.dtype) -> tuple:
         key = (device, dtype)
         if key not in self._matrices:
-            self._matrices[key] = (self.kernel_matrix.to(device=device, dtype=dtype),
-                                   self.degree.to(device=device, dtype=dtype))
+            matrices = (self.kernel_matrix.to(device=device, dtype=dtype), self.degree.to(device=device, dtype=dtype))
+            if torch.compiler.is_compiling():
+                return matrices  # (a cache filled from a compiled graph is a guard that fails on the next call)
+            self._matrices[key] = matrices
         return self._matrices[key]
 
     def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],

@@ -127,6 +127,10 @@ class DIST2Loss(SoftTargetLoss):
     def options(self) -> tuple:
         return self.tau, self.place_weighted, self.sequence_dim
 
+    @property
+    def reads_runs(self) -> bool:
+        return self.place_weighted  # a position's place in its run of numeric targets
+
     def position_weights(self, plan) -> Optional[torch.Tensor]:
         if not self.place_weighted:
             return None

@@ -339,7 +339,10 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     if slope is not None:
         grad = grad * slope
     values = plan.values.double()
-    return NumericGradient(value=terms.value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
+    value = terms.value
+    if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
+        value = torch.where(plan.live, value, 0.0)  # the statistics' are dropped where they are used)
+    return NumericGradient(value=value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
                            abs_error=(q @ values - values[plan.numeric_targets]).abs(),
                            comm=CommCount(terms.comm_calls, terms.comm_bytes))
@@ -361,13 +364,13 @@ def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:
     """A loss's :class:`~smmd_scale.numeric_loss.NumericTerms` -> d value / d numeric logits ``[P, N]``
     (float64) with the mass held fixed: ``grad_q`` chained through the softmax over the numeric tokens,
     plus ``grad_logits``."""
-    grad = torch.zeros_like(q)
+    grad = None
     if terms.grad_q is not None:
         grad_q = terms.grad_q.double()
         grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
     if terms.grad_logits is not None:
-        grad = grad + terms.grad_logits.double()
-    return grad
+        grad = terms.grad_logits.double() if grad is None else grad + terms.grad_logits.double()
+    return torch.zeros_like(q) if grad is None else grad
 
 
 def log_mass_gradient(terms, mass: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -383,12 +386,14 @@ def log_mass_gradient(terms, mass: Optional[torch.Tensor]) -> Optional[torch.Ten
 
 
 def numeric_per_token(plan: CallPlan, numeric: NumericGradient, like: torch.Tensor) -> torch.Tensor:
-    """The numeric loss scattered to ``[T]`` (0 where the target is not numeric), ``like``'s dtype."""
-    return torch.zeros_like(like).index_put_((plan.positions, ), numeric.value.to(like.dtype))
+    """The numeric loss scattered to ``[T]`` (0 where the target is not numeric), ``like``'s dtype (a
+    fixed-capacity plan's spare rows all point at position 0 and add their 0 there)."""
+    return torch.zeros_like(like).index_put_((plan.positions, ), numeric.value.to(like.dtype),
+                                             accumulate=plan.live is not None)
 
 
 # The statistics every call reports after the numeric loss's own parts, in stat_sums' order.
-STAT_FIELDS = ("correct", "abs_error", "tokens", "comm_calls", "comm_bytes")
+STAT_FIELDS = ("correct", "abs_error", "tokens", "numeric_tokens", "comm_calls", "comm_bytes")
 
 
 def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torch.Tensor:
@@ -396,12 +401,20 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
     each of the loss's ``stat_names``, then :data:`STAT_FIELDS` (read on the host once, by
     :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output. ``comm``:
     the call's exchange; the loss's own collectives (``numeric.comm``) are added to it."""
-    sums = [numeric.parts[name].detach().double().sum() for name in plan.loss.stat_names]
-    sums += [numeric.correct.double().sum(), numeric.abs_error.detach().double().sum(),
-             plan.valid.double().sum()]
-    counts = torch.tensor([comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes], dtype=torch.float64,
-                          device=plan.valid.device)
-    return torch.cat([torch.stack(sums), counts])
+    double = torch.float64
+    per_position = torch.stack([*(numeric.parts[name].detach().to(double) for name in plan.loss.stat_names),
+                                numeric.correct.to(double), numeric.abs_error.detach().to(double)])
+    if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing
+        per_position = torch.where(plan.live, per_position, 0.0)
+    sums = [per_position.sum(dim=1), plan.valid.sum(dtype=double)[None]]
+    count = plan.numeric_count
+    host_counts = [comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes]
+    if isinstance(count, int):
+        host_counts.insert(0, count)
+    else:
+        sums.append(count.to(double)[None])
+    sums.append(torch.tensor(host_counts, dtype=double, device=plan.valid.device))
+    return torch.cat(sums)
 
 
 class CallStats(MutableMapping):
@@ -410,8 +423,8 @@ class CallStats(MutableMapping):
     once. The op itself never reads them (no host sync in its forward or backward); a trainer reads
     them where it syncs anyway (at its logging interval). Values set on it need no read."""
 
-    def __init__(self, stat_names: tuple, sums: torch.Tensor, numeric_tokens: int):
-        self._pending = (stat_names, sums, numeric_tokens)
+    def __init__(self, stat_names: tuple, sums: torch.Tensor):
+        self._pending = (stat_names, sums)
         self._values: Optional[dict] = None
         self._set: dict = {}
 
@@ -442,18 +455,20 @@ class CallStats(MutableMapping):
         return repr(self._read()) if self._values is not None else "CallStats(<not read yet>)"
 
 
-def call_stats(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int, device: torch.device):
+def call_stats(stat_names: tuple, sums: torch.Tensor, device: torch.device):
     """``NumericOutput.stats``: a dict of floats (:func:`stats_dict`) on the CPU's plan, where reading
-    them costs nothing; on an accelerator's plan a :class:`CallStats`, read when first asked for."""
-    if block_plan.DeviceProperties.of(device).accelerator:
-        return CallStats(stat_names, sums, numeric_tokens)
-    return stats_dict(stat_names, sums, numeric_tokens)
+    them costs nothing; on an accelerator's plan (or inside ``torch.compile``) a :class:`CallStats`,
+    read when first asked for."""
+    if block_plan.DeviceProperties.of(device).accelerator or torch.compiler.is_compiling():
+        return CallStats(stat_names, sums)
+    return stats_dict(stat_names, sums)
 
 
-def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> dict:
+def stats_dict(stat_names: tuple, sums: torch.Tensor) -> dict:
     """:func:`stat_sums` as the floats of ``NumericOutput.stats`` (one host sync): the loss's parts
     and the numeric accuracy and MAE as means over the numeric positions, counts as ints."""
-    *part_sums, correct, abs_error, tokens, comm_calls, comm_bytes = sums.tolist()
+    *part_sums, correct, abs_error, tokens, numeric_tokens, comm_calls, comm_bytes = sums.tolist()
+    numeric_tokens = int(numeric_tokens)
     per_numeric = 1.0 / max(numeric_tokens, 1)
     return {**{name: total * per_numeric for name, total in zip(stat_names, part_sums)},
             "numeric_tokens": numeric_tokens, "numeric_accuracy": correct * per_numeric,
@@ -461,19 +476,31 @@ def stats_dict(stat_names: tuple, sums: torch.Tensor, numeric_tokens: int) -> di
             "tokens": int(tokens)}
 
 
+def numeric_upstream(plan: CallPlan, grad_numeric: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[P]`` d loss / d (numeric loss at each of the plan's numeric positions), in ``dtype``."""
+    return grad_numeric[plan.positions].to(dtype)
+
+
+def live_rows(plan: CallPlan, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[P, ...]``, one per numeric position of the plan) with a fixed-capacity plan's spare
+    rows set to 0 (``torch.where``: also where a spare row, a copy of position 0's, is not finite)."""
+    if plan.live is None:
+        return rows
+    return torch.where(plan.live.view(-1, *([1] * (rows.dim() - 1))), rows, 0.0)
+
+
 def row_multipliers(plan: CallPlan, row_coefficient: Optional[torch.Tensor], grad_ce: torch.Tensor,
-                    grad_numeric: torch.Tensor, dtype: torch.dtype, lse: Optional[ShiftedLogSumExp] = None,
+                    upstream: torch.Tensor, dtype: torch.dtype, lse: Optional[ShiftedLogSumExp] = None,
                     grad_z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[T]``: what each full softmax row is multiplied by in the gradient: d loss / d CE (0 at
     ignored positions), plus the z-loss's ``2 * coefficient * lse * d loss / d z``, plus the numeric
-    loss's row coefficient at the numeric positions."""
+    loss's row coefficient at the numeric positions (``upstream``: :func:`numeric_upstream`)."""
     multiplier = grad_ce.to(dtype) * plan.valid
     if plan.options.z_loss and grad_z is not None:
         log_z = (lse.shift + lse.log_sum).to(dtype)
         multiplier = multiplier + (2 * plan.options.z_loss) * log_z * grad_z.to(dtype) * plan.valid
     if row_coefficient is not None and plan.positions.numel():
-        multiplier = multiplier.index_add(0, plan.positions,
-                                          row_coefficient.to(dtype) * grad_numeric[plan.positions].to(dtype))
+        multiplier = multiplier.index_add(0, plan.positions, live_rows(plan, row_coefficient.to(dtype) * upstream))
     return multiplier
 
 

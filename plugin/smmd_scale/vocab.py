@@ -47,6 +47,19 @@ _MAX_LISTED = 5
 
 
 
+def count_below(sorted_ids: list, value: int) -> int:
+    """``bisect.bisect_left(sorted_ids, value)`` in plain Python, so that ``torch.compile`` traces it
+    into a constant (the C ``_bisect`` is opaque to Dynamo and breaks a ``fullgraph=True`` graph)."""
+    low, high = 0, len(sorted_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if sorted_ids[middle] < value:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 class NumericVocab:
     """The numeric sub-vocabulary V_num: N token ids with parsed values, for logits of width vocab_size.
 
@@ -116,11 +129,30 @@ class NumericVocab:
         """``(token_ids [N] int64, values [N] dtype)`` on ``device``, copied once per (device, dtype)."""
         key = (torch.device(device), dtype)
         if key not in self._device_copies:
-            self._device_copies[key] = (self.token_ids.to(device), self.values.to(device=device, dtype=dtype))
+            copies = (self.token_ids.to(device), self.values.to(device=device, dtype=dtype))
+            if torch.compiler.is_compiling():
+                return copies  # (a cache filled from a compiled graph is a guard that fails on the next call)
+            self._device_copies[key] = copies
         return self._device_copies[key]
 
     def __len__(self) -> int:
         return self.token_ids.numel()
+
+    def index_table(self, device: torch.device) -> torch.Tensor:
+        """``[vocab_size]`` int64 on ``device``: each token id's index among the numeric tokens, -1 for
+        the others (made once per device; 8 bytes per vocabulary entry)."""
+        key = (torch.device(device), "index")
+        if key not in self._device_copies:
+            table = torch.full((self.vocab_size, ), -1, dtype=torch.int64, device=device)
+            table[self.token_ids.to(device)] = torch.arange(len(self), dtype=torch.int64, device=device)
+            if torch.compiler.is_compiling():
+                return table  # as in on()
+            self._device_copies[key] = table
+        return self._device_copies[key]
+
+    def count_below(self, token_id: int) -> int:
+        """How many numeric token ids are below ``token_id`` (``bisect_left`` on the sorted ids)."""
+        return count_below(self.token_id_list, token_id)
 
     @property
     def fingerprint(self) -> int:

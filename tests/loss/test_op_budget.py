@@ -2,33 +2,41 @@
 (``smmd_scale.op_count``, ``smmd_scale.block_plan.plan_as``): host syncs and ATen ops per forward and
 backward, for every registered loss, materialized and fused, with and without a tensor count.
 
-The budgets are ceilings at what the ops do now, so that a change that adds a sync or a pile of ops
-fails here, naming where. Where they stand against the targets (0 host syncs; about 100 ops for the
-fused head at one block, about 20 per further block): the backward of both ops syncs nothing; the
-forward still reads the numeric positions' count (``sequence_shard.numeric_positions``: the numeric
-slice's rows are sized by the data), and the digit-run losses (DEL, number-level NTL) find their runs
-on the host; docs/fused_linear.md has the table (``benchmarks.op_counts``).
+Host syncs: none in the forward or the backward of either op for every loss that reads one position
+at a time (the numeric positions at a fixed capacity, the value checks as device-side asserts, the
+statistics read only when asked for). The two losses that join digits into numbers (DEL, number-level
+NTL) still find their digit runs on the host: their sync budget is where they stand, and a new site
+anywhere fails. The op budgets are ceilings a little above the counts now, so that a change that adds
+a sync or a pile of ops fails here, naming where; docs/fused_linear.md has the table at the real
+shapes (``benchmarks.op_counts``).
 """
+
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import models
 
-from smmd_scale import NumericVocab, linear_numeric_cross_entropy, numeric_cross_entropy, steps
+import smmd_scale
+from smmd_scale import NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy, steps
 from smmd_scale.block_plan import DeviceProperties, plan_as
 from smmd_scale.op_count import count_ops
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
 
 H200 = DeviceProperties("cuda", free_bytes=139 << 30)
+PACKAGE_FILES = {path.name for path in Path(smmd_scale.__file__).parent.rglob("*.py")}
 TOKENS, HIDDEN, VOCAB = 96, 16, 600
 DIGIT_IDS = list(range(10, 20))
-# Host syncs of one forward where they stand now: the numeric positions' count (every loss), and the
-# digit runs of the losses that join digits into numbers. The backward: none.
-FORWARD_SYNCS = {name: 1 for name in NUMERIC_LOSSES} | {"ntl-number": 9, "del": 8}
-ALLOWED_SITES = {"sequence_shard.py", "number_level.py", "digit_entropy.py"}
-# ATen ops of one forward + backward at one block (now: 140-190 for the simple losses, 250-290 for the
-# digit-run ones; +10% for torch's own op choices changing between versions).
-OPS = {name: 210 for name in NUMERIC_LOSSES} | {"ntl-number": 320, "del": 300}
-OPS_PER_BLOCK = 55  # the fused head's forward + backward per further block (now 48)
+# Host syncs of one forward: none, but for the digit runs of the losses that join digits into numbers
+# (their exact positions and runs). The backward: none.
+DIGIT_RUN_LOSSES = {"ntl-number": 9, "del": 8}
+FORWARD_SYNCS = {name: 0 for name in NUMERIC_LOSSES} | DIGIT_RUN_LOSSES
+DIGIT_RUN_SITES = {"sequence_shard.py", "number_level.py", "digit_entropy.py"}
+# ATen ops of one forward + backward at one block, a fresh loss (its per-device caches filled in the
+# call): now 127-175 for the losses that read one position at a time, 206-252 for the digit-run ones;
+# +~10% for torch's own op choices changing between versions.
+OPS = {name: 190 for name in NUMERIC_LOSSES} | {"ntl-number": 275, "del": 255}
+OPS_PER_BLOCK = 40  # the fused head's forward + backward per further block (now 36)
 
 
 def problem(generator):
@@ -63,7 +71,8 @@ def check_budget(name: str, forward, backward) -> None:
     sites = forward.sync_sites + backward.sync_sites
     assert backward.sync_count == 0, f"{name}: the backward syncs the host: {backward.sync_sites}"
     assert forward.sync_count <= FORWARD_SYNCS[name], f"{name}: {forward.summary()}"
-    assert {site.split(":")[0] for site in sites} <= ALLOWED_SITES, f"{name}: a new sync site: {sites}"
+    allowed = DIGIT_RUN_SITES if name in DIGIT_RUN_LOSSES else set()
+    assert {site.split(":")[0] for site in sites} <= allowed, f"{name}: a new sync site: {sites}"
     assert forward.ops + backward.ops <= OPS[name], f"{name}: {forward.summary()} + {backward.summary()}"
 
 
@@ -100,7 +109,7 @@ def test_a_planted_host_read_fails_the_budget(generator, monkeypatch):
 
     monkeypatch.setattr("smmd_scale.loss.cross_entropy_per_token", careless)
     # (the site named is the innermost frame of smmd_scale: the op's forward that called the step)
-    with pytest.raises(AssertionError, match=r"smmd: .*2 host syncs: .*loss.py:\d+ in forward: aten\._local_scalar"):
+    with pytest.raises(AssertionError, match=r"smmd: .*1 host syncs: .*loss.py:\d+ in forward: aten\._local_scalar"):
         check_budget("smmd", *counted_call("materialized", loss, targets, generator))
 
 
@@ -136,3 +145,19 @@ def test_the_statistics_are_read_only_when_asked_for(generator):
             positions = output.stats["numeric_tokens"]
     assert reading.syncs["Tensor.tolist"] == 1 and positions == int((targets >= 10).logical_and(targets < 20).sum())
     assert set(output.stats) >= {"smmd", "numeric_accuracy", "numeric_mae", "tokens"}
+
+
+def test_the_hf_path_adds_no_sync_of_ours(generator):
+    """``install`` on a tiny Llama, ``model(..., labels=...).loss.backward()`` under the accelerator's
+    plan: no host sync asked for by smmd_scale (the model's own, if any, are not ours to count)."""
+    model = models.tiny_llama(96, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(list(range(20, 30)), list(range(10)), 96)),
+                                   weight=0.3)
+    ids = torch.randint(0, 96, (2, 12), generator=generator)
+    ids[:, 2:8] = torch.randint(20, 30, (2, 6), generator=generator)
+    with plan_as(H200), count_ops() as counted:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counted.ops > 0
+    ours = [site for site in counted.sync_sites if site.split(":")[0] in PACKAGE_FILES]
+    assert not ours, ours
+    assert installed.last_stats["numeric_tokens"] == 12  # read after the step, when asked for

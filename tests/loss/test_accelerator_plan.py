@@ -1,0 +1,129 @@
+"""The accelerator's plan computes what the CPU's plan computes, for every registered loss, both ops,
+with the call options and the reductions: the numeric positions at a fixed capacity (padded rows,
+masked), the fused head's sweeps with the log-sum-exp folded into the recomputing GEMM, the
+per-block merge done once. Run on the CPU under ``plan_as`` (the plan is a function of the device's
+properties), in float64 so that only the grouping of sums differs."""
+
+import pytest
+import torch
+
+from smmd_scale import NumericVocab, linear_numeric_cross_entropy, numeric_cross_entropy
+from smmd_scale.block_plan import DeviceProperties, plan_as
+from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
+
+H200 = DeviceProperties("cuda", free_bytes=139 << 30)
+CPU = DeviceProperties("cpu")
+TOKENS, HIDDEN, VOCAB = 48, 8, 300
+DIGITS = list(range(10, 20))
+OPTION_SETS = {
+    "plain": {},
+    "scale, z-loss, smoothing": dict(logit_scale=0.7, z_loss=1e-3, label_smoothing=0.1),
+    "soft-cap": dict(logit_softcap=5.0),
+}
+# float64 on both plans: only the order of additions differs (row blocks, the blocks' merge, the
+# folded log-sum-exp), each a few ulp of values of order 10 (the logits and CE here).
+TOLERANCE = dict(rtol=1e-9, atol=1e-11)
+
+
+def problem(generator):
+    vocab = NumericVocab(DIGITS, [float(value) for value in range(10)], VOCAB)
+    targets = torch.randint(0, VOCAB, (2, TOKENS // 2), generator=generator)
+    flat = targets.view(-1)
+    flat[::2] = torch.randint(10, 20, (TOKENS // 2, ), generator=generator)
+    flat[1::5] = torch.randint(10, 20, (len(flat[1::5]), ), generator=generator)
+    flat[::9] = -100
+    return vocab, targets
+
+
+def run(plan, op: str, loss, inputs, targets, options: dict, reduction: str = "mean", tensor_count: bool = False,
+        budget=None):
+    inputs = [tensor.clone().requires_grad_() for tensor in inputs]
+    count = torch.tensor(TOKENS - 3) if tensor_count else None
+    with plan_as(plan):
+        if op == "materialized":
+            output = numeric_cross_entropy(*inputs, targets, loss, reduction=reduction, num_items_in_batch=count,
+                                           **options)
+        else:
+            output = linear_numeric_cross_entropy(*inputs, targets, loss, reduction=reduction,
+                                                  num_items_in_batch=count, block_budget_bytes=budget, **options)
+        (output.total if reduction != "none" else output.total.sum()).backward()
+        stats = dict(output.stats)
+    return output, [tensor.grad for tensor in inputs], stats
+
+
+def inputs_for(op: str, generator, bias: bool = False) -> list:
+    if op == "materialized":
+        return [torch.randn(2, TOKENS // 2, VOCAB, generator=generator, dtype=torch.float64) * 3]
+    hidden = torch.randn(2, TOKENS // 2, HIDDEN, generator=generator, dtype=torch.float64)
+    head = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
+    return [hidden, head]
+
+
+def check_same(accelerator, cpu) -> None:
+    (out_a, grads_a, stats_a), (out_c, grads_c, stats_c) = accelerator, cpu
+    for name in ("total", "ce", "numeric", "z"):
+        torch.testing.assert_close(getattr(out_a, name), getattr(out_c, name), **TOLERANCE, msg=name)
+    for got, expected in zip(grads_a, grads_c):
+        torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert stats_a.keys() == stats_c.keys()
+    for key, value in stats_c.items():
+        assert stats_a[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("op", ["materialized", "fused"])
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+def test_every_loss_computes_the_same_on_both_plans(generator, op, option_set):
+    vocab, targets = problem(generator)
+    defaults = options_from(lambda option: option.default)
+    inputs = inputs_for(op, generator)
+    for name in NUMERIC_LOSSES:
+        loss = build_numeric_loss(vocab, [(name, 1.0)], defaults, dot_token_ids=[5])
+        options = OPTION_SETS[option_set]
+        check_same(run(H200, op, loss, inputs, targets, options), run(CPU, op, loss, inputs, targets, options))
+
+
+@pytest.mark.parametrize("op", ["materialized", "fused"])
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_the_reductions_and_a_tensor_count_agree(generator, op, reduction):
+    vocab, targets = problem(generator)
+    inputs = inputs_for(op, generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0), ("ntl-was", 0.5)])
+    check_same(run(H200, op, loss, inputs, targets, {}, reduction), run(CPU, op, loss, inputs, targets, {}, reduction))
+    check_same(run(H200, op, loss, inputs, targets, {}, tensor_count=True),
+               run(CPU, op, loss, inputs, targets, {}, tensor_count=True))
+
+
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+def test_the_fused_head_in_several_blocks_with_a_bias(generator, option_set):
+    """Several blocks on the accelerator's plan (a budget of 70 head rows: 5 blocks) against the CPU's
+    one block, with a bias: the blocks' merge, the target column's block and the numeric columns' block."""
+    vocab, targets = problem(generator)
+    hidden, head = inputs_for("fused", generator)
+    bias = torch.randn(VOCAB, generator=generator, dtype=torch.float64)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0), ("ntl-was", 0.5)])
+    options = dict(OPTION_SETS[option_set], bias=bias)
+    budget = TOKENS * 8 * 70
+    check_same(run(H200, "fused", loss, [hidden, head], targets, options, budget=budget),
+               run(CPU, "fused", loss, [hidden, head], targets, options))
+
+
+def test_a_call_without_numbers_and_one_with_only_numbers(generator):
+    vocab, _ = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    logits = torch.randn(TOKENS, VOCAB, generator=generator, dtype=torch.float64)
+    for targets in (torch.full((TOKENS, ), 50), torch.randint(10, 20, (TOKENS, ), generator=generator)):
+        accelerator = run(H200, "materialized", loss, [logits], targets, {})
+        check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}))
+        assert accelerator[2]["numeric_tokens"] == int(((targets >= 10) & (targets < 20)).sum())
+
+
+def test_the_padded_rows_never_reach_position_zero(generator):
+    """The spare rows of a fixed-capacity plan repeat position 0: its loss, gradient and statistics stay
+    its own whether its target is numeric or not."""
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("ntl-was", 1.0)])
+    logits = torch.randn(2, TOKENS // 2, VOCAB, generator=generator, dtype=torch.float64)
+    for first in (50, 13, -100):
+        targets.view(-1)[0] = first
+        accelerator = run(H200, "materialized", loss, [logits], targets, {}, reduction="none")
+        check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}, reduction="none"))
