@@ -281,28 +281,40 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
                                 multiplier, offsets, target_coefficient, numeric_grad, grad_hidden, grad_weight,
                                 grad_bias) -> None:
     """:func:`_backward_sweep_cpu` on an accelerator's plan: the target column found once
-    (:class:`_TargetBlocks`), and where the product runs in the compute dtype without a logit
-    transform, the log-sum-exp subtracted inside the recomputing GEMM (``addmm`` with ``-lse`` as its
-    bias: one op where there were three; the softmax then carries the rounding of ``shift + log_sum``
-    in the compute dtype, a relative 6e-8 of it in fp32, ~2e-5 of a probability at logits ~300)."""
+    (:class:`_TargetBlocks`), the log-sum-exp subtracted as one number (``shift + log_sum``, formed
+    once), and where the product runs in the compute dtype without a logit transform, inside the
+    recomputing GEMM (``addmm`` with ``-lse`` as its bias). The softmax then carries the rounding of
+    ``shift + log_sum`` in the compute dtype: a relative 6e-8 of it in fp32, ~2e-5 of a probability at
+    logits ~300, below a bf16 product's own rounding of the logits."""
     blocks = _blocks(head_weight.shape[0], chunk_size)
     where = _TargetBlocks(plan, chunk_size, len(blocks))
     all_rows = torch.arange(hidden.shape[0], device=hidden.device)
     coefficient = torch.where(plan.owned, target_coefficient, 0.0) if where.single else target_coefficient
     options, compute_dtype = plan.options, plan.compute_dtype
+    softcapped = options.logit_softcap is not None
     folded = hidden.dtype == compute_dtype and not options.transforms_logits
-    if folded:
-        negative_lse = (lse.shift + lse.log_sum).neg_()[:, None]
+    # The row vectors every block reads, shaped once: -lse, the multipliers, the smoothing offsets.
+    negative_lse = (lse.shift + lse.log_sum).neg_()[:, None]
+    multiplier_column = multiplier[:, None]
+    offsets_column = None if offsets is None else offsets[:, None]
     for index, (start, end) in enumerate(blocks):
-        if folded:
-            head_rows = head_weight[start:end].to(hidden.dtype)
-            offset = negative_lse if bias is None else negative_lse + bias[start:end].to(hidden.dtype)
-            grad_logits = torch.addmm(offset, hidden, head_rows.T).exp_().mul_(multiplier[:, None])
-            if offsets is not None:
-                grad_logits.sub_(offsets[:, None])
-        else:
+        if softcapped:
             grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier,
                                                      offsets)
+        else:
+            head_rows = head_weight[start:end].to(hidden.dtype)
+            bias_rows = None if bias is None else bias[start:end]
+            if folded:  # logits - lse straight out of the GEMM
+                offset = negative_lse if bias_rows is None else negative_lse + bias_rows.to(hidden.dtype)
+                grad_logits = torch.addmm(offset, hidden, head_rows.T)
+            else:  # a half product, or scaled logits: the block in the compute dtype first
+                grad_logits = transform_logits_(block_logits(hidden, head_rows, bias_rows, compute_dtype), options)
+                grad_logits.add_(negative_lse)
+            grad_logits.exp_().mul_(multiplier_column)
+            if offsets_column is not None:
+                grad_logits.sub_(offsets_column)
+            if options.logit_scale is not None:
+                grad_logits.mul_(options.scale)
         block_coefficient = coefficient if where.single else \
             torch.where(where.in_block(plan, index), coefficient, 0.0)
         grad_logits.index_put_((all_rows, where.columns(plan, start, end)), block_coefficient, accumulate=True)
