@@ -6,16 +6,23 @@ ZeRO-3 (+ AutoTP), before booking a cluster, and what to change when it does not
     result = estimate(model_config("/models/llama-3-8b"), nodes=4, gpus_per_node=8, tp_size=2)
     result["total_gpu_bytes"], result["verdict"], next_steps(config, nodes=4, gpus_per_node=8)
 
-Per GPU, in bf16 mixed precision with Adam:
+Per GPU, in bf16 mixed precision with Adam (``precision="fp32"``: a run whose model, activations and
+logits are fp32, as on DeepSpeed's CPU accelerator, where the DeepSpeed config's bf16 ``"auto"`` is off):
 
 * **model states** (bf16 params and grads, fp32 master params and Adam moments), from DeepSpeed's
   own ``estimate_zero3_model_states_mem_needs`` with ``zero_init`` (the model is built under
   ``zero.Init``) and its default CPU ``additional_buffer_factor`` of 1.5. With ``--tp T`` AutoTP
-  first splits the model T ways; each TP rank's share is one ZeRO-3 model partitioned over its
-  world / T data-parallel ranks (T of them per node, so the CPU memory per node is T times the
-  estimator's). AutoTP leaves an untied embedding whole on every TP rank, so on the same GPUs more
-  TP can raise the model states of 7b and up. ``--offload`` moves params and optimizer to CPU, as
-  ``ds_configs/zero3_offload.json``.
+  first splits the model T ways; ZeRO-3 partitions what it splits over the world / T data-parallel
+  ranks, and what it leaves whole on every TP rank (the norms, an untied embedding) over the whole
+  world, as ``zero.Init`` built it (``smmd_train.presets.zero_partition_params``: the partition
+  ``smmd_train.model.rank_parameters`` counts on a real engine); the estimator is given the model whose
+  even split over the data-parallel ranks is that partition (T of them per node, so the CPU memory
+  per node is T times the estimator's). An untied embedding, whole on every TP rank, is the gathered
+  largest layer from 7b up. ``--offload`` moves params and optimizer to CPU, as
+  ``ds_configs/zero3_offload.json``. In fp32 (DeepSpeed's estimator is bf16's) each partitioned
+  parameter holds 20 bytes instead of 18 (the fp32 parameter and gradient, the fp32 master copy
+  ZeRO-3 keeps even of fp32 parameters, two Adam moments) and the gathered largest layer 8 per
+  parameter (fp32 parameter and gradient) instead of 4.
 * **activations** kept for backward, counted tensor by tensor for HF's Llama layer (the method of
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; their
   GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes, s*b*h*(10 + 24/t + 5*a*s/(h*t)) under t-way TP;
@@ -35,6 +42,10 @@ Per GPU, in bf16 mixed precision with Adam:
   (``smmd_scale.linear_smmd_cross_entropy``) no logits at all: one block of them (fp32, and its
   bf16 copy) and the fp32 gradient of the head's input, a few hundred MiB instead of several GiB
   at a 128k vocabulary. The report gives the largest micro batch that fits with and without it.
+
+In fp32 every bf16 tensor of these counts is fp32 (4 bytes instead of 2), and the fp32 copies bf16
+needs (an RMSNorm's upcast input, the softmax's and the loss's gradient cast back) are the tensors
+themselves.
 
 The total is a sum of these (a slight over-estimate with gradient checkpointing, where the
 recomputed layer and the logits are not alive at once). It leaves out the CUDA context, NCCL
@@ -66,6 +77,7 @@ from .presets import (
     parameter_count,
     preset_config,
     sliding_window_layers,
+    zero_partition_params,
 )
 from .tables import markdown_table
 
@@ -80,6 +92,8 @@ MAX_NODES_TRIED = 1024
 LLAMA3_VOCAB_SIZE = 128256  # a preset's vocabulary unless --vocab_size says otherwise
 # The families whose layer activations layer_activation_bytes counts (checked against autograd).
 ESTIMATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# Bytes per element of the activations and logits of a run in each precision the planner counts.
+ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def check_estimated_family(model_type) -> None:
@@ -127,17 +141,26 @@ def model_config(model: str, vocab_size: Optional[int] = None):
     return config
 
 
-def _norm_bytes(config, tokens: int, width: int) -> int:
+def element_bytes(precision: str) -> int:
+    """Bytes per activation element in ``precision`` (a key of :data:`ACTIVATION_BYTES`)."""
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision={precision!r}: the planner counts {', '.join(ACTIVATION_BYTES)}")
+    return ACTIVATION_BYTES[precision]
+
+
+def _norm_bytes(config, tokens: int, width: int, element: int = 2) -> int:
     """One RMSNorm over ``width`` applied to ``tokens`` rows, without its output: the fp32 input copy
-    (4 per element), the normalized values (bf16, 2; Gemma: fp32, 4), the fp32 rsqrt (4 per row);
-    Gemma's also keeps its fp32 ``1 + weight`` (4 per element of the weight, once per call)."""
+    (4 per element; in fp32 the input itself), the normalized values (``element`` bytes: bf16 2, fp32
+    4; Gemma's: fp32, 4), the fp32 rsqrt (4 per row); Gemma's also keeps its fp32 ``1 + weight`` (4 per
+    element of the weight, once per call)."""
     if decoder_family(config).gemma_norms:
         return tokens * (8 * width + 4) + 4 * width
-    return tokens * (6 * width + 4)
+    return tokens * ((4 + element) * width + 4)
 
 
 def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1,
-                           flash_attention: bool = True, sp_size: int = 1, sliding_window: bool = False) -> int:
+                           flash_attention: bool = True, sp_size: int = 1, sliding_window: bool = False,
+                           precision: str = "bf16") -> int:
     """Bytes one HF decoder layer of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2 or Gemma-3 keeps
     for backward on one GPU, with bf16 activations, causal attention without a padding mask (packed
     sequences), and attention dropout 0; ``sliding_window``: a layer that attends through
@@ -172,36 +195,42 @@ def layer_activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int 
     the MLP width do not divide by t (:mod:`smmd_train.autotp`). Ulysses ``sp_size`` S: per rank,
     ``seq_len / S`` tokens of each term, the KV heads at least S (Ulysses replicates fewer), the
     attention output twice with SDPA (its head-sharded copy and the o_proj input after the all-to-all
-    back; eager keeps both already). tests/train/test_presets.py and tests/train/test_sequence_parallel.py
-    check this against the tensors autograd saves.
+    back; eager keeps both already). ``precision="fp32"``: every bf16 tensor above is fp32 (4 bytes
+    per element instead of 2), a non-Gemma norm keeps its input itself (the fp32 copy) and the eager
+    softmax no bf16 copy (4 bytes per score, 8 soft-capped). tests/train/test_presets.py and
+    tests/train/test_sequence_parallel.py check this against the tensors autograd saves.
     """
     check_estimated_family(getattr(config, "model_type", None))
     if config.attention_dropout:
         raise ValueError(f"attention_dropout={config.attention_dropout}: this estimate assumes 0 (as every preset "
                          "has); dropout masks would add activations it does not count")
-    family = decoder_family(config)
+    family, element = decoder_family(config), element_bytes(precision)
     tokens = seq_len * micro_batch // sp_size
     kv_heads = kv_head_shares(config.num_key_value_heads, tp_size)[0]  # this rank's
     heads, width = config.num_attention_heads // config.num_key_value_heads * kv_heads, head_dim(config)
-    norms = family.layer_norms * _norm_bytes(config, tokens, config.hidden_size) + tokens * 2 * 2 * config.hidden_size
+    norms = (family.layer_norms * _norm_bytes(config, tokens, config.hidden_size, element)
+             + tokens * 2 * element * config.hidden_size)
     if family.qk_norm:  # before Ulysses' all-to-all: this rank's tokens, its TP share of heads
-        norms += _norm_bytes(config, tokens * heads, width) + _norm_bytes(config, tokens * kv_heads, width)
+        norms += (_norm_bytes(config, tokens * heads, width, element)
+                  + _norm_bytes(config, tokens * kv_heads, width, element))
     kv_heads = max(kv_heads, sp_size) if sp_size > 1 else kv_heads
     if flash_attention and has_sdpa(config):
         masked = sliding_window and sp_size == 1 and seq_len >= config.sliding_window
         if masked or width > 256:  # transformers' SDPA takes GQA's k and v unexpanded only without a mask
             kv_heads = heads
-        attention = tokens * (4 * heads * width + 4 * kv_heads * width + 4 * heads
-                              + (2 * heads * width if sp_size > 1 else 0) + (2 * seq_len if masked else 0))
+        attention = tokens * (element * (2 * heads * width + 2 * kv_heads * width) + 4 * heads
+                              + (element * heads * width if sp_size > 1 else 0) + (element * seq_len if masked else 0))
     else:
         softcapped = family.score_softcap and config.attn_logit_softcapping is not None
-        attention = tokens * (8 * heads * width + (8 if softcapped else 6) * heads * seq_len)
-    mlp = tokens * 8 * near_even_shares(config.intermediate_size, tp_size)[0]
+        # per score: the fp32 softmax, its copy in the model's dtype (none in fp32), tanh's output when soft-capped
+        score = 4 + (element if element != 4 else 0) + (element if softcapped else 0)
+        attention = tokens * (4 * element * heads * width + score * heads * seq_len)
+    mlp = tokens * 4 * element * near_even_shares(config.intermediate_size, tp_size)[0]
     return norms + attention + mlp
 
 
 def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, gradient_checkpointing: bool = False,
-                     flash_attention: bool = True, sp_size: int = 1) -> int:
+                     flash_attention: bool = True, sp_size: int = 1, precision: str = "bf16") -> int:
     """Bytes of activations kept for backward on one GPU by the whole ``*ForCausalLM`` up to the
     lm_head input: every layer (:func:`layer_activation_bytes`, sliding-window layers as such), or
     with gradient checkpointing each layer's bf16 input (2h per token) plus the largest layer being
@@ -209,20 +238,22 @@ def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, g
     = the lm_head input: Llama 8h + 4 per token, Gemma 10h + 4 and 4h for its ``1 + weight``); per
     rank of ``sp_size`` Ulysses ranks, which hold seq_len / sp_size tokens each. Gemma's embedding
     scale (sqrt(h)) keeps no more than a bf16 scalar: the first norm's fp32 copy is what backward
-    reads, as for the unscaled embedding."""
-    tokens = seq_len * micro_batch // sp_size
+    reads, as for the unscaled embedding. ``precision="fp32"``: as :func:`layer_activation_bytes` counts
+    it (the layer inputs and the lm_head input 4h per token)."""
+    tokens, element = seq_len * micro_batch // sp_size, element_bytes(precision)
     sliding = sliding_window_layers(config)
-    full, windowed = (layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention, sp_size, window)
+    full, windowed = (layer_activation_bytes(config, seq_len, micro_batch, tp_size, flash_attention, sp_size, window,
+                                             precision)
                       if not window or sliding else 0 for window in (False, True))
-    final_norm = _norm_bytes(config, tokens, config.hidden_size) + tokens * 2 * config.hidden_size
+    final_norm = _norm_bytes(config, tokens, config.hidden_size, element) + tokens * element * config.hidden_size
     if gradient_checkpointing:  # the windowed layer is the larger one: it keeps at least what a full one does
-        return config.num_hidden_layers * tokens * 2 * config.hidden_size + max(full, windowed) + final_norm
+        return config.num_hidden_layers * tokens * element * config.hidden_size + max(full, windowed) + final_norm
     return (config.num_hidden_layers - sliding) * full + sliding * windowed + final_norm
 
 
 def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1,
                           fused_linear: bool = False, hidden_size: int = 0, sp_size: int = 1,
-                          logit_softcap: bool = False) -> int:
+                          logit_softcap: bool = False, precision: str = "bf16") -> int:
     """Bytes of the loss's working set on one GPU; SMMD's ``[P, N]`` numeric part is negligible.
 
     Materialized: bf16 logits ``[tokens, V/T]`` (2 B), the fused loss's fp32 buffer (4 B, the
@@ -233,25 +264,42 @@ def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_si
     per element; soft-capped, the fused op applies the cap itself and its backward holds the fp32
     block and the cap's fp32 slope at once, 8 B) and ``d hidden`` ``[tokens, H]`` in fp32 (the
     head's gradient is a model state). With ``sp_size`` Ulysses ranks, each holds the loss of its
-    seq_len / sp_size tokens."""
+    seq_len / sp_size tokens. ``precision="fp32"``: fp32 logits (4 B) and tanh output (4 B); the loss
+    returns its fp32 buffer as the gradient, and the fused op's block has no copy (4 B, 8 soft-capped)."""
     tokens, rows = seq_len * micro_batch // sp_size, near_even_shares(vocab_size, tp_size)[0]  # rank 0: the most rows
+    element = element_bytes(precision)
+    cast = element if element != 4 else 0  # a copy in the model's dtype of an fp32 tensor (none in fp32)
     if not fused_linear:
-        return tokens * rows * (2 + 4 + 2 + (2 if logit_softcap else 0))
+        return tokens * rows * (element + 4 + cast + (element if logit_softcap else 0))
     block = tokens * default_chunk_size(tokens, hidden_size, rows)
-    return block * (4 + (4 if logit_softcap else 2)) + tokens * hidden_size * 4
+    return block * (4 + (4 if logit_softcap else cast)) + tokens * hidden_size * 4
 
 
-def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False) -> dict:
-    """ZeRO-3 model states from DeepSpeed's estimator: ``gpu_bytes`` per GPU and
-    ``cpu_per_node_bytes``, for the ``tp_params`` / ``tp_largest_layer_params`` one AutoTP rank
-    holds, partitioned over the ``gpus_per_node / tp_size`` data-parallel ranks per node."""
+def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False,
+                       precision: str = "bf16") -> dict:
+    """ZeRO-3 model states from DeepSpeed's estimator: ``gpu_bytes`` per GPU and ``cpu_per_node_bytes``
+    for the ``tp_params`` / ``tp_largest_layer_params`` one AutoTP rank holds, of which
+    ``zero_partition_params`` are in this GPU's ZeRO-3 partition
+    (:func:`~smmd_train.presets.zero_partition_params`). ``gpu_bytes`` is ``partitioned_bytes`` (this
+    GPU's partition of every state) plus ``gathered_bytes`` (the largest layer gathered whole, its
+    parameters and gradients). ``precision="fp32"``: 20 bytes per partitioned parameter and 8 per
+    gathered one (see the module docstring); not with ``offload``."""
     tp_params, tp_largest = parameter_count(config, tp_size), largest_layer_params(config, tp_size)
-    cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
-        total_params=tp_params, largest_layer_params=tp_largest, num_gpus_per_node=gpus_per_node // tp_size,
-        num_nodes=nodes, cpu_offload=offload, cpu_offload_params=offload, zero_init=True,
-        additional_buffer_factor=ADDITIONAL_BUFFER_FACTOR)
-    return {"gpu_bytes": gpu_bytes, "cpu_per_node_bytes": tp_size * cpu_bytes, "tp_params": tp_params,
-            "tp_largest_layer_params": tp_largest}
+    dp_ranks = nodes * gpus_per_node // tp_size
+    partition = zero_partition_params(config, tp_size, nodes * gpus_per_node)
+    cpu_bytes, gpu_bytes, gathered = estimate_zero3_model_states_mem_needs(
+        total_params=round(partition * dp_ranks), largest_layer_params=tp_largest,
+        num_gpus_per_node=gpus_per_node // tp_size, num_nodes=nodes, cpu_offload=offload, cpu_offload_params=offload,
+        zero_init=True, additional_buffer_factor=ADDITIONAL_BUFFER_FACTOR)
+    if element_bytes(precision) == 4:
+        if offload:
+            raise ValueError("precision='fp32' with offload: an fp32 run is a CPU run here, and ZeRO offloads to "
+                             "the CPU from an accelerator; plan it without offload")
+        gathered = 8 * tp_largest
+        gpu_bytes = gathered + round(20 * partition)
+    return {"gpu_bytes": gpu_bytes, "partitioned_bytes": gpu_bytes - gathered, "gathered_bytes": gathered,
+            "cpu_per_node_bytes": tp_size * cpu_bytes, "tp_params": tp_params, "tp_largest_layer_params": tp_largest,
+            "zero_partition_params": round(partition)}
 
 
 def _check_layout(nodes, gpus_per_node, tp_size, seq_len, micro_batch, gpu_memory_gib, sp_size=1, config=None):

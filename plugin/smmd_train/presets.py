@@ -182,6 +182,24 @@ def parameter_count(config, tp_size: int = 1) -> int:
     return embedding + config.num_hidden_layers * layer + config.hidden_size + head
 
 
+def zero_partition_params(config, tp_size: int, world_size: int) -> float:
+    """Parameters in the ZeRO-3 partition of rank 0 of ``world_size`` ranks at AutoTP degree ``tp_size``
+    (of :func:`parameter_count`'s share): what AutoTP splits is partitioned over the world / ``tp_size``
+    data-parallel ranks; what it leaves whole (the norms, the row-parallel projections' biases, an untied
+    embedding) keeps the split ``zero.Init`` gave it as the model was built, over the whole world. As
+    ``smmd_train.model.rank_parameters`` counts an engine's partition and ``smmd_train.dry_run`` a model's
+    shapes, less ZeRO-3's padding (under one element per parameter)."""
+    family = decoder_family(config)
+    embedding, _ = _embedding_and_head_params(config, tp_size)
+    # o_proj's and down_proj's biases: row-parallel layers keep theirs whole
+    biases = ((bool(getattr(config, "attention_bias", False)) and not family.qkv_bias)
+              + bool(getattr(config, "mlp_bias", False)))
+    norms = family.layer_norms * config.hidden_size + family.qk_norm * 2 * head_dim(config)
+    whole = ((0 if config.tie_word_embeddings else embedding)
+             + config.num_hidden_layers * (norms + biases * config.hidden_size) + config.hidden_size)
+    return (parameter_count(config, tp_size) - whole) * tp_size / world_size + whole / world_size
+
+
 # The projections AutoTP splits, by the module name of a Llama-family decoder (Llama, Mistral, Qwen2/3,
 # Gemma): column-parallel ones split their output rows (and bias), row-parallel ones their input columns
 # (their bias stays whole); the LM head splits its vocabulary rows.

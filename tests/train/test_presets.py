@@ -13,7 +13,13 @@ from helpers.models import saved_activation_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from smmd_train import memory as estimate_cli
-from smmd_train.presets import PRESETS, largest_layer_params, parameter_count, preset_config
+from smmd_train.presets import (
+    PRESETS,
+    largest_layer_params,
+    parameter_count,
+    preset_config,
+    zero_partition_params,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,11 +114,16 @@ def _sliding_window_fields(family, seq_len, generator):
                                                        for kind in kinds]}, kinds)
 
 
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 @pytest.mark.parametrize("family", ESTIMATED)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_each_estimated_family_s_activation_bytes_equal_what_autograd_saves(family, attention, generator):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_each_estimated_family_s_activation_bytes_equal_what_autograd_saves(family, attention, precision, generator):
     """Gemma-2 has no SDPA in transformers (its soft-capped scores): it is built and counted eager
-    either way; Gemma-3 runs SDPA and ignores attn_logit_softcapping (set here: no change)."""
+    either way; Gemma-3 runs SDPA and ignores attn_logit_softcapping (set here: no change). In bf16 (a
+    GPU run) and fp32 (a CPU run)."""
     from transformers import AutoModelForCausalLM
 
     micro_batch, seq_len = int(torch.randint(1, 4, (1, ), generator=generator)), 8 * int(
@@ -128,26 +139,29 @@ def test_each_estimated_family_s_activation_bytes_equal_what_autograd_saves(fami
                               **{**fields, **({"layer_types": fields["layer_types"][:layers]}
                                               if "layer_types" in fields else {})})
                for layers in (1, 2)]
-    models = [AutoModelForCausalLM.from_config(config).to(torch.bfloat16) for config in configs]
+    dtype = PRECISIONS[precision]
+    models = [AutoModelForCausalLM.from_config(config).to(dtype) for config in configs]
     assert [model.config._attn_implementation for model in models] == [implementation] * 2
     one, two = (saved_activation_bytes(model, input_ids=torch.randint(0, 300, (micro_batch, seq_len)))
                 for model in models)
     flash = attention == "sdpa"
-    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin (Gemma-3:
-    # a pair per kind of layer, local and global); Gemma, its bf16 embedding scale; the soft-capped
-    # logits' tanh output belongs to the loss's working set (logits_and_loss_bytes).
+    # Besides the estimate, the model keeps the int64 input ids and RoPE's cos and sin in its dtype
+    # (Gemma-3: a pair per kind of layer, local and global); Gemma, its embedding scale in its dtype;
+    # the soft-capped logits' tanh output belongs to the loss's working set (logits_and_loss_bytes).
     ropes = [len(set(config.layer_types)) if family == "gemma3_text" else 1 for config in configs]
-    rope = 2 * seq_len * configs[1].head_dim * 2
+    rope = 2 * seq_len * configs[1].head_dim * dtype.itemsize
     assert two - one - (ropes[1] - ropes[0]) * rope == estimate_cli.layer_activation_bytes(
-        configs[1], seq_len, micro_batch, flash_attention=flash, sliding_window=sliding[1])
+        configs[1], seq_len, micro_batch, flash_attention=flash, sliding_window=sliding[1], precision=precision)
     extra = micro_batch * seq_len * 8 + ropes[1] * rope
     if family.startswith("gemma"):
-        extra += 2
+        extra += dtype.itemsize
     if getattr(configs[1], "final_logit_softcapping", None) is not None:
-        softcapped, plain = (estimate_cli.logits_and_loss_bytes(300, seq_len, micro_batch, logit_softcap=cap)
+        softcapped, plain = (estimate_cli.logits_and_loss_bytes(300, seq_len, micro_batch, logit_softcap=cap,
+                                                                precision=precision)
                              for cap in (True, False))
         extra += softcapped - plain
-    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash) + extra
+    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash,
+                                                precision=precision) + extra
 
 
 @pytest.mark.parametrize("family", ESTIMATED)
@@ -285,42 +299,93 @@ def test_preset_config_contract():
         preset_config("tiny", 0)
 
 
-def _saved_activation_bytes(config, micro_batch, seq_len):
-    """Bytes of the distinct non-parameter storages autograd saves in a bf16 forward."""
-    return saved_activation_bytes(LlamaForCausalLM(config).to(torch.bfloat16),
+def _saved_activation_bytes(config, micro_batch, seq_len, dtype):
+    """Bytes of the distinct non-parameter storages autograd saves in a forward in ``dtype``."""
+    return saved_activation_bytes(LlamaForCausalLM(config).to(dtype),
                                   input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_activation_bytes_equal_what_autograd_saves(attention, kv_heads, generator):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_activation_bytes_equal_what_autograd_saves(attention, kv_heads, precision, generator):
     micro_batch, seq_len = int(torch.randint(1, 4, (1, ), generator=generator)), 8 * int(
         torch.randint(2, 6, (1, ), generator=generator))
     configs = [LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
                            intermediate_size=176, num_hidden_layers=layers, attn_implementation=attention)
                for layers in (1, 2)]
-    one, two = (_saved_activation_bytes(config, micro_batch, seq_len) for config in configs)
+    dtype = PRECISIONS[precision]
+    one, two = (_saved_activation_bytes(config, micro_batch, seq_len, dtype) for config in configs)
     flash = attention == "sdpa"
-    assert two - one == estimate_cli.layer_activation_bytes(configs[0], seq_len, micro_batch, flash_attention=flash)
-    # Besides the estimate, the model keeps the int64 input ids and RoPE's bf16 cos and sin.
-    extra = micro_batch * seq_len * 8 + 2 * seq_len * configs[1].head_dim * 2
-    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash) + extra
+    assert two - one == estimate_cli.layer_activation_bytes(configs[0], seq_len, micro_batch, flash_attention=flash,
+                                                            precision=precision)
+    # Besides the estimate, the model keeps the int64 input ids and RoPE's cos and sin in its dtype.
+    extra = micro_batch * seq_len * 8 + 2 * seq_len * configs[1].head_dim * dtype.itemsize
+    assert two == estimate_cli.activation_bytes(configs[1], seq_len, micro_batch, flash_attention=flash,
+                                                precision=precision) + extra
 
 
 @pytest.mark.parametrize("name", ["1b", "7b", "70b"])
 @pytest.mark.parametrize("tp_size", [1, 2])
 @pytest.mark.parametrize("offload", [False, True])
 def test_model_states_are_deepspeeds_estimate(name, tp_size, offload):
+    """DeepSpeed's estimator for the model whose even split over the data-parallel ranks is the rank's ZeRO-3
+    partition: without TP the model itself."""
     config = preset_config(name, vocab_size=128256)
     result = estimate_cli.estimate(config, nodes=2, gpus_per_node=8, tp_size=tp_size, offload=offload)
+    partitioned = round(zero_partition_params(config, tp_size, 16) * (16 // tp_size))
+    if tp_size == 1:
+        assert partitioned == parameter_count(config)
     cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
-        parameter_count(config, tp_size), largest_layer_params(config, tp_size), num_gpus_per_node=8 // tp_size,
+        partitioned, largest_layer_params(config, tp_size), num_gpus_per_node=8 // tp_size,
         num_nodes=2, cpu_offload=offload, cpu_offload_params=offload, zero_init=True, additional_buffer_factor=1.5)
     assert result["model_states_gpu_bytes"] == gpu_bytes
     assert result["model_states_cpu_per_node_bytes"] == tp_size * cpu_bytes
     assert result["dp_size"] == 16 // tp_size
     assert result["total_gpu_bytes"] == gpu_bytes + result["activation_bytes"] + result["logits_and_loss_bytes"]
     assert result["logits_and_loss_bytes"] == 4096 * 128256 // tp_size * 8
+
+
+def test_the_zero_partition_is_what_a_rank_holds(generator):
+    """zero_partition_params against the partition the dry run counts from a model's parameters (which
+    tests/launch/test_dry_run_launch.py holds to a real engine's rank_parameters): what AutoTP splits over
+    the data-parallel ranks, what it leaves whole over the world; apart from ZeRO-3's padding."""
+    from transformers import AutoModelForCausalLM
+
+    from smmd_train.config import Topology
+    from smmd_train.dry_run import parameters, partitioned_parameters
+
+    for family in FAMILY_CONFIG_CLASSES:
+        for tied in (True, False):
+            tp_size = int(2 ** torch.randint(0, 3, (1, ), generator=generator))
+            world_size = tp_size * int(torch.randint(1, 4, (1, ), generator=generator))
+            # Llama's optional biases: o_proj's and down_proj's stay whole under AutoTP
+            fields = {key: bool(torch.randint(0, 2, (1, ), generator=generator))
+                      for key in ("attention_bias", "mlp_bias")} if family == "llama" else {}
+            config = _family_config(family, int(torch.randint(1, 4, (1, ), generator=generator)), tied=tied,
+                                    heads=8, kv_heads=4, **fields)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            layout = partitioned_parameters(model, config, Topology(world_size, tp_size, world_size // tp_size))
+            counted = parameters(model, layout)
+            assert counted["tensor_parallel"] == parameter_count(config, tp_size), (family, config)
+            assert 0 <= counted["zero_partition"] - zero_partition_params(config, tp_size, world_size) < len(layout), (
+                family, tied, tp_size, world_size)
+
+
+def test_autotp_leaves_the_embedding_whole_but_zero_3_splits_it_over_the_world():
+    """7b at TP 2 on 16 GPUs: the untied embedding (128,256 x 4,096) and the norms (2 per layer and the
+    final one) are on every TP rank in 1/16 shares, the rest of a TP rank's share in 1/8 shares; bf16 keeps
+    18 bytes per partitioned parameter, fp32 20; the gathered largest layer is the embedding."""
+    config = preset_config("7b", vocab_size=128256)
+    embedding, whole = 128256 * 4096, 128256 * 4096 + (32 * 2 + 1) * 4096
+    states = estimate_cli.model_states_bytes(config, nodes=2, gpus_per_node=8, tp_size=2)
+    assert states["zero_partition_params"] == round((parameter_count(config, 2) - whole) / 8 + whole / 16)
+    assert states["partitioned_bytes"] == pytest.approx(18 * states["zero_partition_params"], abs=18)
+    assert states["gathered_bytes"] == 4 * embedding
+    fp32 = estimate_cli.model_states_bytes(config, nodes=2, gpus_per_node=8, tp_size=2, precision="fp32")
+    assert fp32["partitioned_bytes"] == pytest.approx(20 * states["zero_partition_params"], abs=20)
+    assert fp32["gathered_bytes"] == 8 * embedding
 
 
 @pytest.mark.parametrize("name", ["1b", "13b", "70b"])
