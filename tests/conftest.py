@@ -124,7 +124,8 @@ def tokenizer_dir(tmp_path_factory):
 # or a few tests each, last: pytest_configure turns that off.
 LONGEST_FIRST = ("tests/numeracy/test_tier_b.py", "tests/train/test_deepspeed.py", "tests/launch/test_demo.py",
                  "tests/numeracy/test_numeracy_study.py", "tests/launch/test_benchmarks.py",
-                 "tests/train/test_scaling.py", "tests/launch/test_launch_parallel.py", "tests/launch/test_launch.py",
+                 "tests/launch/test_real_width.py", "tests/train/test_scaling.py",
+                 "tests/launch/test_launch_parallel.py", "tests/launch/test_launch.py",
                  "tests/launch/test_gpu_smoke.py", "tests/launch/test_objective_layouts.py",
                  "tests/launch/test_faults.py", "tests/launch/test_resume_changes.py",
                  "tests/launch/test_launch_launchers.py", "tests/loss/test_ntloss_suite.py",

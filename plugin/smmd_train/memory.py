@@ -283,7 +283,11 @@ def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1,
     (:func:`~smmd_train.presets.zero_partition_params`). ``gpu_bytes`` is ``partitioned_bytes`` (this
     GPU's partition of every state) plus ``gathered_bytes`` (the largest layer gathered whole, its
     parameters and gradients). ``precision="fp32"``: 20 bytes per partitioned parameter and 8 per
-    gathered one (see the module docstring); not with ``offload``."""
+    gathered one (see the module docstring); not with ``offload``. ``optimizer_step_bytes``: what the
+    optimizer step holds beyond the states for a moment: 0 in bf16 on a GPU (DeepSpeed's fused Adam updates
+    in place); in fp32, the CPU run, torch's AdamW (foreach) forms two fp32 temporaries the size of its
+    parameter group, which ZeRO-3 makes the rank's flat partition: 8 bytes per partitioned parameter
+    (benchmarks/real_width.py measures it: the step's peak at TP 1 on one rank)."""
     tp_params, tp_largest = parameter_count(config, tp_size), largest_layer_params(config, tp_size)
     dp_ranks = nodes * gpus_per_node // tp_size
     partition = zero_partition_params(config, tp_size, nodes * gpus_per_node)
@@ -297,7 +301,9 @@ def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1,
                              "the CPU from an accelerator; plan it without offload")
         gathered = 8 * tp_largest
         gpu_bytes = gathered + round(20 * partition)
+    optimizer_step = round(8 * partition) if element_bytes(precision) == 4 else 0
     return {"gpu_bytes": gpu_bytes, "partitioned_bytes": gpu_bytes - gathered, "gathered_bytes": gathered,
+            "optimizer_step_bytes": optimizer_step,
             "cpu_per_node_bytes": tp_size * cpu_bytes, "tp_params": tp_params, "tp_largest_layer_params": tp_largest,
             "zero_partition_params": round(partition)}
 
