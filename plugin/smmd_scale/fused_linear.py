@@ -204,18 +204,18 @@ class _TargetBlocks:
     (-1 where this shard does not own the target) and its column within the block."""
 
     def __init__(self, plan: CallPlan, chunk_size: int, blocks: int):
-        self.single = blocks == 1
+        self.plan, self.single = plan, blocks == 1
         if not self.single:
             self.block = torch.where(plan.owned, plan.local_targets // chunk_size, -1)
             self.column = plan.local_targets % chunk_size
 
-    def columns(self, plan: CallPlan, start: int, end: int) -> torch.Tensor:
+    def columns(self, start: int, end: int) -> torch.Tensor:
         """``[T]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
-        return plan.local_targets if self.single else self.column.clamp(max=end - start - 1)
+        return self.plan.local_targets if self.single else self.column.clamp(max=end - start - 1)
 
-    def in_block(self, plan: CallPlan, index: int) -> torch.Tensor:
+    def in_block(self, index: int) -> torch.Tensor:
         """``[T]`` bool: the row's target is this shard's and lies in block ``index``."""
-        return plan.owned if self.single else self.block == index
+        return self.plan.owned if self.single else self.block == index
 
 
 def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
@@ -229,9 +229,9 @@ def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_
     shifts, sums = [], []
     for index, (start, end) in enumerate(blocks):
         logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
-        picked = logits.gather(1, where.columns(plan, start, end)[:, None]).squeeze(1)
+        picked = logits.gather(1, where.columns(start, end)[:, None]).squeeze(1)
         previous = 0.0 if target_logits is None else target_logits
-        target_logits = torch.where(where.in_block(plan, index), picked, previous)
+        target_logits = torch.where(where.in_block(index), picked, previous)
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
             capped_sigmoid_(logits, options)
@@ -316,8 +316,8 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
             if options.logit_scale is not None:
                 grad_logits.mul_(options.scale)
         block_coefficient = coefficient if where.single else \
-            torch.where(where.in_block(plan, index), coefficient, 0.0)
-        grad_logits.index_put_((all_rows, where.columns(plan, start, end)), block_coefficient, accumulate=True)
+            torch.where(where.in_block(index), coefficient, 0.0)
+        grad_logits.index_put_((all_rows, where.columns(start, end)), block_coefficient, accumulate=True)
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
                                grad_bias)
