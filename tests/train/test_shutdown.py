@@ -95,7 +95,12 @@ def _a_run_that_loads_a_config(rank, world_size, port, config_dir):
     from smmd_train.distributed import init_distributed
 
     preloaded = "torch._dynamo" in sys.modules
-    dist.destroy_process_group()  # run_ranks' group: init_distributed starts its own, as train.py does
+    # run_ranks' group goes (init_distributed starts its own, as train.py does), but only once every rank
+    # has finished making it: gloo's connectFullMesh can return on rank 0 while rank 1 still checks its
+    # side, and a group destroyed then closes the connection under rank 1 ("Connection closed by peer";
+    # CI failed on it once under load). The barrier completes on no rank before both are connected.
+    dist.barrier()
+    dist.destroy_process_group()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_distributed(timeout_minutes=1)
