@@ -177,12 +177,13 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         if failed is not None:
             return failed
     flat = targets.reshape(-1)
-    out_of_range = (flat.clamp(0, vocab_size - 1) != flat) & (flat != ignore_index)
     if not values_on_host:
-        compat.device_assert(~out_of_range.any(), f"targets hold an id outside the vocabulary [0, {vocab_size}) "
+        in_range = (flat.clamp(0, vocab_size - 1) == flat) | (flat == ignore_index)
+        compat.device_assert(in_range.all(), f"targets hold an id outside the vocabulary [0, {vocab_size}) "
                              f"that is not ignore_index={ignore_index} (checked on the device, which cannot say "
                              "where: run the batch on the CPU to find the position)")
         return None
+    out_of_range = (flat.clamp(0, vocab_size - 1) != flat) & (flat != ignore_index)
     if out_of_range.any():
         position = int(out_of_range.nonzero()[0, 0])
         return FailedCheck(TARGET_OUT_OF_RANGE, (position, int(flat[position]), vocab_size, ignore_index))

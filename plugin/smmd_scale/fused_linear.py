@@ -67,6 +67,7 @@ from .steps import (
     target_coefficients,
     transform_logits_,
     transform_slope,
+    upstream_gradients,
     z_loss_per_token,
 )
 
@@ -120,12 +121,20 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             sweep = _forward_sweep_accelerator if accelerator else _forward_sweep_cpu
             local_lse, target_logits, logit_sum = sweep(hidden, head_weight, bias, plan, chunk_size)
 
+            # The numeric and target logits as the materialized op reads them: in the logits' (product)
+            # dtype. One device: the target logits stay in the compute dtype they were picked in (a
+            # product-dtype value, so converting there and back would change nothing) and are this
+            # call's own tensor; under tensor parallelism the exchange carries them in the logits' dtype.
             numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
             numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
-                                          compute_dtype).to(plan.spec.dtype)
-            pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits.to(plan.spec.dtype),
-                                            logit_sum)
-            target_logits = transform_logits_(pieces.target_logits.to(compute_dtype, copy=True), options)
+                                          plan.spec.dtype)
+            if plan.tensor_parallel:
+                target_logits = target_logits.to(plan.spec.dtype)
+            pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits, logit_sum)
+            target_logits = pieces.target_logits
+            if plan.tensor_parallel:
+                target_logits = target_logits.to(compute_dtype, copy=True)
+            target_logits = transform_logits_(target_logits, options)
             ce = cross_entropy_per_token(pieces.lse, target_logits, plan.valid, options.label_smoothing,
                                          pieces.logit_sum, plan.loss.vocab.vocab_size)
             z = z_loss_per_token(pieces.lse, plan.valid, options.z_loss)
@@ -133,6 +142,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             sums = stat_sums(plan, numeric, pieces.comm)
             ctx.mark_non_differentiable(sums)
 
+            ctx.set_materialize_grads(False)  # (no zeros made for the outputs nothing used: upstream_gradients)
             ctx.plan, ctx.chunk_size, ctx.accelerator = plan, chunk_size, accelerator
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
             ctx.target_slope = transform_slope(target_logits, options)
@@ -148,6 +158,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+            grad_ce, grad_numeric = upstream_gradients(ctx, grad_ce, grad_numeric, lse.shift)
             upstream = numeric_upstream(plan, grad_numeric, compute_dtype)
             multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, upstream, compute_dtype, lse, grad_z)
             offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
@@ -266,12 +277,11 @@ def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: i
     # No data-dependent row lists (no host sync): each block adds every row's target coefficient at its
     # target column, 0 where the target is outside the block (inside the block, so that the one-hot part
     # is rounded with the rest of the block into the product dtype).
-    all_rows = torch.arange(hidden.shape[0], device=hidden.device)
     for start, end in blocks:
         grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier, offsets)
         in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
-        grad_logits.index_put_((all_rows, (plan.local_targets - start).clamp(0, end - start - 1)),
-                               torch.where(in_block, target_coefficient, 0.0), accumulate=True)
+        grad_logits.scatter_add_(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None],
+                                 torch.where(in_block, target_coefficient, 0.0)[:, None])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
                                grad_bias)
@@ -288,7 +298,6 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
     logits ~300, below a bf16 product's own rounding of the logits."""
     blocks = _blocks(head_weight.shape[0], chunk_size)
     where = _TargetBlocks(plan, chunk_size, len(blocks))
-    all_rows = torch.arange(hidden.shape[0], device=hidden.device)
     coefficient = torch.where(plan.owned, target_coefficient, 0.0) if where.single else target_coefficient
     options, compute_dtype = plan.options, plan.compute_dtype
     softcapped = options.logit_softcap is not None
@@ -317,7 +326,7 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
                 grad_logits.mul_(options.scale)
         block_coefficient = coefficient if where.single else \
             torch.where(where.in_block(index), coefficient, 0.0)
-        grad_logits.index_put_((all_rows, where.columns(start, end)), block_coefficient, accumulate=True)
+        grad_logits.scatter_add_(1, where.columns(start, end)[:, None], block_coefficient[:, None])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
                                grad_bias)

@@ -56,6 +56,7 @@ from .steps import (
     transform_logits_,
     transform_slope,
     transformed_logits_and_logsumexp,
+    upstream_gradients,
     z_loss_per_token,
 )
 
@@ -136,6 +137,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         sums = stat_sums(plan, numeric, pieces.comm)
         ctx.mark_non_differentiable(sums)
 
+        ctx.set_materialize_grads(False)  # (no zeros made for the outputs nothing used: upstream_gradients)
         ctx.consumed = False
         ctx.logits_dtype = logits.dtype
         ctx.plan = plan
@@ -163,6 +165,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         # the working buffer becomes the gradient
         grad, row_scale, shift, log_sum, numeric_grad, row_coefficient, target_slope = ctx.saved_tensors
         lse = ShiftedLogSumExp(shift, log_sum)
+        grad_ce, grad_numeric = upstream_gradients(ctx, grad_ce, grad_numeric, shift)
         upstream = numeric_upstream(plan, grad_numeric, grad.dtype)
         multiplier = row_multipliers(plan, row_coefficient, grad_ce, upstream, grad.dtype, lse, grad_z)
         offsets = smoothing_offsets(plan, grad_ce, grad.dtype)
@@ -178,8 +181,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         # Every row adds its coefficient at its (clamped) target column, 0 where another shard owns the
         # target: no data-dependent row list, so no host sync.
         coefficients = target_coefficients(plan, grad_ce, target_slope, grad.dtype)
-        grad.index_put_((torch.arange(grad.shape[0], device=grad.device), plan.local_targets),
-                        torch.where(plan.owned, coefficients, 0.0), accumulate=True)
+        grad.scatter_add_(1, plan.local_targets[:, None], torch.where(plan.owned, coefficients, 0.0)[:, None])
         lo, hi = plan.numeric_columns
         if hi > lo and plan.positions.numel():
             numeric_rows = live_rows(plan, numeric_grad[:, lo:hi] * upstream[:, None])
@@ -241,7 +243,8 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
     micro-batch by its tokens, not by its numbers.
     """
     plan = losses.plan
-    z_per_token = torch.zeros_like(losses.ce) if losses.z is None else losses.z
+    if reduction in ("none", "sum"):
+        z_per_token = torch.zeros_like(losses.ce) if losses.z is None else losses.z
     if reduction == "none":
         shape = plan.spec.shape[:-1]
         ce, numeric, z = (value.view(shape) for value in (losses.ce, losses.numeric, z_per_token))
@@ -253,7 +256,7 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
     numeric_sum = losses.numeric.sum()
     items = valid_tokens.clamp_min(1) if num_items_in_batch is None else _count(num_items_in_batch, losses.ce)
     ce = losses.ce.sum() / items
-    z = z_per_token.sum() / items if plan.options.z_loss else None
+    z = losses.z.sum() / items if losses.z is not None else None
     if num_numeric_in_batch is not None:
         numeric_term = numeric_sum / _count(num_numeric_in_batch, losses.numeric)
     else:

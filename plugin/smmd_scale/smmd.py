@@ -80,9 +80,7 @@ class SMMDLoss(NumericLoss):
         """
         q = q.to(compute_dtype)  # the [P, N] x [N, N] product runs in the logits' precision
         kernel, degree = self._kernel_and_degree(q.device, q.dtype)
-        rows = torch.arange(q.shape[0], device=q.device)
-        residual = q.index_put((rows, numeric_targets), torch.tensor(-1.0, dtype=q.dtype, device=q.device),
-                               accumulate=True)
+        residual = q.scatter(1, numeric_targets[:, None], -1.0, reduce="add")  # q - onehot(target), one op
         with torch.autocast(q.device.type, enabled=False):  # in compute_dtype under autocast too, not bf16
             kernel_residual = residual @ kernel
         mmd = (residual * kernel_residual).sum(dim=-1)
@@ -93,9 +91,10 @@ class SMMDLoss(NumericLoss):
         elif self.mode == "smooth":
             value, metric_residual = smooth, self.alpha * laplacian_residual
         else:
-            value, metric_residual = mmd + smooth, kernel_residual + self.alpha * laplacian_residual
-        # relu guards float error; its derivative is 0 where the value is <= 0, as torch.relu's.
-        grad_q = 2.0 * metric_residual * (value > 0).to(value.dtype)[:, None]
+            value, metric_residual = mmd + smooth, torch.add(kernel_residual, laplacian_residual, alpha=self.alpha)
+        # relu guards float error; its derivative is 0 where the value is <= 0, as torch.relu's (a bool
+        # factor keeps the residual's dtype).
+        grad_q = (metric_residual * (value > 0)[:, None]) * 2.0
         value = torch.relu(value)
         return NumericTerms(value=value, grad_q=grad_q, grad_mass=None,
                             parts={self.name: value, "mmd": mmd, "smooth": smooth})

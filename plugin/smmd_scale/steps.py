@@ -290,8 +290,9 @@ def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, 
                             label_smoothing: float = 0.0, logit_sum: Optional[torch.Tensor] = None,
                             vocab_size: int = 1) -> torch.Tensor:
     """``lse - logits[t, y_t]``, as ``(shift - target logit) + log_sum``, at valid positions; 0 at
-    ignored ones unless their logits are not finite (``x - x`` is NaN there), so a NaN anywhere in
-    the logits never becomes a finite loss. With label smoothing eps (``F.cross_entropy``'s
+    ignored ones unless their logits are not finite (``x * 0`` is NaN there: both ops hand in a target
+    logit of 0 where the target is not theirs, so only the row's shift and sum can make it so), so a
+    NaN anywhere in the logits never becomes a finite loss. With label smoothing eps (``F.cross_entropy``'s
     definition): ``(1 - eps) * (lse - z_y) + eps * (lse - logit_sum / V)``."""
     if label_smoothing:
         mean_logit = logit_sum / vocab_size
@@ -299,13 +300,14 @@ def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, 
                 + lse.log_sum)
     else:
         loss = (lse.shift - target_logits) + lse.log_sum
-    return torch.where(valid, loss, (lse.shift - lse.shift) + (lse.log_sum - lse.log_sum))
+    return torch.where(valid, loss, loss * 0.0)
 
 
 def z_loss_per_token(lse: ShiftedLogSumExp, valid: torch.Tensor, coefficient: float) -> torch.Tensor:
-    """PaLM's z-loss ``coefficient * lse^2`` ``[T]`` at valid positions, 0 elsewhere."""
+    """PaLM's z-loss ``coefficient * lse^2`` ``[T]`` at valid positions, 0 elsewhere; None when off
+    (the ops then return no z-loss tensor, and the reductions report a 0)."""
     if not coefficient:
-        return torch.zeros_like(lse.shift)
+        return None
     log_z = lse.shift + lse.log_sum
     return torch.where(valid, coefficient * log_z * log_z, torch.zeros_like(log_z))
 
@@ -338,7 +340,7 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     slope = transform_slope(logits, plan.options)
     if slope is not None:
         grad = grad * slope
-    values = plan.values.double()
+    values = plan.loss.vocab.on(logits.device, torch.float64)[1]  # (cached per device: no copy per call)
     value = terms.value
     if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
         value = torch.where(plan.live, value, 0.0)  # the statistics' are dropped where they are used)
@@ -402,19 +404,20 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
     :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output. ``comm``:
     the call's exchange; the loss's own collectives (``numeric.comm``) are added to it."""
     double = torch.float64
-    per_position = torch.stack([*(numeric.parts[name].detach().to(double) for name in plan.loss.stat_names),
-                                numeric.correct.to(double), numeric.abs_error.detach().to(double)])
+    # (stack and cat promote to the widest dtype in one op each: no conversion op per statistic)
+    per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names),
+                                numeric.correct, numeric.abs_error.detach()])
     if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing
         per_position = torch.where(plan.live, per_position, 0.0)
-    sums = [per_position.sum(dim=1), plan.valid.sum(dtype=double)[None]]
     count = plan.numeric_count
+    device_counts = [plan.valid.sum()]
     host_counts = [comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes]
     if isinstance(count, int):
         host_counts.insert(0, count)
     else:
-        sums.append(count.to(double)[None])
-    sums.append(torch.tensor(host_counts, dtype=double, device=plan.valid.device))
-    return torch.cat(sums)
+        device_counts.append(count)
+    return torch.cat([per_position.sum(dim=1, dtype=double), torch.stack(device_counts),
+                      torch.tensor(host_counts, dtype=double, device=plan.valid.device)])
 
 
 class CallStats(MutableMapping):
@@ -520,6 +523,13 @@ def target_coefficients(plan: CallPlan, grad_ce: torch.Tensor, target_slope: Opt
     if plan.options.label_smoothing:
         coefficient = coefficient * (1 - plan.options.label_smoothing)
     return coefficient if target_slope is None else coefficient * target_slope.to(dtype)
+
+
+def upstream_gradients(ctx, grad_ce, grad_numeric, like: torch.Tensor) -> tuple:
+    """The ops' backward gets no gradient for an output nothing used (``ctx.set_materialize_grads(False)``
+    in their forward: autograd then fills no zeros for the z-loss or the statistics): (d loss / d CE, d
+    loss / d numeric loss), zeros ``like`` where one of them was not used."""
+    return tuple(torch.zeros_like(like) if grad is None else grad for grad in (grad_ce, grad_numeric))
 
 
 def claim_single_backward(ctx) -> None:

@@ -160,4 +160,6 @@ def test_the_hf_path_adds_no_sync_of_ours(generator):
     assert counted.ops > 0
     ours = [site for site in counted.sync_sites if site.split(":")[0] in PACKAGE_FILES]
     assert not ours, ours
-    assert installed.last_stats["numeric_tokens"] == 12  # read after the step, when asked for
+    # read after the step, when asked for: the digits among the shifted labels (12 planted, and any of
+    # the random ids that fell among the digits; a fixed 12 failed on two seeds in three)
+    assert installed.last_stats["numeric_tokens"] == int(((ids[:, 1:] >= 20) & (ids[:, 1:] < 30)).sum())
