@@ -71,7 +71,8 @@ def count_one(name: str, shape: bench.Shape, tokens: int, chunk_size: Optional[i
         loss = loss_fn(hidden, weight, targets)
     with count_ops() as backward:
         loss.backward()
-    return {"ops_forward": forward.ops, "ops_backward": backward.ops, "gemms_forward": forward.gemms,
+    return {"ops_forward": forward.ops, "ops_backward": backward.ops, "launches_forward": forward.launches,
+            "launches_backward": backward.launches, "gemms_forward": forward.gemms,
             "gemms_backward": backward.gemms, "syncs_forward": forward.sync_count,
             "syncs_backward": backward.sync_count, "sync_sites": forward.sync_sites + backward.sync_sites}
 
@@ -95,12 +96,15 @@ def main(argv=None) -> int:
                          **counted})
     table = markdown_table([{**row, "ops": "not measured" if "unavailable" in row else
                              f"{row['ops_forward']} / {row['ops_backward']}",
+                             "launches": None if "unavailable" in row else
+                             f"{row['launches_forward']} / {row['launches_backward']}",
                              "gemms": None if "unavailable" in row else
                              f"{row['gemms_forward']} / {row['gemms_backward']}",
                              "syncs": row.get("unavailable") or f"{row['syncs_forward']} / {row['syncs_backward']}"}
                             for row in rows],
                            [("shape", "shape", ""), ("contender", "contender", ""), ("blocks", "blocks", ""),
-                            ("ops", "ATen ops fwd / bwd", ""), ("gemms", "GEMMs fwd / bwd", ""),
+                            ("ops", "ATen ops fwd / bwd", ""), ("launches", "of them kernels fwd / bwd", ""),
+                            ("gemms", "GEMMs fwd / bwd", ""),
                             ("syncs", "host syncs fwd / bwd", "")])
     print(table)
     path = write_results(f"op_counts{'_quick' if args.quick else ''}", rows, results_dir=args.results_dir,

@@ -211,60 +211,83 @@ def _forward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: in
 
 class _TargetBlocks:
     """Where each row's target column lies among the head's blocks, found once for a pass (the
-    accelerator's sweeps): with one block the target's own column; with several, each row's block
-    (-1 where this shard does not own the target) and its column within the block."""
+    accelerator's sweeps), so that a block adds no op of its own for it but the pick or the add at
+    the column: with one block the target's own column; with several, each row's column within its
+    block (``[T, 1]``, clamped into a shorter last block once), and its block (-1 where this shard
+    does not own the target)."""
 
     def __init__(self, plan: CallPlan, chunk_size: int, blocks: int):
-        self.plan, self.single = plan, blocks == 1
-        if not self.single:
+        self.plan, self.single, self.count = plan, blocks == 1, blocks
+        if self.single:
+            self.column = plan.local_targets[:, None]
+        else:
             self.block = torch.where(plan.owned, plan.local_targets // chunk_size, -1)
-            self.column = plan.local_targets % chunk_size
+            self.column = (plan.local_targets % chunk_size)[:, None]
+        self._last_column = None
 
-    def columns(self, start: int, end: int) -> torch.Tensor:
-        """``[T]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
-        return self.plan.local_targets if self.single else self.column.clamp(max=end - start - 1)
+    def columns(self, start: int, end: int, chunk_size: int) -> torch.Tensor:
+        """``[T, 1]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
+        if self.single or end - start == chunk_size:
+            return self.column
+        if self._last_column is None:  # the one shorter block, at the end
+            self._last_column = self.column.clamp(max=end - start - 1)
+        return self._last_column
 
-    def in_block(self, index: int) -> torch.Tensor:
-        """``[T]`` bool: the row's target is this shard's and lies in block ``index``."""
-        return self.plan.owned if self.single else self.block == index
+    def picked(self, picks: list) -> torch.Tensor:
+        """``[T]`` the target logit from each block's ``[T, 1]`` pick at :meth:`columns`: the owning
+        block's, 0 where this shard does not own the target."""
+        if self.single:
+            return torch.where(self.plan.owned, picks[0].squeeze(1), 0.0)
+        chosen = torch.cat(picks, dim=1).gather(1, self.block.clamp(min=0)[:, None]).squeeze(1)
+        return torch.where(self.plan.owned, chosen, 0.0)
+
+    def per_block(self, coefficient: torch.Tensor) -> torch.Tensor:
+        """``[T, blocks]``: ``coefficient [T]`` in each row's target block's column, 0 elsewhere (and
+        in every column where this shard does not own the target); block ``i`` reads column ``i``."""
+        if self.single:
+            return torch.where(self.plan.owned, coefficient, 0.0)[:, None]
+        blocks = torch.arange(self.count, device=coefficient.device)
+        return torch.where(self.block[:, None] == blocks, coefficient[:, None], 0.0)
 
 
 def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
     """:func:`_forward_sweep_cpu` on an accelerator's plan, in fewer and larger ops: each block's own
     (max, sum of exp) kept, merged once after the pass (with one block: nothing to merge); the target
-    column found once (:class:`_TargetBlocks`)."""
+    logit picked from every block at the row's column and chosen once after the pass
+    (:class:`_TargetBlocks`)."""
     compute_dtype, options = plan.compute_dtype, plan.options
     blocks = _blocks(head_weight.shape[0], chunk_size)
     where = _TargetBlocks(plan, chunk_size, len(blocks))
-    target_logits = logit_sum = None
-    shifts, sums = [], []
-    for index, (start, end) in enumerate(blocks):
+    logit_sum = None
+    picks, shifts, sums = [], [], []
+    for start, end in blocks:
         logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
-        picked = logits.gather(1, where.columns(start, end)[:, None]).squeeze(1)
-        previous = 0.0 if target_logits is None else target_logits
-        target_logits = torch.where(where.in_block(index), picked, previous)
+        picks.append(logits.gather(1, where.columns(start, end, chunk_size)))  # the raw logit, as exchanged
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
             capped_sigmoid_(logits, options)
-            shift = logits.amin(dim=-1).mul_(-2.0 * cap).add_(cap)  # the largest logit is at the smallest σ
+            # the largest logit is at the smallest σ
+            shift = logits.amin(dim=-1, keepdim=True).mul_(-2.0 * cap).add_(cap)
             if options.label_smoothing:
                 block_sum = logits.sum(dim=-1).mul_(-2.0 * cap).add_(cap * (end - start))
-            total = torch.add((cap - shift)[:, None], logits, alpha=-2.0 * cap, out=logits).exp_().sum(dim=-1)
+            total = torch.add(cap - shift, logits, alpha=-2.0 * cap, out=logits).exp_().sum(dim=-1, keepdim=True)
         else:
             transform_logits_(logits, options)
             if options.label_smoothing:
                 block_sum = logits.sum(dim=-1)
-            shift = logits.amax(dim=-1)
-            total = logits.sub_(shift[:, None]).exp_().sum(dim=-1)
+            shift = logits.amax(dim=-1, keepdim=True)
+            total = logits.sub_(shift).exp_().sum(dim=-1, keepdim=True)
         if options.label_smoothing:
             logit_sum = block_sum if logit_sum is None else logit_sum + block_sum
         shifts.append(shift)
         sums.append(total)
+    target_logits = where.picked(picks)
     if len(blocks) == 1:
-        return ShiftedLogSumExp(shifts[0], sums[0].log()), target_logits, logit_sum
-    shifts, sums = torch.stack(shifts, dim=1), torch.stack(sums, dim=1)
-    shift = shifts.amax(dim=1)
-    return ShiftedLogSumExp(shift, (sums * (shifts - shift[:, None]).exp()).sum(dim=1).log()), target_logits, logit_sum
+        return ShiftedLogSumExp(shifts[0].squeeze(1), sums[0].squeeze(1).log()), target_logits, logit_sum
+    shifts, sums = torch.cat(shifts, dim=1), torch.cat(sums, dim=1)
+    shift = shifts.amax(dim=1, keepdim=True)
+    return (ShiftedLogSumExp(shift.squeeze(1), (sums * (shifts - shift).exp()).sum(dim=1).log()), target_logits,
+            logit_sum)
 
 
 def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: int, lse: ShiftedLogSumExp,
@@ -298,7 +321,7 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
     logits ~300, below a bf16 product's own rounding of the logits."""
     blocks = _blocks(head_weight.shape[0], chunk_size)
     where = _TargetBlocks(plan, chunk_size, len(blocks))
-    coefficient = torch.where(plan.owned, target_coefficient, 0.0) if where.single else target_coefficient
+    coefficients = where.per_block(target_coefficient)  # [T, blocks]
     options, compute_dtype = plan.options, plan.compute_dtype
     softcapped = options.logit_softcap is not None
     folded = hidden.dtype == compute_dtype and not options.transforms_logits
@@ -324,9 +347,8 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
                 grad_logits.sub_(offsets_column)
             if options.logit_scale is not None:
                 grad_logits.mul_(options.scale)
-        block_coefficient = coefficient if where.single else \
-            torch.where(where.in_block(index), coefficient, 0.0)
-        grad_logits.scatter_add_(1, where.columns(start, end)[:, None], block_coefficient[:, None])
+        grad_logits.scatter_add_(1, where.columns(start, end, chunk_size),
+                                 coefficients if where.single else coefficients[:, index:index + 1])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
                                grad_bias)

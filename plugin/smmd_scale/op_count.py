@@ -11,7 +11,8 @@ until the device has finished everything queued before it, and stops ``torch.com
 Both are properties of the code path, not of the device, so they are counted here on the CPU under
 the plan the code would use on the accelerator (tests pass the device's properties to the plan).
 
-Counted: every op a ``TorchDispatchMode`` sees (the forward and, for a backward run inside the
+Counted: every op a ``TorchDispatchMode`` sees (``launches``: all but the views, which make a tensor
+header and run no kernel) (the forward and, for a backward run inside the
 block, the backward: autograd carries the mode to its engine), GEMMs among them (``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``matmul`` and their ``.out``/``.dtype`` forms), and as syncs: the ops whose
 output size or value the host must read (:data:`SYNCING_OPS`, an ``index``/``index_put`` with a
@@ -55,10 +56,22 @@ class OpCount:
     by_op: Counter = field(default_factory=Counter)
     syncs: Counter = field(default_factory=Counter)
     sync_sites: list = field(default_factory=list)
+    view_ops: set = field(default_factory=set)
 
     @property
     def ops(self) -> int:
         return sum(self.by_op.values())
+
+    @property
+    def views(self) -> int:
+        """Of :attr:`ops`, the views (``view``, ``slice``, ``permute``, ``unsqueeze``, ... : the ops whose
+        schema says their output aliases an input): a new tensor header, no kernel."""
+        return sum(calls for name, calls in self.by_op.items() if name in self.view_ops)
+
+    @property
+    def launches(self) -> int:
+        """Of :attr:`ops`, those that run a kernel on the device: all but the views."""
+        return self.ops - self.views
 
     @property
     def gemms(self) -> int:
@@ -77,7 +90,8 @@ class OpCount:
         self.sync_sites.append(f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}: {name}")
 
     def summary(self) -> str:
-        return (f"{self.ops} ATen ops ({self.gemms} GEMMs), {self.sync_count} host syncs"
+        return (f"{self.ops} ATen ops ({self.launches} launching a kernel, {self.gemms} GEMMs), "
+                f"{self.sync_count} host syncs"
                 + (": " + "; ".join(self.sync_sites) if self.sync_sites else ""))
 
 
@@ -93,6 +107,8 @@ def _dispatch_counter(counted: OpCount):
             name = str(func)
             if name not in VIEW_ONLY_OPS:
                 counted.by_op[name] += 1
+                if func.is_view:
+                    counted.view_ops.add(name)
             if name in SYNCING_OPS or (name.startswith(("aten.index.", "aten.index_put")) and _has_boolean_index(args)):
                 counted.record_sync(name)
             return func(*args, **(kwargs or {}))

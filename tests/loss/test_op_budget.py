@@ -19,7 +19,7 @@ from helpers import models
 
 import smmd_scale
 from smmd_scale import NumericVocab, SMMDLoss, linear_numeric_cross_entropy, numeric_cross_entropy, steps
-from smmd_scale.block_plan import DeviceProperties, plan_as
+from smmd_scale.block_plan import DeviceProperties, fused_head_plan, plan_as
 from smmd_scale.op_count import count_ops
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
 
@@ -33,10 +33,17 @@ DIGIT_RUN_LOSSES = {"ntl-number": 9, "del": 8}
 FORWARD_SYNCS = {name: 0 for name in NUMERIC_LOSSES} | DIGIT_RUN_LOSSES
 DIGIT_RUN_SITES = {"sequence_shard.py", "number_level.py", "digit_entropy.py"}
 # ATen ops of one forward + backward at one block, a fresh loss (its per-device caches filled in the
-# call): now 127-175 for the losses that read one position at a time, 206-252 for the digit-run ones;
-# +~10% for torch's own op choices changing between versions.
-OPS = {name: 190 for name in NUMERIC_LOSSES} | {"ntl-number": 275, "del": 255}
-OPS_PER_BLOCK = 40  # the fused head's forward + backward per further block (now 36)
+# call): now 118-166 for the losses that read one position at a time, 199-245 for the digit-run ones
+# (2026-11-29, after the op diet; before it 127-175 and 206-252); +~8% for torch's own op choices
+# changing between versions.
+OPS = {name: 180 for name in NUMERIC_LOSSES} | {"ntl-number": 265, "del": 245}
+MULTI_BLOCK_OPS = 20  # once, for a head in several blocks (now 15)
+OPS_PER_BLOCK = 22  # the fused head's forward + backward per further block (now 19, 12 of them kernels; was 36)
+# The fused head + SMMD (N = 1,000) at the issue's two shapes, bf16, blocks planned for an H200
+# (benchmarks.op_counts, the same count at the real hidden size and tokens): now 146 ops (115 kernels)
+# at 4,096 x 1,024 x 32,000 in 1 block, 250 (188) at 16,384 x 4,096 x 128,256 in 3. Issue 40 asks
+# for at most 100 and 300: the first is not met yet, so its ceiling is today's count with a little room.
+REAL_SHAPE_OPS = {(4096, 1024, 32_000): 155, (16_384, 4096, 128_256): 300}
 
 
 def problem(generator):
@@ -91,10 +98,38 @@ def test_the_fused_heads_cost_per_block(generator):
     vocab, targets = problem(generator)
     loss = build_numeric_loss(vocab, [("smmd", 1.0)])
     ops = {}
-    for chunk_size in (VOCAB, VOCAB // 4):
-        forward, backward = counted_call("fused", loss, targets, generator, chunk_size=chunk_size)
-        ops[chunk_size] = forward.ops + backward.ops
-    assert (ops[VOCAB // 4] - ops[VOCAB]) / 3 <= OPS_PER_BLOCK, ops
+    for blocks in (1, 4, 8):
+        forward, backward = counted_call("fused", loss, targets, generator, chunk_size=VOCAB // blocks)
+        ops[blocks] = forward.ops + backward.ops
+    per_block = (ops[8] - ops[4]) / 4
+    assert per_block <= OPS_PER_BLOCK, ops
+    # Several blocks also cost a few ops once (merging the blocks' log-sum-exps, choosing each row's
+    # target block): now 15.
+    assert ops[4] - ops[1] - 3 * per_block <= MULTI_BLOCK_OPS, ops
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPE_OPS))
+def test_the_fused_heads_ops_at_the_real_shapes(shape):
+    """The blocks planned at the real shape on an H200; counted on 64 tokens with a hidden size of 16,
+    since the count follows the blocks and the code path, not the rows or the hidden size (the
+    benchmark counts the same at the real hidden size on 256 tokens)."""
+    tokens, hidden_size, vocab_size = shape
+    plan = fused_head_plan(tokens, hidden_size, vocab_size, torch.bfloat16, torch.float32, H200)
+    numeric_ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(1))[:1000]
+    loss = SMMDLoss(NumericVocab(numeric_ids.tolist(), list(range(1000)), vocab_size))
+    generator = torch.Generator().manual_seed(2)
+    targets = torch.randint(0, vocab_size, (64, ), generator=generator)
+    targets[::3] = numeric_ids[torch.randint(0, 1000, (len(targets[::3]), ), generator=generator)]
+    hidden = torch.randn(64, 16, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(vocab_size, 16, generator=generator).bfloat16().requires_grad_()
+    with plan_as(H200):
+        linear_numeric_cross_entropy(hidden, weight, targets, loss, chunk_size=plan.chunk_size).total.backward()
+        with count_ops() as forward:  # (the second call: a training step's view, the caches filled)
+            output = linear_numeric_cross_entropy(hidden, weight, targets, loss, chunk_size=plan.chunk_size)
+        with count_ops() as backward:
+            output.total.backward()
+    assert forward.sync_count == backward.sync_count == 0, forward.sync_sites + backward.sync_sites
+    assert forward.ops + backward.ops <= REAL_SHAPE_OPS[shape], (plan.blocks, forward.summary(), backward.summary())
 
 
 def test_a_planted_host_read_fails_the_budget(generator, monkeypatch):
