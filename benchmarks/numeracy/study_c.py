@@ -44,7 +44,7 @@ from smmd_train.options import option, parse_options
 
 DEFAULT_MODEL = os.environ.get("SMMD_TIER_C_MODEL", "/work/smollm2-hf")
 SELECTION_SEED, PILOT_SEED = study_a.SELECTION_SEED, 2000
-FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4), (0, 1), ("ce", "smmd")
+FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4, 5), (0, 1), ("ce", "smmd")  # preregistration: tiers.c.grid
 # The throughput measurement: these micro-batches, this many steps each (the first, warm-up, is not timed).
 THROUGHPUT_MICRO_BATCH_SIZES, THROUGHPUT_STEPS = (8, 16, 32, 64), 6
 # --quick: the same model and code paths at sizes that take minutes: the throughput at its own micro-batch
