@@ -63,8 +63,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 import transformers
 
+from smmd_scale.block_plan import DeviceProperties, fused_head_plan
 from smmd_scale.fused_linear import default_chunk_size
 
 from .autotp import kv_head_shares, near_even_shares
@@ -253,26 +255,36 @@ def activation_bytes(config, seq_len: int, micro_batch: int, tp_size: int = 1, g
 
 def logits_and_loss_bytes(vocab_size: int, seq_len: int, micro_batch: int, tp_size: int = 1,
                           fused_linear: bool = False, hidden_size: int = 0, sp_size: int = 1,
-                          logit_softcap: bool = False, precision: str = "bf16") -> int:
+                          logit_softcap: bool = False, precision: str = "bf16",
+                          gpu_free_bytes: Optional[int] = None) -> int:
     """Bytes of the loss's working set on one GPU; SMMD's ``[P, N]`` numeric part is negligible.
 
     Materialized: bf16 logits ``[tokens, V/T]`` (2 B), the fused loss's fp32 buffer (4 B, the
     softmax turned into the gradient in place) and the bf16 logits gradient it returns (2 B);
     ``logit_softcap`` (Gemma-2/3's ``final_logit_softcapping``, applied by the model's forward between
     its head and the loss): tanh's bf16 output, which autograd keeps, 2 B more.
-    ``fused_linear``: one block of logits at the default chunk size (fp32 and its bf16 copy, 6 B
-    per element; soft-capped, the fused op applies the cap itself and its backward holds the fp32
-    block and the cap's fp32 slope at once, 8 B) and ``d hidden`` ``[tokens, H]`` in fp32 (the
-    head's gradient is a model state). With ``sp_size`` Ulysses ranks, each holds the loss of its
-    seq_len / sp_size tokens. ``precision="fp32"``: fp32 logits (4 B) and tanh output (4 B); the loss
-    returns its fp32 buffer as the gradient, and the fused op's block has no copy (4 B, 8 soft-capped)."""
+    ``fused_linear``: one block of logits as the op plans it (fp32 and its bf16 copy, 6 B per
+    element; soft-capped, the fused op applies the cap itself and its backward holds the fp32 block
+    and the cap's fp32 slope at once, 8 B): with ``gpu_free_bytes`` (a GPU) the accelerator's plan,
+    blocks of at most min(4 GiB, a quarter of the memory free when the loss runs), one block when the
+    whole head fits; without it the CPU's plan, a ``[tokens, H]``-sized block; and ``d hidden``
+    ``[tokens, H]`` in fp32 (the head's gradient is a model state). With ``sp_size`` Ulysses ranks,
+    each holds the loss of its seq_len / sp_size tokens. ``precision="fp32"``: fp32 logits (4 B) and
+    tanh output (4 B); the loss returns its fp32 buffer as the gradient, and the fused op's block has
+    no copy (4 B, 8 soft-capped)."""
     tokens, rows = seq_len * micro_batch // sp_size, near_even_shares(vocab_size, tp_size)[0]  # rank 0: the most rows
     element = element_bytes(precision)
     cast = element if element != 4 else 0  # a copy in the model's dtype of an fp32 tensor (none in fp32)
     if not fused_linear:
         return tokens * rows * (element + 4 + cast + (element if logit_softcap else 0))
-    block = tokens * default_chunk_size(tokens, hidden_size, rows)
-    return block * (4 + (4 if logit_softcap else cast)) + tokens * hidden_size * 4
+    per_element = 4 + (4 if logit_softcap else cast)
+    if gpu_free_bytes is None:
+        block = tokens * default_chunk_size(tokens, hidden_size, rows)
+    else:  # the op's own plan on the GPU
+        product = torch.bfloat16 if element == 2 else torch.float32
+        block = tokens * fused_head_plan(tokens, hidden_size, rows, product, torch.float32,
+                                         DeviceProperties("cuda", free_bytes=max(int(gpu_free_bytes), 1))).chunk_size
+    return block * per_element + tokens * hidden_size * 4
 
 
 def model_states_bytes(config, nodes: int, gpus_per_node: int, tp_size: int = 1, offload: bool = False,
@@ -356,9 +368,12 @@ def estimate(config, nodes: int = 1, gpus_per_node: int = 8, tp_size: int = 1, o
     states = model_states_bytes(config, nodes, gpus_per_node, tp_size, offload)
     activations = activation_bytes(config, seq_len, micro_batch, tp_size, gradient_checkpointing, flash_attention,
                                    sp_size)
+    # the fused head plans its blocks from the memory free when the loss runs: the GPU's, less the
+    # model states and the activations
     logits = logits_and_loss_bytes(config.vocab_size, seq_len, micro_batch, tp_size, fused_linear,
                                    config.hidden_size, sp_size,
-                                   getattr(config, "final_logit_softcapping", None) is not None)
+                                   getattr(config, "final_logit_softcapping", None) is not None,
+                                   gpu_free_bytes=gpu_memory_gib * GIB - states["gpu_bytes"] - activations)
     total = states["gpu_bytes"] + activations + logits
     gpu_bytes = gpu_memory_gib * GIB
     verdict = ("fits" if total <= (1 - HEADROOM_FRACTION) * gpu_bytes else

@@ -187,7 +187,7 @@ def test_vocab_parallel_on_the_accelerators_plan_equals_one_device(world_size):
     reports = values_or_raise(run_ranks(_vocab_parallel_on_the_accelerators_plan, world_size,
                                         int(torch.randint(0, 2**31, (1, )))))
     # Host syncs: none in either backward. The forward still reads two things on the host under tensor
-    # parallelism (what is left of issue 40): the numeric positions at their data-dependent count, and
+    # parallelism (not yet removed): the numeric positions at their data-dependent count, and
     # the exchange's header (every rank's verdict and counts, so that a bad input on one rank raises the
     # same error on all). A new site anywhere fails here.
     known = ["sequence_shard.py: aten.nonzero.default", "parallel.py: Tensor.tolist"]

@@ -39,10 +39,10 @@ DIGIT_RUN_SITES = {"sequence_shard.py", "number_level.py", "digit_entropy.py"}
 OPS = {name: 180 for name in NUMERIC_LOSSES} | {"ntl-number": 265, "del": 245}
 MULTI_BLOCK_OPS = 20  # once, for a head in several blocks (now 15)
 OPS_PER_BLOCK = 22  # the fused head's forward + backward per further block (now 19, 12 of them kernels; was 36)
-# The fused head + SMMD (N = 1,000) at the issue's two shapes, bf16, blocks planned for an H200
+# The fused head + SMMD (N = 1,000) at two real shapes, bf16, blocks planned for an H200
 # (benchmarks.op_counts, the same count at the real hidden size and tokens): now 147 ops (115 kernels)
-# at 4,096 x 1,024 x 32,000 in 1 block, 231 (175) at 16,384 x 4,096 x 128,256 in 3. Issue 40 asks
-# for at most 100 and 300: the first is not met yet, so its ceiling is today's count with a little room.
+# at 4,096 x 1,024 x 32,000 in 1 block, 231 (175) at 16,384 x 4,096 x 128,256 in 3. The targets are
+# at most 100 and 300: the first is not met yet, so its ceiling is today's count with a little room.
 REAL_SHAPE_OPS = {(4096, 1024, 32_000): 155, (16_384, 4096, 128_256): 300}
 
 

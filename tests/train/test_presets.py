@@ -457,8 +457,10 @@ def test_fused_linear_loss_memory_and_the_micro_batch_it_buys():
 def test_report_names_the_largest_micro_batch_with_and_without_fused_linear(capsys):
     estimate_cli.main(["--model", "1b", "--nodes", "1", "--gpus_per_node", "8"])
     out = capsys.readouterr().out
-    assert "largest micro batch that fits: 6 sequences (24,576 tokens) with materialized logits, 10 sequences " \
-           "(40,960 tokens) with --fused_linear" in out
+    # (the fused head on a GPU plans blocks of up to min(4 GiB, a quarter of the free memory): 9, not
+    # the 10 a [tokens, H] block gave before the planner followed the op's GPU plan)
+    assert "largest micro batch that fits: 6 sequences (24,576 tokens) with materialized logits, 9 sequences " \
+           "(36,864 tokens) with --fused_linear" in out
 
 
 @pytest.mark.parametrize("name", ["1b", "7b", "13b"])
@@ -567,3 +569,23 @@ def test_sequence_parallel_divides_what_a_gpu_holds_per_token():
         estimate_cli.estimate(config, tp_size=2, sp_size=2)
     with pytest.raises(ValueError, match="needs SDPA"):
         estimate_cli.estimate(config, sp_size=2, flash_attention=False)
+
+
+@pytest.mark.parametrize("tokens, vocab_size, free_gib", [(4096, 32_000, 60.0), (32_768, 128_256, 60.0),
+                                                          (32_768, 128_256, 6.0)])
+def test_the_planner_counts_the_fused_heads_blocks_as_the_op_plans_them_on_a_gpu(tokens, vocab_size, free_gib):
+    """On a GPU the fused head's block is min(4 GiB, a quarter of the free memory) (block_plan), one block
+    where the whole head fits: the planner counts that block, not the CPU's [tokens, H] one."""
+    from smmd_scale.block_plan import DeviceProperties, fused_head_plan
+
+    hidden = 2048
+    free = int(free_gib * 2**30)
+    counted = estimate_cli.logits_and_loss_bytes(vocab_size, tokens, 1, fused_linear=True, hidden_size=hidden,
+                                                 gpu_free_bytes=free)
+    plan = fused_head_plan(tokens, hidden, vocab_size, torch.bfloat16, torch.float32, DeviceProperties("cuda", free))
+    assert counted == tokens * plan.chunk_size * 6 + tokens * hidden * 4  # fp32 block and its bf16 product
+    assert tokens * plan.chunk_size * 6 <= min(4 * 2**30, free / 4)
+    if tokens * vocab_size * 6 <= min(4 * 2**30, free / 4):
+        assert plan.blocks == 1
+    cpu = estimate_cli.logits_and_loss_bytes(vocab_size, tokens, 1, fused_linear=True, hidden_size=hidden)
+    assert cpu == tokens * hidden * 6 + tokens * hidden * 4  # the CPU's plan: a [tokens, H]-sized block
