@@ -45,9 +45,9 @@ from .call_plan import (
     check_weight,
     plan_call,
 )
-from .deprecation import renamed
 from .loss import NumericOutput, PerTokenLosses, check_reduction, reduce_losses
 from .parallel import group_size_and_rank, reduce_input_gradient
+from .removed import module_attribute
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
@@ -485,4 +485,5 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
     return output
 
 
-linear_smmd_cross_entropy = renamed(linear_numeric_cross_entropy, "linear_smmd_cross_entropy", {"smmd": "numeric_loss"})
+def __getattr__(name: str):
+    return module_attribute(__name__, name)  # linear_smmd_cross_entropy: removed in 0.3.0

@@ -31,7 +31,7 @@ from .call_plan import (
     plan_call,
 )
 from .checks import REDUCTIONS, check_reduction  # noqa: F401  (loss.check_reduction)
-from .deprecation import renamed, renamed_class, warn_renamed
+from .removed import module_attribute, removed_error
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
@@ -85,10 +85,9 @@ class NumericOutput:
     z: Optional[torch.Tensor] = None
 
     @property
-    def smmd(self) -> torch.Tensor:
-        """Deprecated name of :attr:`numeric` (kept for one release)."""
-        warn_renamed("NumericOutput.smmd", "NumericOutput.numeric")
-        return self.numeric
+    def smmd(self):
+        """Removed in 0.3.0: :attr:`numeric` (refused by name)."""
+        raise removed_error("NumericOutput.smmd")
 
 
 class PerTokenLosses(NamedTuple):
@@ -303,5 +302,5 @@ def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_l
     return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
 
 
-smmd_cross_entropy = renamed(numeric_cross_entropy, "smmd_cross_entropy", {"smmd": "numeric_loss"})
-SMMDOutput = renamed_class(NumericOutput, "SMMDOutput")
+def __getattr__(name: str):
+    return module_attribute(__name__, name)  # smmd_cross_entropy, SMMDOutput: removed in 0.3.0

@@ -38,18 +38,12 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "launch" / "train.py"
 
 
-class DeprecatedFlag(argparse.Action):
-    """A spelling kept for one release: stores its value as usual and adds a note to ``args.deprecated``
-    (the plan turns each note into one warning line on rank 0)."""
-
-    def __init__(self, option_strings, dest, replacement: str, **kwargs):
-        self.replacement = replacement
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        note = f"{option_string} is deprecated and goes in the next release; use {self.replacement}"
-        namespace.deprecated = (*namespace.deprecated, note)
+# Spellings removed in 0.3.0 (kept through 0.2.0 with a warning): refused by name, with what replaced them.
+REMOVED_FLAGS = {
+    "--smmd_weight": "the weights in --numeric_loss (smmd:0.5 ntl-was:0.3; smmd:0 trains on CE only)",
+    "--smmd_policy": "--numeric_policy",
+    "--smmd_max_value": "--numeric_max_value",
+}
 
 
 class TrainArgumentParser(argparse.ArgumentParser):
@@ -72,6 +66,8 @@ class TrainArgumentParser(argparse.ArgumentParser):
         known = [option for action in compat.parser_actions(self) for option in action.option_strings]
         for token in argv:
             name = token.split("=", 1)[0]
+            if name in REMOVED_FLAGS:
+                self.error(f"{name} was removed in 0.3.0; use {REMOVED_FLAGS[name]}")
             if name.startswith("--") and name not in known:
                 close = difflib.get_close_matches(name, known, n=3)
                 self.error(f"unknown option {name}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
@@ -190,13 +186,6 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       help="which tokens are numeric (NumericVocab.from_tokenizer), for every numeric loss")
     smmd.add_argument("--numeric_max_value", type=float, default=999,
                       help="the largest value a numeric token may have (policy 'integers')")
-    smmd.add_argument("--smmd_weight", type=float, default=1.0, action=DeprecatedFlag,
-                      replacement="the weights in --numeric_loss (smmd:0.5 ntl-was:0.3; smmd:0 trains on CE only); "
-                      "until then it multiplies them", help=argparse.SUPPRESS)
-    smmd.add_argument("--smmd_policy", dest="numeric_policy", action=DeprecatedFlag, replacement="--numeric_policy",
-                      choices=["integers", "digits", "floats"], help=argparse.SUPPRESS)
-    smmd.add_argument("--smmd_max_value", dest="numeric_max_value", type=float, action=DeprecatedFlag,
-                      replacement="--numeric_max_value", help=argparse.SUPPRESS)
     add_loss_options(smmd)
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
@@ -228,7 +217,6 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--deepspeed_config", help="the DeepSpeed JSON config (required; see ds_configs/)")
     parser.add_argument("--deepspeed", action="store_true",
                         help="accepted as DeepSpeed's own scripts take it; train.py always runs DeepSpeed")
-    parser.set_defaults(deprecated=())
     return parser
 
 
@@ -254,8 +242,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         args.numeric_loss = parse_terms(args.numeric_loss)
     except ValueError as error:
         parser.error(str(error))
-    # The deprecated --smmd_weight multiplies the weights: from here on the weights say it all.
-    args.numeric_loss = [(name, weight * args.smmd_weight) for name, weight in args.numeric_loss]
     for option in all_options():
         problem = option.problem(getattr(args, option.column))
         if problem:
@@ -305,7 +291,7 @@ def explicit_flags(argv: Optional[Sequence[str]] = None) -> tuple:
     for action in compat.parser_actions(parser):
         action.default = argparse.SUPPRESS
     given, _ = parser.parse_known_args(argv)
-    return tuple(sorted(set(vars(given)) - {"deprecated"}))
+    return tuple(sorted(vars(given)))
 
 
 def train_flags(**options) -> list:

@@ -9,10 +9,10 @@ log then names.
     record = experiment_record(config.model_data, plan.loss, plan.numeric_vocab, blocks)  # {"objective", "data"}
     experiment_changes(committed, record)   # ["--numeric_loss smmd:1 ntl-was:0.3 -> ntl-mse:0.5", ...]
 
-The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights; the deprecated
-``--smmd_weight`` multiplies the weights), ``--numeric_policy`` and ``--numeric_max_value``
-(the latter where the policy reads it), the numeric vocabulary itself (its size and a hash of its
-ids and values: another tokenizer changes it too), the options of the losses in use
+The objective: ``--framework_loss``; otherwise ``--numeric_loss`` (names and weights),
+``--numeric_policy`` and ``--numeric_max_value`` (the latter where the policy reads it), the numeric
+vocabulary itself (its size and a hash of its ids and values: another tokenizer changes it too), the
+options of the losses in use
 (:data:`LOSS_FLAGS`), and CE's ``--z_loss`` and ``--label_smoothing``. ``--fused_linear`` is not
 part of it: the fused head computes the same loss without the logits.
 

@@ -39,7 +39,7 @@ logits are fp32, as on DeepSpeed's CPU accelerator, where the DeepSpeed config's
 * **logits and loss**: the vocabulary-parallel bf16 logits, the fused CE + SMMD loss's one fp32
   ``[tokens, V/T]`` buffer, and the bf16 logits gradient it returns (and the bf16 tanh of Gemma-2/3's
   final logit soft-cap, which the model's forward applies before the loss); with ``--fused_linear``
-  (``smmd_scale.linear_smmd_cross_entropy``) no logits at all: one block of them (fp32, and its
+  (``smmd_scale.linear_numeric_cross_entropy``) no logits at all: one block of them (fp32, and its
   bf16 copy) and the fp32 gradient of the head's input, a few hundred MiB instead of several GiB
   at a 128k vocabulary. The report gives the largest micro batch that fits with and without it.
 

@@ -96,7 +96,7 @@ def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supporte
     refuse_together(lambda: check_tensor_parallel_split(model, tp_size),
                     lambda: check_tensor_parallel_world(tp_size, world_size),
                     lambda: check_sequence_parallel(model, sp_size, inputs.seq_len, tp_size, world_size))
-    warnings = [*config.deprecated, check_tokenizer_fits_model(tokenizer, model.vocab_size),
+    warnings = [check_tokenizer_fits_model(tokenizer, model.vocab_size),
                 context_warning(model, inputs.seq_len)]
     ds_config, topology = resolve_config(
         config.deepspeed_dict(), world_size=world_size, micro_batch_size=optimization.micro_batch_size,

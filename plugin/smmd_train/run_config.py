@@ -34,8 +34,8 @@ class RunRefused(ValueError):
 
 
 def setting(*flags: str, json: tuple = (), hparam=None):
-    """A field of the run's configuration: the train.py ``flags`` that set it (the first is its own; a
-    deprecated spelling follows), the DeepSpeed config ``json`` keys that may give it (dotted paths), the
+    """A field of the run's configuration: the train.py ``flags`` that set it (the first is its own;
+    another spelling may follow), the DeepSpeed config ``json`` keys that may give it (dotted paths), the
     HParams column(s) ``hparam`` that show it."""
     return field(metadata={"flags": flags, "json": json, "hparam": hparam})
 
@@ -91,9 +91,9 @@ class Layout:
 class Loss:
     """What the run trains on: CE, the numeric loss(es) and their options, or the model's own loss."""
 
-    numeric_loss: tuple = setting("--numeric_loss", "--smmd_weight", hparam="numeric_loss")  # ((name, weight), ...)
-    numeric_policy: str = setting("--numeric_policy", "--smmd_policy")
-    numeric_max_value: float = setting("--numeric_max_value", "--smmd_max_value")
+    numeric_loss: tuple = setting("--numeric_loss", hparam="numeric_loss")  # ((name, weight), ...)
+    numeric_policy: str = setting("--numeric_policy")
+    numeric_max_value: float = setting("--numeric_max_value")
     # Each registered loss option (smmd_scale.registry.all_options) by its column: {"smmd_sigmas": (2.0,), ...}
     options: Mapping = setting(*(option.flag for option in all_options()),
                                hparam=tuple(option.column for option in all_options()))
@@ -158,7 +158,6 @@ class RunConfig:
     target: Target
     deepspeed_config: str = setting("--deepspeed_config")  # the file
     deepspeed: Mapping  # the file's JSON, with --tp's AutoTP degree; its "auto" values resolved by the plan
-    deprecated: tuple  # one note per deprecated flag given, for the plan's warnings
     command_line: Mapping  # the flags as parsed (flag name -> value), for run_config.json
 
     @classmethod
@@ -183,7 +182,7 @@ class RunConfig:
                                      for item in dataclasses.fields(section)})
                     for name, section in SECTIONS.items()}
         return cls(**sections, deepspeed_config=args.deepspeed_config, deepspeed=MappingProxyType(deepspeed),
-                   deprecated=tuple(args.deprecated), command_line=MappingProxyType(dict(vars(args))))
+                   command_line=MappingProxyType(dict(vars(args))))
 
     def deepspeed_dict(self) -> dict:
         """A plain copy of :attr:`deepspeed` (``smmd_train.config.resolve_config`` resolves it)."""

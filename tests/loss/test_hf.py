@@ -152,10 +152,9 @@ def test_installed_ntl_is_ce_plus_the_ntloss_package(generator):
     assert installed.hook.last_losses[2].item() == pytest.approx(ntl.item(), rel=1e-6) and ntl.item() > 0
     assert installed.last_stats["numeric_tokens"] > 0
     assert installed.last_stats["ntl_was"] == pytest.approx(ntl.item(), rel=1e-6)
-    # The second-round call (a vocabulary, numeric_loss=...) still refuses SMMD options beside a non-SMMD loss.
-    with pytest.warns(FutureWarning, match=r"install\(model, vocab, \.\.\.\) is deprecated"), \
-            pytest.raises(TypeError, match=r"pass SMMD options \(\['mode'\]\) to SMMDLoss inside numeric_loss"):
-        smmd_scale.install(model, numeric_vocab, numeric_loss=smmd_scale.NTLoss(numeric_vocab), mode="mmd")
+    # The second-round call (a vocabulary, numeric_loss=...) was removed in 0.3.0: refused, naming its replacement.
+    with pytest.raises(TypeError, match=r"install\(model, vocab, \.\.\.\) was removed in 0\.3\.0"):
+        smmd_scale.install(model, numeric_vocab, 0.4)
 
 
 def _trainer_weights(tmp_path, rows, accumulation, attach):
@@ -217,3 +216,21 @@ def test_attach_refuses_a_trainer_whose_loss_skips_the_hook(tmp_path, generator,
     if "use_liger_kernel" in arguments:
         installed.attach_to_trainer(trainer(use_liger_kernel=True,
                                             liger_kernel_config={"fused_linear_cross_entropy": False}))
+
+
+def test_the_hook_records_its_losses_by_name_and_how_it_ran(generator):
+    from smmd_scale.integrations import NumericCausalLMLoss
+
+    vocab = NumericVocab(list(range(3, 13)), list(range(10)), 24)
+    logits = torch.randn(2, 5, 24, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 24, (2, 5), generator=generator)
+    targets[0, :3] = torch.tensor([4, 7, 12])
+    hook = NumericCausalLMLoss(SMMDLoss(vocab), weight=0.5)
+    assert hook.last_path is None
+    total = hook(logits, labels=targets)
+    losses = hook.last_losses
+    assert hook.last_path == "logits"
+    assert losses.total.item() == total.item()
+    assert losses.total.item() == pytest.approx(losses.ce.item() + 0.5 * losses.numeric.item(), rel=1e-12)
+    total_, ce_, numeric_ = losses  # still unpacks as the (total, ce, numeric) triple
+    assert numeric_ is losses.numeric

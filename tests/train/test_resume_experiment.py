@@ -98,7 +98,7 @@ VOCAB = r"numeric vocabulary 1000 tokens, sha256 \w{12} -> %d tokens, sha256 \w{
     (dict(smmd_kernel="laplace", smmd_mode="mmd"), ["--smmd_mode smmd -> mmd", "--smmd_kernel gaussian -> laplace"]),
     (dict(ntl_squash_factor=9, ntl_reweigh=False), ["--ntl_reweigh on -> off", "--ntl_squash_factor none -> 9"]),
     (dict(z_loss=1e-4, label_smoothing=0.1), ["--z_loss 0 -> 0.0001", "--label_smoothing 0 -> 0.1"]),
-    (dict(smmd_weight=0.5), ["--numeric_loss smmd:1 ntl-was:0.3 -> smmd:0.5 ntl-was:0.15"]),  # it multiplies them
+    (dict(numeric_loss=["smmd:0.5", "ntl-was:0.15"]), ["--numeric_loss smmd:1 ntl-was:0.3 -> smmd:0.5 ntl-was:0.15"]),
     (dict(numeric_max_value=99), ["--numeric_max_value 999 -> 99", re.compile(VOCAB % 100)]),
     (dict(numeric_policy="digits"), ["--numeric_policy integers -> digits", re.compile(VOCAB % 10)]),
     (dict(framework_loss=True), ["--framework_loss off -> on"]),

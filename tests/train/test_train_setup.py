@@ -485,18 +485,20 @@ def test_a_numeric_term_that_can_drown_ce_warns_with_its_size_and_the_study_s_se
         assert warnings(**options) == [], options
 
 
-def test_deprecated_spellings_still_work_and_each_warns_in_one_line(tmp_path, tokenizer_dir):
-    corpus = write_corpus(tmp_path / "train.jsonl", 200)
-    args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", smmd_policy="digits", smmd_max_value=9,
-                               smmd_weight=0.5), until="plan")
-    # --smmd_weight multiplies the weights in --numeric_loss: the loss, the HParams and the logs show 0.5 smmd.
-    assert (args.numeric_policy, args.numeric_max_value, args.numeric_loss) == ("digits", 9.0, [("smmd", 0.5)])
-    assert [weight for _, weight in plan.numeric_loss.weighted_terms()] == [0.5]
-    assert float(plan.numeric_vocab.values.max()) <= 9  # --smmd_policy digits reached the vocabulary
-    assert len(plan.warnings) == 3 and all("\n" not in warning for warning in plan.warnings)
-    assert [warning.split()[0] for warning in plan.warnings] == ["--smmd_policy", "--smmd_max_value", "--smmd_weight"]
-    assert "use --numeric_policy" in plan.warnings[0] and "--numeric_loss" in plan.warnings[2]
-    assert run_hparams(RunConfig.from_args(args), plan, "single")["numeric_loss"] == "0.5 smmd"
+@pytest.mark.parametrize("flag, value, replacement", [
+    ("--smmd_weight", "0.5", "the weights in --numeric_loss"),
+    ("--smmd_policy", "digits", "--numeric_policy"),
+    ("--smmd_max_value", "9", "--numeric_max_value"),
+])
+def test_the_spellings_removed_in_0_3_are_refused_by_name(tmp_path, capsys, flag, value, replacement):
+    """Kept through 0.2.0 with a warning, refused since 0.3.0 in one line naming what replaced them."""
+    arguments = ["--deepspeed_config", str(ZERO3), "--model", "tiny", "--tokenizer", str(tmp_path), "--data", "x",
+                 "--max_steps", "1", "--output_dir", str(tmp_path), flag, value]
+    with pytest.raises(SystemExit) as exited:
+        parse_args(arguments)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"{flag} was removed in 0.3.0; use {replacement}" in error
 
 
 @pytest.mark.parametrize("tp", [2, 3])

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..deprecation import loss_of_vocab_install
 from ..numeric_loss import NumericLoss
+from ..removed import module_attribute, removed_error
 from ..vocab import NumericVocab
 from .deepspeed import find_vocab_parallel_head, unwrap_model
 from .fused_forward import check_fused_support, fused_forward
-from .hf import DetachedLosses, InstalledLoss, NumericCausalLMLoss, SMMDCausalLMLoss, set_loss_function
-from .megatron import vocab_parallel_numeric_cross_entropy, vocab_parallel_smmd_cross_entropy
+from .hf import DetachedLosses, InstalledLoss, NumericCausalLMLoss, set_loss_function
+from .megatron import vocab_parallel_numeric_cross_entropy
 
 
 def install(model_or_engine, loss: NumericLoss, weight: float = 1.0, *, fused_linear: bool = False,
-            ce_options: Optional[dict] = None, **deprecated) -> InstalledLoss:
+            ce_options: Optional[dict] = None) -> InstalledLoss:
     """Make a Hugging Face causal LM (or a DeepSpeed engine wrapping one) train on CE + weight *
     ``loss``, a numeric loss (``SMMDLoss(vocab)``, ``NTLoss(vocab)``, ``SMMDLoss(vocab) + 0.3 * NTLoss(vocab)``,
     ...), whose numeric vocabulary must match the model's logits.
@@ -31,14 +31,11 @@ def install(model_or_engine, loss: NumericLoss, weight: float = 1.0, *, fused_li
     go to every call of the op (:class:`NumericCausalLMLoss`). Returns an :class:`InstalledLoss` with
     ``last_stats``, ``last_path`` and ``restore()``.
 
-    The second-round call, ``install(model, vocab, weight, numeric_loss=None, **smmd_options)`` (a
-    vocabulary, and SMMD unless ``numeric_loss`` is given), works for one more release and warns.
+    The second-round call, ``install(model, vocab, ...)`` (a vocabulary), was removed in 0.3.0: it is
+    refused naming the call that replaced it.
     """
     if isinstance(loss, NumericVocab):
-        loss = loss_of_vocab_install(loss, **deprecated)
-    elif deprecated:
-        raise TypeError(f"install() takes no {', '.join(sorted(deprecated))}: pass a loss's options to the loss "
-                        "(SMMDLoss(vocab, sigmas=...)), and the loss as install's second argument")
+        raise removed_error("install(model, vocab, ...)", TypeError)
     if not isinstance(loss, NumericLoss):
         raise TypeError(f"install needs a smmd_scale numeric loss (SMMDLoss(vocab), NTLoss(vocab), ...) as its second "
                         f"argument; got {type(loss).__name__}")
@@ -76,9 +73,8 @@ def __getattr__(name: str):
         from .hf_callback import NumericLossCallback
 
         return NumericLossCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return module_attribute(__name__, name)  # a name removed in 0.3.0 is refused with what replaced it
 
 
 __all__ = ["install", "DetachedLosses", "InstalledLoss", "NumericCausalLMLoss", "NumericLossCallback",
-           "SMMDCausalLMLoss", "find_vocab_parallel_head", "unwrap_model", "vocab_parallel_numeric_cross_entropy",
-           "vocab_parallel_smmd_cross_entropy"]
+           "find_vocab_parallel_head", "unwrap_model", "vocab_parallel_numeric_cross_entropy"]

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..deprecation import renamed_class, warn_renamed
 from ..fused_linear import linear_numeric_cross_entropy
 from ..loss import NumericOutput, numeric_cross_entropy
 from ..numeric_loss import NumericLoss
+from ..removed import module_attribute, removed_error
 
 
 class DetachedLosses(NamedTuple):
@@ -160,10 +160,9 @@ class NumericCausalLMLoss:
                             for key in ("labels", "shift_labels") if key in batch}}
 
     @property
-    def smmd(self) -> NumericLoss:
-        """Deprecated name of :attr:`numeric_loss` (kept for one release)."""
-        warn_renamed(f"{type(self).__name__}.smmd", f"{type(self).__name__}.numeric_loss")
-        return self.numeric_loss
+    def smmd(self):
+        """Removed in 0.3.0: :attr:`numeric_loss` (refused by name)."""
+        raise removed_error("NumericCausalLMLoss.smmd")
 
     def _record(self, output: NumericOutput, path: str, counts: tuple) -> None:
         self.last_stats = output.stats
@@ -296,4 +295,5 @@ def set_loss_function(model, hook) -> None:
                         "setter); use numeric_cross_entropy on the model's logits instead")
 
 
-SMMDCausalLMLoss = renamed_class(NumericCausalLMLoss, "SMMDCausalLMLoss")
+def __getattr__(name: str):
+    return module_attribute(__name__, name)

@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from ..deprecation import renamed
 from ..loss import per_token_losses
 from ..numeric_loss import NumericLoss
+from ..removed import module_attribute
 
 
 def vocab_parallel_numeric_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
@@ -64,5 +64,5 @@ def loss_func_outputs(ce: torch.Tensor, numeric: torch.Tensor, loss_mask: torch.
     return ce_sum + weight * numeric_sum, tokens.long(), report
 
 
-vocab_parallel_smmd_cross_entropy = renamed(vocab_parallel_numeric_cross_entropy, "vocab_parallel_smmd_cross_entropy",
-                                            {"smmd": "numeric_loss"})
+def __getattr__(name: str):
+    return module_attribute(__name__, name)  # vocab_parallel_smmd_cross_entropy: removed in 0.3.0
