@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import write_results
-from smmd_train.arguments import REPO, TRAIN_SCRIPT, train_flags
+from benchmarks.common import REPO, write_results
+from smmd_train.arguments import train_flags
 from smmd_train.launcher import launch_command
 from smmd_train.metrics_file import read_metrics
 from smmd_train.options import option, parse_options
@@ -64,7 +64,7 @@ def layout_command(corpus: Path, output: Path, processes: int, micro_batch_size:
                         micro_batch_size=micro_batch_size, gradient_accumulation_steps=accumulation,
                         max_steps=STEPS, warmup_steps=1, lr=3e-3, output_dir=output, numeric_loss=NUMERIC_LOSS,
                         ntl_squash_factor=9.0, **options)
-    return launch_command(TRAIN_SCRIPT, *flags, processes=processes)
+    return launch_command(REPO / "launch" / "train.py", *flags, processes=processes)
 
 
 def steps_of(output: Path) -> dict:

@@ -22,8 +22,12 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.bench_train import prepare_data
-from benchmarks.common import results_dir_option, write_results
-from smmd_train.arguments import REPO, train_command
+from benchmarks.common import (
+    REPO,  # noqa: E402
+    results_dir_option,
+    write_results,
+)
+from smmd_train.arguments import train_command
 from smmd_train.metrics_file import read_metrics
 from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table

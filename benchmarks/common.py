@@ -12,7 +12,8 @@ import torch
 
 from smmd_train.options import option
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from (its launch/, ds_configs/)
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def machine() -> dict:

@@ -227,8 +227,9 @@ def fused_heads(device: torch.device, quick: bool, repeats: int = 5) -> list:
 def training(device: torch.device, work: Path, quick: bool) -> list:
     """train.py on the tiny preset: 4 steps with checkpoints, a resume that repeats steps 3-4, the
     fused head, the export and its evaluation."""
+    from benchmarks.common import REPO
     from smmd_numeracy.tokenizer import train_numeric_tokenizer
-    from smmd_train.arguments import REPO, TRAIN_SCRIPT, train_flags
+    from smmd_train.arguments import TRAIN_SCRIPT, train_flags
     from smmd_train.checkpoint import tag_for_step
     from smmd_train.launcher import launch_command
     from smmd_train.metrics_file import read_metrics

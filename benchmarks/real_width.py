@@ -69,9 +69,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import results_dir_option, write_results
+from benchmarks.common import (
+    REPO,  # noqa: E402
+    results_dir_option,
+    write_results,
+)
 from benchmarks.numeracy.runner import child_environment, run_watched
-from smmd_train.arguments import REPO, train_command
+from smmd_train.arguments import train_command
 from smmd_train.metrics_file import read_metrics
 from smmd_train.options import option, parse_options
 from smmd_train.tables import markdown_table
@@ -449,7 +453,7 @@ def main(argv=None) -> None:
     rows += phase_table
     stages["resume"] = {"wall_seconds": time.monotonic() - resumed_began}
     resume_log = (output_dir / "resume_tp1.log").read_text(errors="replace")
-    stages["resume"]["log"] = [line for line in resume_log.splitlines()
+    stages["resume"]["log"] = [line.replace(f"{REPO}/", "") for line in resume_log.splitlines()  # no machine path
                                if line.startswith(MARKS["resumed"]) or "universal checkpoint" in line]
     # 4. Export (a TP 1 checkpoint: offline, one process); 5. load it and generate.
     stages["export"] = run_single([sys.executable, REPO / "launch" / "export_hf.py", output_dir, hf_dir],

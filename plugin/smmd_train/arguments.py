@@ -33,9 +33,9 @@ from . import compat
 from .launcher import launch_command
 from .presets import PRESETS
 
-# The repository this package is installed from (an editable install of a source checkout).
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = REPO / "launch" / "train.py"
+# train.py of the source checkout this package is installed from (an editable install), for the
+# commands the trainer's tools build (train_command, the scaling sweep).
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 
 
 # Spellings removed in 0.3.0 (kept through 0.2.0 with a warning): refused by name, with what replaced them.

