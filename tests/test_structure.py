@@ -356,3 +356,22 @@ def test_planted_namespace_reads_are_found(tmp_path):
         (tmp_path / name).write_text(text)
     found = [use.split(":", 2)[2].strip() for name in planted for use in namespace_uses(tmp_path / name)]
     assert found == ["argparse.Namespace", "argparse.ArgumentParser().parse_known_args(...)"]
+
+
+def ignore_index_literals(source: str) -> list:
+    """Line numbers of ``-100`` written as a number in code (not in strings or comments)."""
+    import io
+    import tokenize
+
+    tokens = [token for token in tokenize.generate_tokens(io.StringIO(source).readline)
+              if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
+    return [number.start[0] for minus, number in zip(tokens, tokens[1:])
+            if minus.string == "-" and number.type == tokenize.NUMBER and number.string == "100"]
+
+
+def test_the_ignore_index_is_written_once():
+    """``IGNORE_INDEX`` (smmd_scale.numeric_loss) is the one -100 in the installed packages' code."""
+    found = {str(path.relative_to(PLUGIN)): lines for path in sorted(PLUGIN.rglob("*.py"))
+             if (lines := ignore_index_literals(path.read_text()))}
+    assert list(found) == ["smmd_scale/numeric_loss.py"] and len(found["smmd_scale/numeric_loss.py"]) == 1, found
+    assert ignore_index_literals("x = f(y, -100)  # -100\ns = '-100'\n") == [1]  # the finder finds, and only code

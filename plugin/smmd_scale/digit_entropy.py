@@ -31,7 +31,7 @@ import torch
 
 from .call_plan import NumericSlice
 from .number_level import runs_along
-from .numeric_loss import NumericLoss
+from .numeric_loss import IGNORE_INDEX, NumericLoss
 from .sequence_shard import run_context
 from .vocab import NumericVocab
 
@@ -49,7 +49,7 @@ class DigitEntropyLoss(NumericLoss):
     reads_runs = True  # a digit's place in its number
 
     def __init__(self, vocab: NumericVocab, dot_token_ids: Optional[Sequence[int]] = (), place_base: float = 1.02,
-                 scale: float = 0.01, sequence_dim: int = -1, ignore_index: int = -100):
+                 scale: float = 0.01, sequence_dim: int = -1, ignore_index: int = IGNORE_INDEX):
         super().__init__(vocab, ignore_index)
         values = vocab.values.tolist()
         found = sorted({int(value) for value in values if value in range(10)})

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .numeric_loss import NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .value_kernel import squash_distances
 from .vocab import NumericVocab
 
@@ -49,7 +49,7 @@ class NTLoss(NumericLoss):
     """
 
     def __init__(self, vocab: NumericVocab, kind: str = "was", reweigh: bool = True,
-                 squash_factor: Optional[float] = None, ignore_index: int = -100, digit_level: bool = False):
+                 squash_factor: Optional[float] = None, ignore_index: int = IGNORE_INDEX, digit_level: bool = False):
         super().__init__(vocab, ignore_index)
         if digit_level:
             found = sorted({int(value) for value in vocab.values.tolist() if value in range(10)})

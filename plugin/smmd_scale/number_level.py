@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .numeric_loss import NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .parallel import sum_across
 from .sequence_shard import run_context
 from .vocab import NumericVocab
@@ -169,7 +169,7 @@ class NumberLevelNTLoss(NumericLoss):
 
     def __init__(self, vocab: NumericVocab, reweigh: bool = True, float_level: bool = False,
                  dot_token_ids: Optional[Sequence[int]] = None, max_number_length: int = 20,
-                 sequence_dim: int = -1, ignore_index: int = -100):
+                 sequence_dim: int = -1, ignore_index: int = IGNORE_INDEX):
         super().__init__(vocab, ignore_index)
         values = vocab.values.tolist()
         others = sorted({value for value in values if value not in range(10)})

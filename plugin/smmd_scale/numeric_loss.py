@@ -33,6 +33,8 @@ from .call_plan import NumericSlice
 from .standalone import numeric_loss_alone
 from .vocab import NumericVocab
 
+# The target that means "no target here": torch's, Hugging Face's and Megatron's ignore_index.
+IGNORE_INDEX = -100
 
 def options_fingerprint(*parts) -> int:
     """A deterministic 62-bit fingerprint of loss options (identical across processes)."""
@@ -83,7 +85,7 @@ class NumericLoss:
     #: such a loss gets the call's exact numeric positions, never a fixed capacity of them.
     reads_runs = False
 
-    def __init__(self, vocab: NumericVocab, ignore_index: int = -100):
+    def __init__(self, vocab: NumericVocab, ignore_index: int = IGNORE_INDEX):
         if not isinstance(vocab, NumericVocab):
             raise TypeError(f"vocab must be a smmd_scale.NumericVocab, got {type(vocab).__name__}; build one with "
                             "NumericVocab(token_ids, values, vocab_size) or NumericVocab.from_tokenizer(tokenizer)")
@@ -259,10 +261,6 @@ class WeightedNumericLosses(NumericLoss):
 
     def __repr__(self):
         return " + ".join(f"{weight:g} * {term!r}" for term, weight in self.terms)
-
-    def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
-                      compute_dtype: torch.dtype) -> NumericTerms:
-        return self._combine([term.numeric_terms(q, numeric_targets, mass, compute_dtype) for term, _ in self.terms])
 
     def terms_for_call(self, plan, numeric: NumericSlice) -> NumericTerms:
         return self._combine([term.terms_for_call(plan, numeric) for term, _ in self.terms])

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .numeric_loss import NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .value_kernel import build_kernel
 from .vocab import NumericVocab
 
@@ -28,7 +28,7 @@ class SMMDLoss(NumericLoss):
 
     def __init__(self, vocab: NumericVocab, mode: str = "smmd", kernel: str = "gaussian",
                  sigmas: Union[float, Sequence[float]] = (2.0, ), squash_factor: float = 9.0,
-                 alpha: Union[str, float] = "auto", ignore_index: int = -100, seed: int = 42):
+                 alpha: Union[str, float] = "auto", ignore_index: int = IGNORE_INDEX, seed: int = 42):
         super().__init__(vocab, ignore_index)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r} must be an int")

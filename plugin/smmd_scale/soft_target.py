@@ -31,7 +31,7 @@ import torch
 
 from .call_plan import NumericSlice
 from .number_level import runs_along
-from .numeric_loss import NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .sequence_shard import run_context
 from .vocab import NumericVocab
 
@@ -52,7 +52,7 @@ class SoftTargetLoss(NumericLoss):
     #: "kl" or "ce": the two differ by the targets' entropy, a constant per target (same gradient).
     divergence = "kl"
 
-    def __init__(self, vocab: NumericVocab, tau: float, ignore_index: int = -100):
+    def __init__(self, vocab: NumericVocab, tau: float, ignore_index: int = IGNORE_INDEX):
         super().__init__(vocab, ignore_index)
         if int(torch.unique(vocab.values).numel()) < 2:
             raise ValueError(f"the numeric vocabulary has {len(vocab)} token(s) but fewer than two distinct values; "
@@ -112,7 +112,7 @@ class DIST2Loss(SoftTargetLoss):
     name = "dist2"
 
     def __init__(self, vocab: NumericVocab, tau: float = 1.0, place_weighted: bool = False, sequence_dim: int = -1,
-                 ignore_index: int = -100):
+                 ignore_index: int = IGNORE_INDEX):
         super().__init__(vocab, tau, ignore_index)
         if not isinstance(place_weighted, bool):
             raise TypeError(f"place_weighted={place_weighted!r} must be True or False")
@@ -153,7 +153,7 @@ class GaussianLabelSmoothingLoss(SoftTargetLoss):
     normaliser = "vocab"
     divergence = "ce"
 
-    def __init__(self, vocab: NumericVocab, sigma: float = 1.0, ignore_index: int = -100):
+    def __init__(self, vocab: NumericVocab, sigma: float = 1.0, ignore_index: int = IGNORE_INDEX):
         self.sigma = _positive("sigma", sigma)
         super().__init__(vocab, 2.0 * self.sigma * self.sigma, ignore_index)
 

@@ -39,8 +39,9 @@ import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
 
+from smmd_scale.numeric_loss import IGNORE_INDEX
+
 from . import compat
-from .sequence_parallel import IGNORE_INDEX
 
 _TEXT_FILE_READERS = {
     ".jsonl": datasets.Dataset.from_json,

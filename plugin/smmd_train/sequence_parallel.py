@@ -43,10 +43,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from smmd_scale.numeric_loss import IGNORE_INDEX
+
 from . import compat
 from .presets import sliding_window_layers
 
-IGNORE_INDEX = -100
 # The core attention Ulysses wraps: it must be one the model runs (HF's default on every accelerator);
 # eager is refused by DeepSpeed (it needs a 4D mask over the full sequence).
 CORE_ATTENTION = "sdpa"

@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple, Optional
 
 from .. import compat
 from ..fused_linear import linear_numeric_cross_entropy
+from ..numeric_loss import IGNORE_INDEX
 
 
 class Family(NamedTuple):
@@ -161,7 +162,7 @@ def fused_forward(model, original_forward, hook, head_finder, head: FusedHead):
         outputs = model.model(**backbone_arguments, **extra)
         loss = hook.fused_loss(head_finder(), call_through_module, outputs.last_hidden_state, labels=labels,
                                shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-                               ignore_index=extra.get("ignore_index", -100),
+                               ignore_index=extra.get("ignore_index", IGNORE_INDEX),
                                num_numeric_in_batch=extra.get("num_numeric_in_batch"),
                                op_options=head.op_options(model), sequence_shard=extra.get("sequence_shard"))
         from transformers import modeling_outputs

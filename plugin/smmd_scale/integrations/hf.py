@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .. import compat
 from ..fused_linear import linear_numeric_cross_entropy
 from ..loss import NumericOutput, numeric_cross_entropy
-from ..numeric_loss import NumericLoss
+from ..numeric_loss import IGNORE_INDEX, NumericLoss
 from ..removed import module_attribute, removed_error
 
 
@@ -85,7 +85,7 @@ class NumericCausalLMLoss:
         return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
     def __call__(self, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None,
-                 num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                 num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, shift_labels: Optional[torch.Tensor] = None,
                  num_numeric_in_batch=None, sequence_shard=None, **kwargs) -> torch.Tensor:
         shift_labels = self.shifted(labels, shift_labels, ignore_index)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
@@ -114,7 +114,7 @@ class NumericCausalLMLoss:
         return output
 
     def fused_loss(self, head, call_through_module, hidden: torch.Tensor, labels=None, shift_labels=None,
-                   num_items_in_batch=None, ignore_index: int = -100, num_numeric_in_batch=None,
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, num_numeric_in_batch=None,
                    op_options: Optional[dict] = None, sequence_shard=None) -> torch.Tensor:
         """The same loss from the head's input ``hidden [B, S, H]`` without logits
         (:func:`smmd_scale.linear_numeric_cross_entropy`), run as ``head``'s forward through

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
+from ..numeric_loss import IGNORE_INDEX
 
 # Rows of logits per chunk of the entropy and top-1 metrics: bounds their float32 copy.
 METRIC_ROWS = 1024
@@ -59,7 +60,7 @@ def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=N
     # Read before the Trainer takes the labels out of `inputs` (it does for a compute_loss_func).
     targets = inputs.get("shift_labels")
     if targets is None:
-        targets = F.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
+        targets = F.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
     loss, outputs = super(SFTTrainer, self).compute_loss(model, inputs, return_outputs=True,
                                                          num_items_in_batch=num_items_in_batch)
     record_metrics(self, mode, outputs, targets, inputs)
@@ -72,7 +73,7 @@ def token_metrics(logits: torch.Tensor, targets: torch.Tensor) -> tuple:
     TRL's fused head returns as ``entropy``, ``is_top1`` and ``label_mask``."""
     rows = logits.detach().reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1).to(rows.device)
-    positions = (targets != -100).nonzero().squeeze(1)
+    positions = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     entropy_sum = rows.new_zeros((), dtype=torch.float32)
     hits = torch.zeros((), dtype=torch.long, device=rows.device)
     for chunk in positions.split(METRIC_ROWS):
