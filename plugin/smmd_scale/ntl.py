@@ -106,6 +106,22 @@ class NTLoss(NumericLoss):
             return None
         return self.max_distance * (REWEIGH_MARGIN if self.reweigh else 1.0)
 
+    gradient = "hand-written"  # numeric_terms; numeric_value is its autograd reference
+
+    def numeric_value(self, plan, numeric) -> torch.Tensor:
+        """The loss written plainly, for autograd: the reference :meth:`numeric_terms` is tested against.
+        WAS: ``sum_j D[t, j] q_j``; MSE: ``(E_q[value] - value_t)^2``; reweighed by the mass on the
+        numeric tokens, ``mass * loss + margin * max distance * (1 - mass)`` (ntloss's)."""
+        q, targets = numeric.q, plan.numeric_targets
+        if self.kind == "was":
+            value = (self.distances.to(device=q.device, dtype=q.dtype)[targets] * q).sum(dim=-1)
+        else:
+            values = self.vocab.values.to(device=q.device, dtype=q.dtype)
+            value = (q @ values - values[targets]) ** 2
+        if self.reweigh:
+            value = value * numeric.mass + REWEIGH_MARGIN * self.max_distance * (1.0 - numeric.mass)
+        return value
+
     def _distances_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         if key not in self._device_distances:

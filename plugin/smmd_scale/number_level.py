@@ -166,6 +166,8 @@ class NumberLevelNTLoss(NumericLoss):
     """
 
     reads_runs = True  # a number spans its digit positions
+    gradient = "hand-written"  # terms_for_call, over a call's numbers
+    gradient_reference = "a float64 autograd reference and ntloss's NumberLevelLoss (tests/loss/test_ntl_number.py)"
 
     def __init__(self, vocab: NumericVocab, reweigh: bool = True, float_level: bool = False,
                  dot_token_ids: Optional[Sequence[int]] = None, max_number_length: int = 20,

@@ -94,6 +94,13 @@ class NumericLoss:
         self.vocab = vocab
         self.ignore_index = ignore_index
 
+    #: How the loss's gradient is formed: "autograd" (through :meth:`numeric_value`) or "hand-written"
+    #: (:meth:`numeric_terms` or :meth:`terms_for_call`, with :meth:`numeric_value` kept as its autograd
+    #: reference, which tests/loss/test_gradient_contract.py holds it to; :attr:`gradient_reference`
+    #: names another reference where a loss has none of its own).
+    gradient = "autograd"
+    gradient_reference: Optional[str] = None
+
     # -- what subclasses provide --------------------------------------------------------------
 
     @property
