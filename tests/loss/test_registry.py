@@ -40,3 +40,26 @@ def test_every_entry_reports_the_statistic_it_registers():
         assert {entry.stat_name, *entry.parts} <= set(stats), entry.name
     assert set(statistic_names()) == {"smmd", "mmd", "smooth", "ntl_was", "ntl_mse", "ntl_number", "dist2", "gauss_ls",
                                       "del"}
+
+
+def test_each_entry_says_what_its_class_says():
+    """A loss's statistic names and its option defaults are written in its class and in its registry
+    entry; this ties the two: the entry's stat_name and parts are the built loss's ``name`` and
+    ``stat_names``, and each option's default is the class's keyword default."""
+    import inspect
+
+    from smmd_scale.registry import options_from
+
+    vocab = NumericVocab(list(range(20, 30)), [float(value) for value in range(10)], 40)
+    defaults = options_from(lambda option: option.default)
+    checked = 0
+    for entry in NUMERIC_LOSSES.values():
+        loss = build_numeric_loss(vocab, [(entry.name, 1.0)], defaults, dot_token_ids=[13])
+        assert (loss.name, loss.stat_names) == (entry.stat_name, (entry.stat_name, *entry.parts)), entry.name
+        keywords = inspect.signature(type(loss).__init__).parameters
+        for option in entry.options:
+            declared = keywords[option.keyword].default
+            assert option.keyword_value(option.default) == (tuple(declared) if option.several else declared), \
+                (entry.name, option.keyword, option.default, declared)
+            checked += 1
+    assert checked >= 10  # (every entry's options: SMMD 4, NTL 2 twice and 1 twice, DIST2 2, Gaussian LS 1, DEL 2)
