@@ -77,6 +77,8 @@ def test_each_logging_step_logs_the_parts_of_its_micro_batches(tmp_path, generat
     assert len(logs) == 3 and len(calls) == 6
     for step, log in enumerate(logs):
         expected = window_reference(calls[2 * step: 2 * step + 2], {"smmd": smmd})
+        # The parts: fp32 loss vs float64 on the same recorded logits: within fp32 rounding (1.2e-7; measured ~1e-8);
+        # loss_numeric and loss_smmd: two fp32 roundings of one mean; the Trainer's loss: its own fp32 sum.
         assert log["loss_ce"] == pytest.approx(expected["loss_ce"], rel=1e-5)
         assert log["loss_smmd"] == pytest.approx(expected["loss_smmd"], rel=1e-5)
         assert log["loss_numeric"] == pytest.approx(log["loss_smmd"], rel=1e-6)  # SMMD alone is the numeric term
@@ -94,6 +96,8 @@ def test_without_the_steps_numeric_count_the_parts_are_still_per_position_means(
     logs, calls = train(tmp_path, generator, attach=False, max_steps=2, logging_steps=2)
     (log, ) = logs
     expected = window_reference(calls, {"smmd": smmd})
+    # fp32 loss vs float64 on the same recorded logits: within fp32 rounding (1.2e-7; measured ~1e-8);
+    # loss_numeric and loss_smmd: two fp32 roundings of one mean.
     assert log["loss_ce"] == pytest.approx(expected["loss_ce"], rel=1e-5)
     assert log["loss_smmd"] == pytest.approx(expected["loss_smmd"], rel=1e-5)
     assert log["loss_numeric"] == pytest.approx(log["loss_smmd"], rel=1e-6)
@@ -115,6 +119,8 @@ def test_weighted_numeric_losses_reach_tensorboard_by_name(tmp_path, generator):
 
     for window, log in enumerate(logs):
         expected = window_reference(calls[4 * window: 4 * window + 4], {"smmd": smmd, "ntl_was": ntl})
+        # fp32 loss vs float64 on the same recorded logits: within fp32 rounding (1.2e-7; measured ~1e-8);
+        # loss_total is loss_ce + loss_numeric as the callback computes it in float64.
         for key in ("loss_ce", "loss_smmd", "loss_ntl_was"):
             assert log[key] == pytest.approx(expected[key], rel=1e-5), key
         assert log["loss_numeric"] == pytest.approx(expected["loss_smmd"] + 0.3 * expected["loss_ntl_was"], rel=1e-5)
@@ -126,6 +132,7 @@ def test_weighted_numeric_losses_reach_tensorboard_by_name(tmp_path, generator):
     for key in ("loss_ce", "loss_numeric", "loss_smmd", "loss_ntl_was", "loss_total", "numeric_accuracy"):
         points = events.Scalars(f"train/{key}")
         assert [point.step for point in points] == [2, 4]
+        # TensorBoard stores scalars in float32: a rounding of 6e-8 relative.
         assert [point.value for point in points] == pytest.approx([log[key] for log in logs], rel=1e-6)
 
 
@@ -151,6 +158,7 @@ def test_dist2_gaussian_label_smoothing_and_del_reach_the_logs_by_name(tmp_path,
     assert log["loss_numeric"] == pytest.approx(expected["loss_smmd"] + 0.3 * expected["loss_dist2"]
                                                 + 0.2 * expected["loss_gauss_ls"] + 0.1 * expected["loss_del"],
                                                 rel=1e-5)
+    # loss_total is loss_ce + loss_numeric as the callback computes it in float64.
     assert log["loss_total"] == pytest.approx(log["loss_ce"] + log["loss_numeric"], rel=1e-6)
 
 
@@ -207,6 +215,7 @@ def test_on_two_processes_a_window_pools_both_processes_micro_batches(tmp_path, 
     for step in range(2):
         ce_sum, tokens, smmd_sum, positions = (sum(values) for values in zip(calls0[step], calls1[step]))
         for log in (logs0[step], logs1[step]):  # every process logs the pooled window
+            # fp32 losses against float64 on the recorded logits, and the Trainer's own fp32 sums: ~1e-7 relative.
             assert log["loss_ce"] == pytest.approx(ce_sum / tokens, rel=1e-5)
             assert log["loss_smmd"] == pytest.approx(smmd_sum / positions, rel=1e-5)
             assert log["numeric_positions"] == positions
@@ -242,6 +251,8 @@ def test_evaluation_logs_the_ce_and_numeric_parts_of_the_evaluation_set(tmp_path
         logits = model(input_ids=eval_ids).logits.double()  # no labels: the hook is not called
     targets = F.pad(eval_labels, (0, 1), value=-100)[..., 1:]
     ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+    # fp32 model: the evaluation's batches of 2 and this forward of 6 rows give logits a few fp32 ulp apart, and
+    # the hook's fp32 losses are a few fp32 ulp (1.2e-7 relative) from float64; eval_loss_numeric: one mean twice.
     assert metrics["eval_loss_ce"] == pytest.approx(ce.item(), rel=1e-5)
     assert metrics["eval_loss_smmd"] == pytest.approx(smmd(logits, targets).item(), rel=1e-5)
     assert metrics["eval_loss_numeric"] == pytest.approx(metrics["eval_loss_smmd"], rel=1e-6)
@@ -251,7 +262,7 @@ def test_evaluation_logs_the_ce_and_numeric_parts_of_the_evaluation_set(tmp_path
     batches = [(logits[start:start + 2], targets[start:start + 2]) for start in range(0, 6, 2)]
     objective = sum(F.cross_entropy(batch_logits.reshape(-1, VOCAB_SIZE), batch_targets.reshape(-1))
                     + 0.5 * smmd(batch_logits, batch_targets) for batch_logits, batch_targets in batches) / 3
-    assert metrics["eval_loss"] == pytest.approx(objective.item(), rel=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(objective.item(), rel=1e-5)  # fp32 model and loss, as above
     assert metrics["eval_loss"] > metrics["eval_loss_ce"]
     logged = [entry for entry in trainer.state.log_history if "eval_loss" in entry][-1]
     assert {key: logged[key] for key in metrics if key.startswith("eval_loss")} == \

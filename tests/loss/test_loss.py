@@ -39,6 +39,8 @@ def test_fixtures_float64_loss_and_gradient(reference_cases, device):
         logits = case["logits"].to(device, copy=True).requires_grad_(True)
         loss = loss_fn(logits, case["targets"].to(device))
         loss.backward()
+        # float64 both ways, but the paper's squashed kernels (squash_factor=9) differ from ours by up to 6e-12
+        # (measured; 0 unsquashed), its losses by up to 5e-12, alpha by 7e-13: 1e-10 leaves 20x room.
         assert abs(loss.item() - case["loss"].item()) <= 1e-10, case["name"]
         assert (logits.grad.cpu() - case["grad"]).abs().max().item() <= 1e-10, case["name"]
         assert loss_fn.alpha == pytest.approx(case["alpha"].item(), abs=1e-10)
@@ -52,6 +54,7 @@ def test_fixtures_float32_relative(reference_cases, device):
         loss = _loss_for(case)(logits, case["targets"].to(device))
         loss.backward()
         assert loss.dtype == torch.float32
+        # fp32 against float64: a few fp32 ulp (1.2e-7 relative) over ~10 numeric tokens (measured ~1.5e-7).
         assert relative_error(loss.detach().cpu(), case["loss"]) <= 1e-5, case["name"]
         assert relative_error(logits.grad.cpu(), case["grad"]) <= 1e-5, case["name"]
 
@@ -66,6 +69,7 @@ def test_fixtures_any_token_order(reference_cases, generator):
         logits = case["logits"].clone().requires_grad_(True)
         loss = loss_fn(logits, case["targets"])
         loss.backward()
+        # float64 both ways; the fixtures' squashed kernels differ from ours by 6e-12 (the test above).
         assert abs(loss.item() - case["loss"].item()) <= 1e-10
         assert (logits.grad - case["grad"]).abs().max().item() <= 1e-10
 
@@ -79,7 +83,9 @@ def test_fused_matches_fixtures_plus_torch_cross_entropy(reference_cases):
         plain = case["logits"].clone().requires_grad_(True)
         ce = F.cross_entropy(plain.reshape(-1, case["vocab_size"]), case["targets"].reshape(-1))
         ce.backward()
+        # float64 both ways: torch's CE and ours differ only in the order of additions, a few ulp of a CE of order 1-10.
         assert abs(out.ce.item() - ce.item()) <= 1e-12
+        # The fixtures' float64 values differ from ours by ~5e-12 (their squashed kernels, above).
         assert abs(out.numeric.item() - case["loss"].item()) <= 1e-10
         assert abs(out.total.item() - (ce.item() + weight * case["loss"].item())) <= 1e-10
         assert (logits.grad - (plain.grad + weight * case["grad"])).abs().max().item() <= 1e-10
@@ -105,6 +111,7 @@ def test_random_inputs_match_reference(generator, mode, kernel):
         slow_logits = logits.clone().requires_grad_(True)
         slow = reference_smmd(slow_logits, targets, vocab.token_ids, vocab.values, **options)
         slow.backward()
+        # float64 both ways, the same math in another order: a few ulp of values of order 1-10.
         assert abs(fast.item() - slow.item()) <= 1e-10
         assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
 
@@ -124,6 +131,7 @@ def test_fused_random_inputs_match_reference(generator, num_items, device):
         total, ce, smmd = reference_total(slow_logits, targets, vocab.token_ids, vocab.values, weight=weight,
                                           num_items_in_batch=num_items_in_batch)
         total.backward()
+        # float64 both ways, the same math in another order: a few ulp of values of order 1-10 (CE, SMMD).
         assert abs(out.ce.item() - ce.item()) <= 1e-10
         assert abs(out.numeric.item() - smmd.item()) <= 1e-10
         assert abs(out.total.item() - total.item()) <= 1e-10
@@ -158,6 +166,7 @@ def test_ce_equals_torch_cross_entropy_float32(generator):
     vocab, logits, targets = random_problem(generator, vocab_size=300, shape=(3, 50), dtype=torch.float32)
     ours = numeric_cross_entropy(logits, targets, SMMDLoss(vocab)).ce
     theirs = F.cross_entropy(logits.reshape(-1, 300), targets.reshape(-1))
+    # fp32 both ways: only the order of additions differs (a mean of 150 CEs of ~10), a few ulp of 1.2e-7.
     assert relative_error(ours, theirs) <= 1e-6
     summed = F.cross_entropy(logits.reshape(-1, 300), targets.reshape(-1), reduction="sum") / 1000
     assert relative_error(numeric_cross_entropy(logits, targets, SMMDLoss(vocab), num_items_in_batch=1000).ce,
@@ -176,6 +185,7 @@ def test_low_precision_logits_computed_in_float32(generator, dtype, tolerance, d
     slow_logits = logits.double().requires_grad_(True)
     total, _, _ = reference_total(slow_logits, targets, vocab.token_ids, vocab.values)
     total.backward()
+    # The loss is computed in fp32 from the same rounded logits: a few fp32 ulp (1.2e-7 relative), with room.
     assert relative_error(out.total.detach().cpu(), total) <= tolerance
     # The gradient is rounded once to the logits' dtype on the way out.
     grad_tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
@@ -211,6 +221,7 @@ def test_fused_gradient_against_central_differences(generator):
             bumped[index] -= 2 * step
             down = value(bumped.reshape(logits.shape)).item()
             numerical.reshape(-1)[index] = (up - down) / (2 * step)
+        # float64 central differences with step 1e-6: rounding ~1e-16 * |value| / step ~ 1e-9, truncation ~1e-12.
         assert (x.grad - numerical).abs().max().item() <= 1e-7, name
 
 
@@ -224,6 +235,7 @@ def test_separate_backward_of_ce_and_smmd(generator):
         slow_logits = logits.clone().requires_grad_(True)
         _, ce, smmd_ref = reference_total(slow_logits, targets, vocab.token_ids, vocab.values)
         ({"ce": ce, "numeric": smmd_ref}[name] * 3.0).backward()
+        # float64 both ways, the same math in another order: a few ulp of gradients of order 1.
         assert (fast_logits.grad - slow_logits.grad).abs().max().item() <= 1e-10
 
 
@@ -244,6 +256,7 @@ def test_stats_match_reference(generator):
         correct.append(float(p.argmax() == index))
         abs_error.append(abs((p @ vocab.values - vocab.values[index]).item()))
     assert out.stats["numeric_tokens"] == len(rows)
+    # float64 both ways, the same sums in another order: a few ulp of statistics of order 1-10.
     assert out.stats["mmd"] == pytest.approx(torch.stack(mmd).mean().item(), abs=1e-10)
     assert out.stats["smooth"] == pytest.approx(torch.stack(smooth).mean().item(), abs=1e-10)
     assert out.stats["numeric_accuracy"] == pytest.approx(sum(correct) / len(rows))
@@ -262,6 +275,7 @@ def test_kernel_and_laplacian_are_psd(generator, kernel):
     values = torch.randperm(200, generator=generator)[:40].double()
     matrices = build_kernel(values, kernel=kernel, sigmas=(1.0, 2.0), alpha=0.3)
     laplacian = torch.diag(matrices.degree) - matrices.kernel
+    # float64 eigvalsh errs by ~1e-16 * the norm (<= 40 for the kernel, <= 80 for the Laplacian) at an eigenvalue ~ 0.
     assert torch.linalg.eigvalsh(matrices.kernel).min().item() >= -1e-9
     if kernel != "random":  # the random ablation kernel has negative entries: its Laplacian is not PSD
         assert torch.linalg.eigvalsh(laplacian).min().item() >= -1e-9
@@ -293,6 +307,7 @@ def test_tokens_sharing_a_value_have_zero_distance():
     # All mass on the other token of the same value: r = e_7 - e_3 and K_37 = 1, so r^T K r = 0.
     same_value = torch.full((1, 10), -1e4, dtype=torch.float64)
     same_value[0, 7] = 10.0
+    # p = e_7 to within exp(-1e4) = 0 in float64: 1 - 2 K_37 + 1 cancels to a few ulp of 1.
     assert mmd(same_value, torch.tensor([3])).item() == pytest.approx(0.0, abs=1e-9)
     other_value = torch.full((1, 10), -1e4, dtype=torch.float64)
     other_value[0, 9] = 10.0
@@ -358,7 +373,7 @@ def test_alpha_auto_is_half_inverse_mean_degree():
     values = torch.arange(10).double()
     K, _, alpha = reference_kernel(values)
     matrices = build_kernel(values)
-    assert matrices.alpha == pytest.approx(alpha, rel=1e-12)
+    assert matrices.alpha == pytest.approx(alpha, rel=1e-12)  # float64 both ways: a mean of 100 entries
     assert build_kernel(values, alpha=0.25).alpha == 0.25
 
 
@@ -404,6 +419,7 @@ def test_weight_zero_is_plain_cross_entropy(generator):
     out.total.backward()
     plain = logits.clone().requires_grad_(True)
     F.cross_entropy(plain.reshape(-1, vocab.vocab_size), targets.reshape(-1)).backward()
+    # float64 both ways: (softmax - one-hot) / count, values <= 1, a few ulp apart.
     assert (ours.grad - plain.grad).abs().max().item() <= 1e-12
     assert out.stats["numeric_tokens"] == int(sum(t in set(vocab.token_ids.tolist()) for t in targets.reshape(-1)
                                                   .tolist()))

@@ -188,6 +188,7 @@ def test_del_place_weights_read_the_paper_s_examples():
                                                                                torch.device("cpu")),
                                           targets, None, 0, with_ce=False)
     expected = [4, 2, 1.02 ** -2, 1.02 ** -3, 2, 2, 6, 4, 2]
+    # Integers exact, the powers of 1.02 within an ulp (2.2e-16) in float64; allclose's default atol=1e-8 applies too.
     assert torch.allclose(loss.place_weights(plan), torch.tensor(expected, dtype=torch.float64), rtol=1e-15)
 
 
@@ -240,6 +241,7 @@ def test_fused_linear_head_and_sums_with_smmd_and_ntl(generator):
     summed = numeric_cross_entropy(hidden @ head.T, targets, candidates[-1], 1.0)
     for term, _ in candidates[-1].weighted_terms():
         alone = numeric_cross_entropy(hidden @ head.T, targets, term, 1.0)
+        # float64 both ways: the same term's statistic inside the sum or alone, at most a few ulp apart.
         assert summed.stats[term.name] == pytest.approx(alone.stats[term.name], rel=1e-12)
 
 
@@ -306,6 +308,7 @@ def _vocab_parallel_new_losses(rank, world_size, seed):
         value = numeric(alone, targets, tp_group=dist.group.WORLD, vocab_start_index=start)
         value.backward()
         numeric(expected_alone, targets).backward()
+        # float64 on every rank, as above: the shards' sums merge in another order, a few ulp relative.
         assert abs(value.item() - numeric(logits, targets).item()) <= 1e-10 * max(abs(value.item()), 1.0), name
         assert relative_error(alone.grad, expected_alone.grad[..., start:end]) <= 1e-10, name
         leaves = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
@@ -318,6 +321,7 @@ def _vocab_parallel_new_losses(rank, world_size, seed):
                                                    vocab_start_index=start, chunk_size=5)
             with CollectiveSpy() as fused_backward:
                 out.total.backward()
+            # float64 both ways: the chunks of 5 rows and the shards only reorder the additions, a few ulp relative.
             assert abs(out.total.item() - expected.total.item()) <= 1e-10 * max(abs(expected.total.item()), 1.0), name
             assert relative_error(fused[0].grad, leaves[0].grad) <= 1e-10, name
             assert relative_error(fused[1].grad, leaves[1].grad[start:end]) <= 1e-10, name
@@ -416,11 +420,13 @@ def _megatron_entry_point_with_the_new_losses(rank, world_size, seed):
         numeric_positions = numeric.numeric_mask(target)
         assert (values[~numeric_positions] == 0).all(), name
         expected = batch_first[name](logits.transpose(0, 1), target.transpose(0, 1))
+        # float64 both ways: the same per-position values averaged in another order, a few ulp relative.
         assert abs(values[numeric_positions].mean().item() - expected.item()) <= 1e-10 * abs(expected.item()), name
         total, tokens, report = loss_func_outputs(ce, values, mask, target, numeric, weight=0.5)
         total_full, _, report_full = loss_func_outputs(ce_full, values_full, mask, target, numeric, weight=0.5)
         total.backward()
         total_full.backward()
+        # float64: per-token values equal to 1e-12 (above), reduced alike; the shard's softmax uses the merged lse.
         assert tokens == int(mask.sum()) and report["numeric loss"][1] == (numeric_positions * mask).sum(), name
         assert relative_error(report["numeric loss"], report_full["numeric loss"]) <= 1e-12, name
         assert relative_error(shard.grad, full.grad[..., rank * width:(rank + 1) * width]) <= 1e-12, name

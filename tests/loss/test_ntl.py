@@ -36,6 +36,7 @@ def test_matches_the_float64_reference(generator, options, device):
         expected_ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size),
                                                         targets.reshape(-1)) if (targets != -100).any() else 0.0
         (expected_ce + 0.7 * expected_ntl).backward()
+        # float64 both ways, the same math in another order: a few ulp relative (abs=1e-12: a loss of exactly 0).
         assert relative_error(out.numeric.detach().cpu(), expected_ntl.detach()) <= 1e-10
         assert relative_error(ours.grad.cpu(), reference_logits.grad) <= 1e-10
         assert out.stats[ntl.name] == pytest.approx(expected_ntl.item(), rel=1e-10, abs=1e-12)
@@ -44,6 +45,7 @@ def test_matches_the_float64_reference(generator, options, device):
         value.backward()
         reference_alone = logits.clone().requires_grad_(True)
         reference_ntl(reference_alone, targets, vocab.token_ids, vocab.values, **options).backward()
+        # float64 both ways, the same math in another order: a few ulp relative.
         assert relative_error(value.detach(), expected_ntl.detach()) <= 1e-10
         assert relative_error(alone.grad, reference_alone.grad) <= 1e-10
 
@@ -63,6 +65,7 @@ def test_a_weighted_sum_with_smmd_is_the_sum_of_its_terms(generator):
     expected = parts["smmd"] + 0.3 * parts["ntl_was"] + 0.5 * parts["ntl_mse"]
     ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size), targets.reshape(-1))
     (ce + expected).backward()
+    # float64 both ways, the same math in another order: a few ulp relative.
     assert relative_error(out.numeric.detach(), expected.detach()) <= 1e-10
     assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
     for name, value in parts.items():
@@ -108,6 +111,7 @@ def test_value_scale_is_the_largest_value_the_loss_reaches(generator, kind, rewe
     loss = NTLoss(vocab, kind=kind, reweigh=reweigh)
     value_range = float(values.max() - values.min())
     expected = (value_range ** 2 if kind == "mse" else value_range) * (1.01 if reweigh else 1.0)
+    # float64 both ways: the same range (squared) times 1.01, a few ulp apart at most.
     assert loss.value_scale == pytest.approx(expected, rel=1e-12)
     non_numeric = next(token for token in range(vocab_size) if token not in token_ids.tolist())
     peak = non_numeric if reweigh else int(token_ids[values.argmax()])
@@ -207,6 +211,7 @@ def test_ntl_is_float64_exact_against_our_reference_on_the_ntloss_selection(gene
     labels = ours.vocab.token_ids[torch.randint(0, len(ours.vocab), (2, 9), generator=generator)]
     value = ours(logits, labels)
     expected = reference_ntl(logits, labels, ours.vocab.token_ids, ours.vocab.values, **options)
+    # float64 both ways, the same math in another order: a few ulp relative.
     assert relative_error(value, expected) <= 1e-10
 
 
@@ -242,6 +247,7 @@ def test_fused_linear_head_with_ntl(generator):
         materialized = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
         reference = numeric_cross_entropy(materialized[0] @ materialized[1].T, targets, numeric, 0.9)
         reference.total.backward()
+        # float64 both ways: the head's chunks of 37 rows only reorder the additions, a few ulp relative.
         assert out.total.item() == pytest.approx(reference.total.item(), rel=1e-10)
         for ours, expected in zip(fused, materialized):
             assert relative_error(ours.grad, expected.grad) <= 1e-10
@@ -270,6 +276,7 @@ def _vocab_parallel_ntl(rank, world_size, seed):
                                              vocab_start_index=start)
                 with CollectiveSpy() as backward:
                     out.total.backward()
+                # float64 both ways: the shards' log-sum-exps merge in another order, a few ulp relative.
                 assert abs(out.total.item() - single.total.item()) <= 1e-10 * max(abs(single.total.item()), 1.0)
                 assert relative_error(shard.grad, full.grad[..., start:end]) <= 1e-10
                 assert backward.calls == 0 and forward.calls == out.stats["comm_calls"]
@@ -304,6 +311,8 @@ def _megatron_entry_point_with_ntl(rank, world_size, seed):
     ce, ntl_values = vocab_parallel_numeric_cross_entropy(shard, target, ntl, tp_group=dist.group.WORLD)
     full = logits.clone().requires_grad_(True)
     ce_full, ntl_full = vocab_parallel_numeric_cross_entropy(full, target, ntl)
+    # float64 both ways: the shards' log-sum-exps merge in another order, a few ulp of CE ~ 1-10 and NTL <= 65
+    # (~1e-14; allclose's default rtol=1e-5 adds room); so for the mean and the gradients (<= 1) below.
     assert torch.allclose(ce, ce_full, atol=1e-12) and torch.allclose(ntl_values, ntl_full, atol=1e-12)
     numeric = ntl.numeric_mask(target)
     assert (ntl_values[~numeric] == 0).all()

@@ -69,6 +69,7 @@ def test_matches_the_float64_reference(generator, options):
             probe = torch.rand(targets.shape, generator=generator, dtype=torch.float64)
             (value * probe if reduction == "none" else value).sum().backward()
             (expected * probe if reduction == "none" else expected).sum().backward()
+            # float64 both ways, the same math in another order: a few ulp relative.
             assert relative_error(value.detach(), expected.detach()) <= 1e-10
             assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
     # in the CE op: the per-token numeric loss is the reference's, with its gradient
@@ -81,6 +82,7 @@ def test_matches_the_float64_reference(generator, options):
     digits = loss.numeric_mask(targets).sum()
     ce = torch.nn.functional.cross_entropy(reference_logits.reshape(-1, vocab.vocab_size), targets.reshape(-1))
     (ce + 0.7 * per_position.sum() / digits).backward()
+    # float64 both ways, the same math in another order: a few ulp relative.
     assert relative_error(out.numeric.detach(), per_position.sum().detach() / digits) <= 1e-10
     assert relative_error(ours.grad, reference_logits.grad) <= 1e-10
     assert out.stats["ntl_number"] == pytest.approx((per_position.sum() / digits).item(), rel=1e-10)
@@ -149,6 +151,7 @@ def test_parity_with_the_ntloss_package(generator, options, dtype):
     theirs, ours = ntloss_and_ours(style_tokenizers.qwen_style(), **options)
     logits, labels = labelled_digits(generator, theirs, ours)
     weights = torch.rand(labels.shape, generator=generator, dtype=torch.float64)
+    # fp64: ntloss computes in the logits' dtype too, so only the order of operations differs (a few ulp).
     tolerance = 1e-6 if dtype == torch.float32 else 1e-10
     for reduction in ("mean", "sum", "none"):
         for loss_weights in (None, weights):
@@ -180,6 +183,7 @@ def test_fused_linear_head_equals_ntloss_per_token(generator):
         materialized = [hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)]
         reference = numeric_cross_entropy(materialized[0] @ materialized[1].T, labels, numeric, 0.9)
         reference.total.backward()
+        # float64 both ways: the head's chunks of 53 rows only reorder the additions, a few ulp relative.
         assert losses.total.item() == pytest.approx(reference.total.item(), rel=1e-10)
         for mine, expected in zip(fused, materialized):
             assert relative_error(mine.grad, expected.grad) <= 1e-10
@@ -187,6 +191,7 @@ def test_fused_linear_head_equals_ntloss_per_token(generator):
     from smmd_scale.fused_linear import linear_per_token_losses
 
     per_token = linear_per_token_losses(hidden, head, labels, ours).numeric.view(labels.shape)
+    # float64 both ways (ntloss computes in the logits' dtype): only the order of operations differs.
     assert relative_error(per_token, theirs(logits, labels, reduction="none")) <= 1e-10
 
 
@@ -222,6 +227,7 @@ def _vocab_parallel_number_level(rank, world_size, seed):
                                             vocab_start_index=start)
             with CollectiveSpy() as backward:
                 out.total.backward()
+            # float64 both ways: the shards' sums merge in another order, a few ulp relative; so below.
             assert abs(out.total.item() - single.total.item()) <= 1e-10 * max(abs(single.total.item()), 1.0)
             assert relative_error(shard.grad, full.grad[..., start:end]) <= 1e-10
             assert backward.calls == 0 and forward.calls == out.stats["comm_calls"] <= 2
@@ -292,4 +298,5 @@ def test_megatron_layout_reads_the_sequence_down_dim_0(generator):
     megatron = NumberLevelNTLoss(ours.vocab, float_level=True, dot_token_ids=ours.dot_token_ids, sequence_dim=0)
     _, per_token = vocab_parallel_numeric_cross_entropy(logits.transpose(0, 1).contiguous(), labels.T.contiguous(),
                                                         megatron)
+    # float64 both ways (ntloss computes in the logits' dtype): only the order of operations differs.
     assert relative_error(per_token.T, theirs(logits, labels, reduction="none")) <= 1e-10

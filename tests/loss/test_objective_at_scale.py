@@ -93,6 +93,8 @@ def test_shares_of_any_layout_add_up_to_the_step(kind, placement):
     for name, pieces in layouts().items():
         (total, ce, numeric), grad = shares(loss, logits, targets, weight, pieces, counts)
         scale = abs(expected.total.item())
+        # float64 both ways: the shares add the same per-token terms in other groupings, a few ulp relative
+        # (the numeric part's bound is absolute when the step has no number: 0 both ways then).
         assert abs(total - expected.total.item()) <= 1e-10 * scale, (seed, name)
         assert abs(ce - expected.ce.item()) <= 1e-10 * scale, (seed, name)
         assert abs(numeric - expected.numeric.item()) <= 1e-10 * max(abs(expected.numeric.item()), 1.0), (seed, name)
@@ -108,6 +110,7 @@ def test_without_counts_each_call_keeps_its_own_means():
     halves = [numeric_cross_entropy(logits[part], targets[part], loss) for part in (slice(0, 4), slice(4, 8))]
     whole = numeric_cross_entropy(logits, targets, loss)
     assert halves[1].numeric.item() == 0.0  # the numbers are all in the first half
+    # float64 both ways: the same positions' values, in a call of 4 sequences or of 8, a few ulp apart at most.
     assert halves[0].numeric.item() == pytest.approx(whole.numeric.item(), rel=1e-12)
     averaged = (halves[0].numeric.item() + halves[1].numeric.item()) / 2
     assert averaged == pytest.approx(whole.numeric.item() / 2, rel=1e-12)  # the silent halving counts fix
@@ -136,6 +139,7 @@ def test_fused_linear_shares_add_up_to_the_step(kind):
     expected, expected_hidden, expected_head = run([(slice(None), )], with_counts=False)
     for name, pieces in layouts().items():
         total, grad_hidden, grad_head = run(pieces, with_counts=True)
+        # float64 both ways: the pieces (and chunks of 7) add the same terms in other groupings, a few ulp relative.
         assert abs(total - expected) <= 1e-10 * abs(expected), (seed, name)
         assert (grad_hidden - expected_hidden).abs().max() <= 1e-10 * expected_hidden.abs().max(), (seed, name)
         assert (grad_head - expected_head).abs().max() <= 1e-10 * expected_head.abs().max(), (seed, name)
@@ -182,6 +186,7 @@ def _data_and_tensor_parallel(rank, world_size, seed, tp_size, accumulation):
             dist.all_reduce(parts, group=dp_group)  # what DP's gradient all-reduce sums
             total, ce, numeric = parts.tolist()
             scale = abs(expected.total.item())
+            # float64 on every rank: the ranks, shards and micro-batches add the same terms in other groupings.
             assert abs(total - expected.total.item()) <= 1e-10 * scale, (kind, placement)
             assert abs(ce - expected.ce.item()) <= 1e-10 * scale, (kind, placement)
             assert abs(numeric - expected.numeric.item()) <= 1e-10 * max(abs(expected.numeric.item()), 1), kind
@@ -236,6 +241,7 @@ def _megatron_micro_batches(rank, world_size, seed):
     valid, numeric_count = step_counts(loss, targets)
     for split, (loss_sum, tokens, numeric_sum, numeric_positions, grad) in results.items():
         assert tokens == valid and numeric_positions == numeric_count, split
+        # float64: the micro-batches and the two vocabulary shards add the same terms in other groupings.
         assert abs(numeric_sum / numeric_positions - expected.numeric.item()) <= 1e-10 * expected.numeric.item()
         # Megatron divides by the step's tokens: CE mean + weight x numeric sum per token.
         per_token = expected.ce.item() + 0.7 * numeric_sum / tokens

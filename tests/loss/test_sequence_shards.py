@@ -179,6 +179,7 @@ def _shards_equal_one_device(rank, world_size, seed):
             dist.all_reduce(total)
             dist.all_reduce(head_grad)
             reference = expected.total.item()
+            # float64, as above: the shards and the head's chunks of 7 regroup the one-device sums' terms
             assert abs(total.item() - reference) <= 1e-10 * max(abs(reference), 1.0), (layout, name, "fused")
             assert relative_error(fused[0].grad, leaves[0].grad[:, start:end]) <= 1e-10, (layout, name, "fused")
             assert relative_error(head_grad, leaves[1].grad) <= 1e-10, (layout, name, "fused")
