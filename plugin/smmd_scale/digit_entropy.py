@@ -32,6 +32,7 @@ import torch
 from .call_plan import NumericSlice
 from .number_level import runs_along
 from .numeric_loss import IGNORE_INDEX, NumericLoss
+from .refusal import Named, Refusal, digits_vocabulary, literal
 from .sequence_shard import run_context
 from .vocab import NumericVocab
 
@@ -55,18 +56,18 @@ class DigitEntropyLoss(NumericLoss):
         found = sorted({int(value) for value in values if value in range(10)})
         others = sorted({value for value in values if value not in range(10)})
         if others or len(found) != 10:
-            raise ValueError(f"DEL weighs each digit by its place in its number, so it needs a vocabulary of the ten "
-                             f"digits 0..9; this one has the digits {found}"
-                             + (f" and the values {others[:5]}" if others else "")
-                             + "; build it with NumericVocab.from_tokenizer(tokenizer, policy='digits') from a "
-                             "tokenizer that spells numbers digit by digit")
+            raise Refusal(literal(f"DEL weighs each digit by its place in its number, so it needs a vocabulary of "
+                                  f"the ten digits 0..9; this one has the digits {found}"
+                                  + (f" and the values {others[:5]}" if others else ""))
+                          + "; build it with {digits} from a tokenizer that spells numbers digit by digit",
+                          digits=digits_vocabulary())
         dots = sorted({int(token_id) for token_id in (dot_token_ids or ())})
         if set(dots) & set(vocab.token_id_list):
             raise ValueError(f"dot_token_ids {dots} include numeric tokens")
         for name, value, low in (("place_base", place_base, 1.0), ("scale", scale, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                      and value > low):
-                raise ValueError(f"{name}={value!r} must be a finite number > {low:g}")
+                raise Refusal("{option} must be a finite number > " + f"{low:g}", option=Named(name, value))
         if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
             raise TypeError(f"sequence_dim={sequence_dim!r} must be an int")
         self.dot_token_ids, self.place_base, self.scale = tuple(dots), float(place_base), float(scale)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
+from .refusal import NONE, Named, Refusal, digits_vocabulary, literal
 from .value_kernel import squash_distances
 from .vocab import NumericVocab
 
@@ -56,20 +57,21 @@ class NTLoss(NumericLoss):
             others = sorted({value for value in vocab.values.tolist() if value not in range(10)})
             if len(found) != 10 or others:
                 missing = sorted(set(range(10)) - set(found))
-                raise ValueError(f"digit_level=True needs a vocabulary of the ten digits 0..9; it has the digits "
-                                 f"{found}" + (f", misses {missing}" if missing else "")
-                                 + (f" and also holds the values {others[:5]}" if others else "")
-                                 + "; build it with NumericVocab.from_tokenizer(tokenizer, policy='digits') from a "
-                                 "tokenizer that has all ten")
+                raise Refusal(literal(f"digit_level=True needs a vocabulary of the ten digits 0..9; it has the digits "
+                                      f"{found}" + (f", misses {missing}" if missing else "")
+                                      + (f" and also holds the values {others[:5]}" if others else ""))
+                              + "; build it with {digits} from a tokenizer that has all ten",
+                              digits=digits_vocabulary())
         if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of {KINDS} (NTL-WAS or NTL-MSE)")
+            raise Refusal("{kind} is not one of " + literal(KINDS) + " (NTL-WAS or NTL-MSE)", kind=Named("kind", kind))
         if not isinstance(reweigh, bool):
             raise TypeError(f"reweigh={reweigh!r} must be True or False")
         if squash_factor is not None and (isinstance(squash_factor, bool)
                                           or not isinstance(squash_factor, (int, float))
                                           or not math.isfinite(squash_factor) or squash_factor <= 1):
-            raise ValueError(f"squash_factor={squash_factor!r} must be a finite number > 1 (how much worse the "
-                             "farthest number is than the closest wrong one), or None for the raw distances")
+            raise Refusal("{squash_factor} must be a finite number > 1 (how much worse the farthest number is than "
+                          "the closest wrong one), or {none} for the raw distances",
+                          squash_factor=Named("squash_factor", squash_factor), none=NONE)
         if int(torch.unique(vocab.values).numel()) < 2:
             raise ValueError(f"the numeric vocabulary has {len(vocab)} token(s) but fewer than two distinct values; "
                              "NTL compares values, so it would be identically 0; check how the vocabulary was built")

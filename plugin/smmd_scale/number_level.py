@@ -36,6 +36,7 @@ import torch
 
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .parallel import sum_across
+from .refusal import Refusal, digits_vocabulary, literal
 from .sequence_shard import run_context
 from .vocab import NumericVocab
 
@@ -177,11 +178,11 @@ class NumberLevelNTLoss(NumericLoss):
         others = sorted({value for value in values if value not in range(10)})
         found = sorted({int(value) for value in values if value in range(10)})
         if others or len(found) != 10:
-            raise ValueError(f"number-level NTL joins digits into numbers, so it needs a vocabulary of the ten digits "
-                             f"0..9; this one has the digits {found}" + (f" and the values {others[:5]}" if others
-                                                                         else "")
-                             + "; build it with NumericVocab.from_tokenizer(tokenizer, policy='digits') from a "
-                             "tokenizer that spells numbers digit by digit")
+            raise Refusal(literal(f"number-level NTL joins digits into numbers, so it needs a vocabulary of the "
+                                  f"ten digits 0..9; this one has the digits {found}"
+                                  + (f" and the values {others[:5]}" if others else ""))
+                          + "; build it with {digits} from a tokenizer that spells numbers digit by digit",
+                          digits=digits_vocabulary())
         if not isinstance(reweigh, bool) or not isinstance(float_level, bool):
             raise TypeError(f"reweigh={reweigh!r} and float_level={float_level!r} must be True or False")
         if float_level and not dot_token_ids:

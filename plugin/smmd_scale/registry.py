@@ -23,6 +23,7 @@ from .digit_entropy import DigitEntropyLoss
 from .ntl import NTLoss
 from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
+from .refusal import Refusal
 from .smmd import SMMDLoss
 from .soft_target import DIST2Loss, GaussianLabelSmoothingLoss
 from .vocab import NumericVocab
@@ -254,11 +255,17 @@ def parse_terms(entries: Sequence[str], flag: str = "--numeric_loss") -> list:
 
 class LossOptionError(ValueError):
     """A loss refused its options while :func:`build_numeric_loss` built it; ``entry`` says which loss
-    (so that a tool can name the options in its own words, e.g. train.py's flags)."""
+    and ``refusal`` (a :class:`~smmd_scale.refusal.Refusal`, or None) what it refused, as data, so that a
+    tool names the options in its own words (train.py: its flags, ``refusal.worded``)."""
 
-    def __init__(self, entry: NumericLossEntry, message: str):
-        super().__init__(message)
+    def __init__(self, entry: NumericLossEntry, error: ValueError):
+        super().__init__(str(error))
         self.entry = entry
+        self.refusal = error if isinstance(error, Refusal) else None
+
+    def worded(self, names: dict) -> str:
+        """The message with the options in a tool's words (``names``: keyword -> how the tool spells it)."""
+        return str(self) if self.refusal is None else self.refusal.worded(names)
 
 
 def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Optional[dict] = None,
@@ -279,7 +286,7 @@ def build_numeric_loss(vocab: NumericVocab, terms: Sequence[tuple], options: Opt
         try:
             built.append((entry.build(vocab, **keywords), weight))
         except ValueError as error:
-            raise LossOptionError(entry, str(error)) from None
+            raise LossOptionError(entry, error) from None
     if len(built) == 1 and built[0][1] == 1.0:
         return built[0][0]
     return WeightedNumericLosses(built)

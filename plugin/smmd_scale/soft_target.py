@@ -32,13 +32,14 @@ import torch
 from .call_plan import NumericSlice
 from .number_level import runs_along
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
+from .refusal import Named, Refusal
 from .sequence_shard import run_context
 from .vocab import NumericVocab
 
 
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        raise Refusal("{option} must be a finite number > 0", option=Named(name, value))
     return float(value)
 
 

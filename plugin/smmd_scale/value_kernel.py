@@ -16,6 +16,8 @@ from typing import Sequence, Union
 
 import torch
 
+from .refusal import Named, Refusal, literal
+
 KERNELS = ("gaussian", "laplace", "random", "shuffled")
 MODES = ("mmd", "smooth", "smmd")
 
@@ -43,9 +45,9 @@ def validate_kernel_options(mode: str, kernel: str, sigmas: Sequence[float], squ
                             alpha: Union[str, float]) -> tuple:
     """Check the options and return ``sigmas`` as a tuple of floats; raise naming the bad one."""
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        raise Refusal("{mode} is not one of " + literal(MODES), mode=Named("mode", mode))
     if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+        raise Refusal("{kernel} is not one of " + literal(KERNELS), kernel=Named("kernel", kernel))
     if isinstance(sigmas, (int, float)):
         sigmas = (sigmas, )
     try:
@@ -53,10 +55,12 @@ def validate_kernel_options(mode: str, kernel: str, sigmas: Sequence[float], squ
     except (TypeError, ValueError):
         raise TypeError(f"sigmas={sigmas!r} must be a number or a sequence of numbers") from None
     if not sigmas or not all(math.isfinite(s) and s > 0 for s in sigmas):
-        raise ValueError(f"sigmas={sigmas!r} must be a non-empty sequence of finite positive numbers")
+        raise Refusal("{sigmas} must be a non-empty sequence of finite positive numbers",
+                      sigmas=Named("sigmas", sigmas))
     if isinstance(squash_factor, bool) or not isinstance(squash_factor, (int, float)) \
             or not math.isfinite(squash_factor) or squash_factor < 0:
-        raise ValueError(f"squash_factor={squash_factor!r} must be a finite number >= 0 (<= 1 disables squashing)")
+        raise Refusal("{squash_factor} must be a finite number >= 0 (<= 1 disables squashing)",
+                      squash_factor=Named("squash_factor", squash_factor))
     if isinstance(alpha, str):
         if alpha != "auto":
             raise ValueError(f"alpha={alpha!r} must be 'auto' or a finite number >= 0")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import compat
+from .refusal import Named, Refusal, literal
 
 POLICIES = ("integers", "digits", "floats")
 
@@ -222,9 +223,11 @@ class NumericVocab:
             if value is not None and value <= upper_bound:
                 triples.append((token_id, value, token))
         if not triples:
-            raise ValueError(f"no numeric token found under policy={policy!r} with max_value={max_value} among "
-                             f"{tokenizer_size} tokens of {type(tokenizer).__name__}; try policy='digits' or "
-                             f"policy='floats', or a larger max_value")
+            raise Refusal("no numeric token found under {policy} with {max_value} among "
+                          + literal(f"{tokenizer_size} tokens of {type(tokenizer).__name__}")
+                          + "; try {digits} or {floats}, or a larger {larger}", policy=Named("policy", policy),
+                          max_value=Named("max_value", max_value), digits=Named("policy", "digits"),
+                          floats=Named("policy", "floats"), larger=Named("max_value"))
 
         triples.sort()
         token_ids, values, tokens = zip(*triples)

@@ -18,11 +18,9 @@ command line before those load, so a mistyped flag is refused in about a second.
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -74,34 +72,9 @@ class TrainArgumentParser(argparse.ArgumentParser):
 
 
 # The keyword arguments of NumericVocab.from_tokenizer that train.py's flags set: the library refuses in
-# its own words (``policy='digits'``), which the plan turns into the flags the user typed (``--numeric_policy
-# digits``). A loss's keywords and flags come from its registry entry.
+# its own words (``policy='digits'``), which the plan words as the flags the user typed (``--numeric_policy
+# digits``: smmd_scale.refusal.Refusal.worded). A loss's keywords and flags come from its registry entry.
 VOCAB_FLAGS = {"policy": "--numeric_policy", "max_value": "--numeric_max_value"}
-
-
-def in_flag_words(message: str, loss_flags: Optional[dict] = None) -> str:
-    """``message`` (a refusal from smmd_scale) with the keyword arguments train.py's flags set named as
-    those flags (the vocabulary's, and ``loss_flags``: keyword -> flag of the refusing loss):
-    ``sigmas=(-1.0,)`` -> ``--smmd_sigmas -1.0``, ``a larger max_value`` -> ``a larger
-    --numeric_max_value``, ``NumericVocab.from_tokenizer(tokenizer, policy='digits')`` -> ``--numeric_policy
-    digits``, and ``or None for X`` (no flag value is None) -> ``or leave the flag out for X``."""
-    flags = {**VOCAB_FLAGS, **(loss_flags or {})}
-
-    def flag_and_value(match):
-        try:
-            value = ast.literal_eval(match.group(2))
-        except (ValueError, SyntaxError):  # not a Python literal (nan, inf): as written
-            value = match.group(2)
-        shown = " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        return f"{flags[match.group(1)]} {shown}"
-
-    names = "|".join(flags)
-    message = re.sub(r"NumericVocab\.from_tokenizer\(tokenizer, ([^)]*)\)", r"\1", message)
-    message = re.sub(rf"\b({names})=('[^']*'|\([^)]*\)|[-+\w.]+)", flag_and_value, message)
-    # a keyword named bare in the text (``a larger max_value``): those with an underscore, never plain words
-    bare = "|".join(name for name in flags if "_" in name)
-    message = re.sub(rf"(?<![-\w])({bare})\b", lambda match: flags[match.group(1)], message)
-    return message.replace(", or None for", ", or leave the flag out for")
 
 
 def add_loss_options(group) -> None:

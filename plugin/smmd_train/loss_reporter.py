@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 
-from .arguments import in_flag_words
+from .arguments import VOCAB_FLAGS
 
 
 def loss_reporter(config) -> LossReporter:
@@ -190,9 +190,9 @@ def numeric_loss(settings, vocab, dot_token_ids=()):
     options = options_from(lambda option: settings.options[option.column])
     try:
         return build_numeric_loss(vocab, settings.numeric_loss, options, dot_token_ids=dot_token_ids)
-    except LossOptionError as error:  # in the words of the refusing loss's own flags
-        flags = {option.keyword: option.flag for option in error.entry.options}
-        raise ValueError(in_flag_words(str(error), flags)) from None
+    except LossOptionError as error:  # in the words of the refusing loss's own flags (and the vocabulary's)
+        flags = {**VOCAB_FLAGS, **{option.keyword: option.flag for option in error.entry.options}}
+        raise ValueError(error.worded(flags)) from None
 
 
 def numeric_scale_warnings(loss, vocab_size: int) -> list:

@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .arguments import in_flag_words
+from smmd_scale.refusal import Refusal
+from smmd_scale.registry import LossOptionError
+
+from .arguments import VOCAB_FLAGS
 from .autotp import check_tensor_parallel_split
 from .config import Topology, check_tensor_parallel_world, resolve_config
 from .data import check_tokenizer_fits_model
@@ -121,8 +124,9 @@ def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supporte
                                                        max_value=loss_settings.numeric_max_value,
                                                        vocab_size=model.vocab_size)
         warnings += loss.plan(vocab, dot_token_ids(tokenizer), model.vocab_size)
-    except ValueError as error:
-        raise ValueError(in_flag_words(str(error))) from None
+    except ValueError as error:  # the vocabulary's refusal, or a loss's, in the words of train.py's flags
+        raise ValueError(error.worded(VOCAB_FLAGS) if isinstance(error, (Refusal, LossOptionError)) else str(error)) \
+            from None
     return RunPlan(tokenizer=tokenizer, model_config=model, ds_config=ds_config, topology=topology,
                    pretrained_dir=None if inputs.model in PRESETS else inputs.model,
                    tensorboard=config.logging.tensorboard, tensorboard_dir=config.logging.tensorboard_dir,

@@ -39,7 +39,8 @@ CATALOGUE = {
     "negative_num_numeric": ("last", "ValueError", "num_numeric_in_batch=-2 must be >= 0"),
     "empty_vocabulary": ("all", "ValueError", "empty numeric vocabulary"),
     "one_value_vocabulary": ("all", "ValueError", "needs at least two distinct"),
-    "bad_sigmas": ("all", "ValueError", "sigmas=.* must be a non-empty sequence of finite positive numbers"),
+    # (a Refusal is the ValueError that carries the refused option as data: smmd_scale.refusal)
+    "bad_sigmas": ("all", "Refusal", "sigmas=.* must be a non-empty sequence of finite positive numbers"),
 }
 
 
