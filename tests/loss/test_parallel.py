@@ -49,7 +49,9 @@ def _problem(generator, tp_size, placement, dtype):
 def _close(actual, expected, dtype):
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     if dtype == torch.float64:
+        # float64: the shards' (max, log-sum) merge regroups sums of values of order 10 (measured 1.8e-15).
         return (actual - expected).abs().max().item() <= 1e-10
+    # fp32: the same regrouping at fp32 ulp (measured 2.4e-7 of the largest, gradients 5.8e-7); floor: a zero one.
     scale = max(expected.abs().max().item(), 1e-6)
     return (actual - expected).abs().max().item() / scale <= 1e-5
 
@@ -119,11 +121,13 @@ def _megatron_layout(rank, world_size, seed):
     full = logits.clone().requires_grad_(True)
     ce_full, smmd_full = vocab_parallel_numeric_cross_entropy(full, target, smmd)
     assert ce.shape == (s, b) and smmd_values.shape == (s, b)
+    # float64 values of order 1-10, the shards' sums regrouped: a few ulp (measured 8.9e-16).
     assert torch.allclose(ce, ce_full, atol=1e-12) and torch.allclose(smmd_values, smmd_full, atol=1e-12)
     assert (smmd_values[~smmd.numeric_mask(target)] == 0).all()
     mask = (torch.rand(s, b, generator=generator) < 0.7).double()  # a Megatron loss mask
     ((ce * mask).sum() + 0.5 * (smmd_values * mask).sum()).backward()
     ((ce_full * mask).sum() + 0.5 * (smmd_full * mask).sum()).backward()
+    # float64 gradients of order 1, the same regrouping (measured 2.2e-16).
     assert torch.allclose(shard.grad, full.grad[..., rank * width:(rank + 1) * width], atol=1e-12)
     return True
 
@@ -171,6 +175,7 @@ def _data_times_tensor_parallel(rank, world_size, seed):
     parallel = numeric_cross_entropy(shard, targets, smmd, weight=0.5, tp_group=groups[data_rank],
                                   vocab_start_index=start)
     parallel.total.backward()
+    # float64, vocab sums the 2 shards regroup: a few ulp (measured: total 1.8e-15 of ~10, gradient 1.1e-16).
     assert abs(parallel.total.item() - single.total.item()) <= 1e-10
     assert (shard.grad - full.grad[..., start:end]).abs().max().item() <= 1e-10
     return round(single.total.item(), 12)

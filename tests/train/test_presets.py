@@ -381,9 +381,11 @@ def test_autotp_leaves_the_embedding_whole_but_zero_3_splits_it_over_the_world()
     embedding, whole = 128256 * 4096, 128256 * 4096 + (32 * 2 + 1) * 4096
     states = estimate_cli.model_states_bytes(config, nodes=2, gpus_per_node=8, tp_size=2)
     assert states["zero_partition_params"] == round((parameter_count(config, 2) - whole) / 8 + whole / 16)
+    # A fractional partition: DeepSpeed's estimator and the count round it apart, < 1 parameter's 18 bytes (here 0).
     assert states["partitioned_bytes"] == pytest.approx(18 * states["zero_partition_params"], abs=18)
     assert states["gathered_bytes"] == 4 * embedding
     fp32 = estimate_cli.model_states_bytes(config, nodes=2, gpus_per_node=8, tp_size=2, precision="fp32")
+    # round(20 x partition) against 20 x round(partition): < 1 parameter's 20 bytes apart (here 0).
     assert fp32["partitioned_bytes"] == pytest.approx(20 * states["zero_partition_params"], abs=20)
     assert fp32["gathered_bytes"] == 8 * embedding
 
@@ -554,6 +556,7 @@ def test_cli_json(capsys):
     estimate_cli.main(["--model", "1b", "--nodes", "1", "--gpus_per_node", "8", "--json"])
     record = json.loads(capsys.readouterr().out)
     assert record["model"] == "1b" and record["params"] == parameter_count(preset_config("1b", 128256))
+    # The JSON's *_gib values are rounded to 3 places (memory.with_gib): within 5e-4.
     assert record["total_gpu_gib"] == pytest.approx(record["total_gpu_bytes"] / 2**30, abs=1e-3)
 
 

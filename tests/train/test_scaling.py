@@ -251,6 +251,7 @@ def test_a_sweep_of_world_sizes_1_and_2_in_a_served_tensorboard(tmp_path, tokeni
         # The scaling view: one point per world size, x = world size.
         points = get("/data/plugin/scalars/scalars?run=scaling-tp1&tag=scaling/efficiency")
         assert [step for _, step, _ in points] == [1, 2] and points[0][2] == 1.0
+        # The event file keeps a scalar as float32 (add_scalar's simple_value): 6e-8 relative.
         assert points[1][2] == pytest.approx(rows[names[1]]["efficiency"], rel=1e-6)
         throughput = get(f"/data/plugin/scalars/scalars?run={names[1]}&tag=perf/tokens_per_second")
         assert [step for _, step, _ in throughput] == [2, 3]  # the warm-up step is not charted
