@@ -78,8 +78,6 @@ class NumericLossEntry:
     option_group:  which keyword-option group builds it (``build_numeric_loss``'s ``options[group]``)
     build:         ``(vocab, **options) -> NumericLoss``
     summary:       one line for ``--help``
-    study_setting: the setting the numeracy study (benchmarks/numeracy) trained it with, for a loss
-                   whose size follows the values (``NumericLoss.value_scale``): what a warning suggests
     options:       the :class:`LossOption` s its build reads from its group (an option may serve
                    several entries of one group: NTL's ``--ntl_reweigh``)
     reads_dots:    its build takes ``dot_token_ids``, the ids of ``"."`` (a loss that reads decimals)
@@ -95,7 +93,6 @@ class NumericLossEntry:
     option_group: str
     build: Callable[..., NumericLoss]
     summary: str
-    study_setting: str = ""
     options: tuple = ()
     reads_dots: bool = False
     digits_reason: str = ""
@@ -158,12 +155,9 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
     NumericLossEntry("smmd", "smmd", ("mmd", "smooth"), "smmd", SMMDLoss,
                      "Smooth MMD: value-distance kernel MMD + graph-Laplacian smoothness", options=SMMD_OPTIONS),
     NumericLossEntry("ntl-was", "ntl_was", (), "ntl", _ntl("was"),
-                     "Number Token Loss, Wasserstein-1 to the target value",
-                     "ntl-was:0.3 with --ntl_squash_factor 9 (distances mapped onto [1, 9], so at most 9.09 per "
-                     "position)", options=(NTL_REWEIGH, NTL_SQUASH)),
+                     "Number Token Loss, Wasserstein-1 to the target value", options=(NTL_REWEIGH, NTL_SQUASH)),
     NumericLossEntry("ntl-mse", "ntl_mse", (), "ntl", _ntl("mse"),
-                     "Number Token Loss, squared error of the expected value",
-                     "ntl-mse:0.0001 on the values 0..999, chosen on validation", options=(NTL_REWEIGH, )),
+                     "Number Token Loss, squared error of the expected value", options=(NTL_REWEIGH, )),
     NumericLossEntry("ntl-number", "ntl_number", (), "ntl", NumberLevelNTLoss,
                      "Number-level NTL: the digits of a number joined, symmetric relative error of its expected value "
                      "(needs a digit vocabulary: --numeric_policy digits, on a tokenizer that spells numbers digit by "

@@ -630,3 +630,18 @@ def test_tensor_parallelism_across_nodes_is_refused_before_the_model(tmp_path, t
     with pytest.raises(RunRefused, match=r"--tp 2 spans nodes: this node runs 1 ranks.*use --tp 1 or less"):
         prepare_run(config, Launch(0, 4, 0, 1, "slurm"), until="plan")
     assert prepare_run(config, Launch(0, 4, 0, 2, "slurm"), until="plan").plan.topology.tp_size == 2
+
+
+def test_every_loss_that_can_drown_ce_has_the_study_s_setting_to_cite():
+    """The warning above cites the numeracy study's setting of each loss whose size follows the values
+    (NumericLoss.value_scale not None at the defaults): each has one, kept in the trainer."""
+    from smmd_scale import NumericVocab
+    from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
+
+    from smmd_train.loss_reporter import STUDY_SETTINGS
+
+    vocab = NumericVocab(list(range(20, 30)), [float(value) for value in range(10)], 40)
+    defaults = options_from(lambda option: option.default)
+    growing = {name for name in NUMERIC_LOSSES
+               if build_numeric_loss(vocab, [(name, 1.0)], defaults, dot_token_ids=[13]).value_scale is not None}
+    assert growing == set(STUDY_SETTINGS) == {"ntl-was", "ntl-mse"}
