@@ -637,7 +637,6 @@ def test_every_loss_that_can_drown_ce_has_the_study_s_setting_to_cite():
     (NumericLoss.value_scale not None at the defaults): each has one, kept in the trainer."""
     from smmd_scale import NumericVocab
     from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
-
     from smmd_train.loss_reporter import STUDY_SETTINGS
 
     vocab = NumericVocab(list(range(20, 30)), [float(value) for value in range(10)], 40)
