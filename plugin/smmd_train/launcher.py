@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,9 +28,37 @@ from typing import Optional, Sequence
 
 from .options import option, parse_options
 
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_MASTER_PORT = 20000
 
-def free_port() -> int:
-    """A TCP port free on every interface of this machine now (so on loopback too), for a master port."""
+
+def ephemeral_port_range() -> Optional[tuple]:
+    """(first, last) of the ports the kernel hands out for outgoing connections and ``bind(0)``, or None."""
+    try:
+        with open(EPHEMERAL_PORTS) as handle:
+            first, last = (int(word) for word in handle.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return None
+
+
+def free_port(attempts: int = 200) -> int:
+    """A TCP port free on every interface of this machine now (so on loopback too), for a master port:
+    chosen at random below the kernel's ephemeral range, where no outgoing connection (a gloo pair, a
+    store client) can take it between this probe and the master's own bind. A port from ``bind(0)``
+    lies inside that range and can (seen as EADDRINUSE when a busy machine started a group); where the
+    range is unknown or leaves no room below it, that is the fallback."""
+    span = ephemeral_port_range()
+    if span is not None and span[0] - 1 > LOWEST_MASTER_PORT:
+        chooser = random.Random()  # (its own, so that a seeded global random never repeats ports)
+        for _ in range(attempts):
+            port = chooser.randint(LOWEST_MASTER_PORT, span[0] - 1)
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
