@@ -158,7 +158,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-            grad_ce, grad_numeric = upstream_gradients(ctx, grad_ce, grad_numeric, lse.shift)
+            grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, lse.shift)
             upstream = numeric_upstream(plan, grad_numeric, compute_dtype)
             multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, upstream, compute_dtype, lse, grad_z)
             offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
@@ -217,7 +217,7 @@ class _TargetBlocks:
     does not own the target)."""
 
     def __init__(self, plan: CallPlan, chunk_size: int, blocks: int):
-        self.plan, self.single, self.count = plan, blocks == 1, blocks
+        self.plan, self.single, self.count, self.chunk_size = plan, blocks == 1, blocks, chunk_size
         if self.single:
             self.column = plan.local_targets[:, None]
         else:
@@ -225,9 +225,9 @@ class _TargetBlocks:
             self.column = (plan.local_targets % chunk_size)[:, None]
         self._last_column = None
 
-    def columns(self, start: int, end: int, chunk_size: int) -> torch.Tensor:
+    def columns(self, start: int, end: int) -> torch.Tensor:
         """``[T, 1]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
-        if self.single or end - start == chunk_size:
+        if self.single or end - start == self.chunk_size:
             return self.column
         if self._last_column is None:  # the one shorter block, at the end
             self._last_column = self.column.clamp(max=end - start - 1)
@@ -262,7 +262,7 @@ def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_
     picks, shifts, sums = [], [], []
     for start, end in blocks:
         logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
-        picks.append(logits.gather(1, where.columns(start, end, chunk_size)))  # the raw logit, as exchanged
+        picks.append(logits.gather(1, where.columns(start, end)))  # the raw logit, as exchanged
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
             capped_sigmoid_(logits, options)
@@ -347,7 +347,7 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
                 grad_logits.sub_(offsets_column)
             if options.logit_scale is not None:
                 grad_logits.mul_(options.scale)
-        grad_logits.scatter_add_(1, where.columns(start, end, chunk_size),
+        grad_logits.scatter_add_(1, where.columns(start, end),
                                  coefficients if where.single else coefficients[:, index:index + 1])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,

@@ -164,7 +164,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         # the working buffer becomes the gradient
         grad, row_scale, shift, log_sum, numeric_grad, row_coefficient, target_slope = ctx.saved_tensors
         lse = ShiftedLogSumExp(shift, log_sum)
-        grad_ce, grad_numeric = upstream_gradients(ctx, grad_ce, grad_numeric, shift)
+        grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, shift)
         upstream = numeric_upstream(plan, grad_numeric, grad.dtype)
         multiplier = row_multipliers(plan, row_coefficient, grad_ce, upstream, grad.dtype, lse, grad_z)
         offsets = smoothing_offsets(plan, grad_ce, grad.dtype)

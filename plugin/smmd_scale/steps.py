@@ -525,7 +525,7 @@ def target_coefficients(plan: CallPlan, grad_ce: torch.Tensor, target_slope: Opt
     return coefficient if target_slope is None else coefficient * target_slope.to(dtype)
 
 
-def upstream_gradients(ctx, grad_ce, grad_numeric, like: torch.Tensor) -> tuple:
+def upstream_gradients(grad_ce, grad_numeric, like: torch.Tensor) -> tuple:
     """The ops' backward gets no gradient for an output nothing used (``ctx.set_materialize_grads(False)``
     in their forward: autograd then fills no zeros for the z-loss or the statistics): (d loss / d CE, d
     loss / d numeric loss), zeros ``like`` where one of them was not used."""
