@@ -228,8 +228,8 @@ def fixed_capacity(loss: NumericLossLike, device: torch.device, tensor_parallel:
     at the count the targets hold: on an accelerator's plan or inside ``torch.compile``, where reading
     the count back to the host would stall the device or break the graph. Not under tensor or
     sequence parallelism (the exchange's header carries the count, and its rows have a capacity of
-    their own) nor for a loss that reads digit runs (it finds them from the exact positions)."""
-    if tensor_parallel or sequence_shard is not None or getattr(loss, "reads_runs", False):
+    their own). A loss that reads digit runs finds them at the capacity too (``RunContext.live``)."""
+    if tensor_parallel or sequence_shard is not None:
         return False
     return DeviceProperties.of(device).accelerator or torch.compiler.is_compiling()
 

@@ -17,7 +17,12 @@ digit's place in the run, ``n`` the run's length and ``d`` the place of its firs
 
 The value needs the digit logits themselves (not only their softmax): they are the numeric slice the
 one exchange carries, so DEL runs on full logits, vocabulary-parallel shards and the fused linear
-head with no further collective. Its gradient comes from autograd (``numeric_value``). On a
+head with no further collective. Its gradient is hand-written (``terms_for_call``; ``numeric_value``
+is its autograd reference): with ``e_j = BCE(z_j, [j = y])`` and ``E = sum_j q_j e_j``,
+
+    d value / d z_k = scale * w / N * q_k * (e_k - E + sigmoid(z_k) - [k = y])
+
+so a call runs no autograd of its own (nor does a compiled graph). On a
 sequence shard (``smmd_scale.sequence_shard``) the runs are found in the whole sequence's targets,
 which the call carries: exact with no collective.
 """
@@ -31,7 +36,7 @@ import torch
 
 from .call_plan import NumericSlice
 from .number_level import runs_along
-from .numeric_loss import IGNORE_INDEX, NumericLoss
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .refusal import Named, Refusal, digits_vocabulary, literal
 from .sequence_shard import run_context
 from .vocab import NumericVocab
@@ -47,7 +52,7 @@ class DigitEntropyLoss(NumericLoss):
     """
 
     name = "del"
-    reads_runs = True  # a digit's place in its number
+    gradient = "hand-written"  # terms_for_call; numeric_value is its autograd reference
 
     def __init__(self, vocab: NumericVocab, dot_token_ids: Optional[Sequence[int]] = (), place_base: float = 1.02,
                  scale: float = 0.01, sequence_dim: int = -1, ignore_index: int = IGNORE_INDEX):
@@ -86,19 +91,33 @@ class DigitEntropyLoss(NumericLoss):
         """``[P]`` the place weight of each digit position of ``plan`` (float64)."""
         context = run_context(plan, self.sequence_dim)
         targets = context.targets.reshape(-1)
-        digit = torch.zeros(targets.numel(), dtype=torch.bool, device=targets.device)
-        digit[context.positions] = True
+        digit = context.marked()
         dot = torch.isin(targets, self._dots.to(targets.device)) & (targets != self.ignore_index)
         runs = runs_along((digit | dot).view(context.targets.shape), self.sequence_dim)
-        # the first dot's place in each run (past the run's end where it has none)
-        first_dot = torch.full_like(runs.run, targets.numel()).scatter_reduce_(0, runs.run[dot], runs.index[dot],
-                                                                              reduce="amin")[runs.run]
+        # the first dot's place in each run (past the run's end where it has none); a cell that is no
+        # dot writes to a bin past the runs (an index, not a mask: no host sync)
+        bin_cell = targets.numel()
+        first_dot = torch.full((bin_cell + 1, ), bin_cell, dtype=runs.run.dtype, device=targets.device).scatter_reduce_(
+            0, torch.where(dot, runs.run, bin_cell), runs.index, reduce="amin")[runs.run]
         cells = context.positions[context.of_call]
         index, length, first_dot = (tensor[cells].to(torch.float64) for tensor in (runs.index, runs.length, first_dot))
         has_dot = (first_dot > 0) & (first_dot < length)
         integer_places = torch.where(has_dot, first_dot - index, length - index)
         decimal = has_dot & (index > first_dot)
         return torch.where(decimal, self.place_base ** (first_dot - 1 - index), 2.0 * integer_places)
+
+    def terms_for_call(self, plan, numeric: NumericSlice) -> NumericTerms:
+        # O(P N), float64 (the numeric slice's dtype)
+        logits, q = numeric.logits, numeric.q
+        target = plan.numeric_targets[:, None]
+        picked = logits.gather(1, target)
+        entropy = torch.nn.functional.softplus(logits).scatter_add(1, target, -picked)  # e_j: BCE per digit token
+        expected = (q * entropy).sum(dim=-1, keepdim=True)  # E
+        factor = (self.scale / logits.shape[-1]) * self.place_weights(plan)[:, None]
+        value = (factor * expected).squeeze(1)
+        slope = torch.sigmoid(logits).scatter_add(1, target, torch.full_like(picked, -1.0))  # sigmoid(z_k) - [k = y]
+        grad = factor * q * (entropy - expected + slope)
+        return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={self.name: value}, grad_logits=grad)
 
     def numeric_value(self, plan, numeric: NumericSlice) -> torch.Tensor:
         logits = numeric.logits

@@ -37,7 +37,7 @@ import torch
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .parallel import sum_across
 from .refusal import Refusal, digits_vocabulary, literal
-from .sequence_shard import run_context
+from .sequence_shard import RunContext, run_context
 from .vocab import NumericVocab
 
 # ntloss computes the target numbers in float32 and takes float32's epsilon in the denominator.
@@ -59,10 +59,16 @@ class DigitSpans(NamedTuple):
 
 
 def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: int = -1,
-                dot_ids: Optional[torch.Tensor] = None, max_number_length: int = 20) -> DigitSpans:
+                dot_ids: Optional[torch.Tensor] = None, max_number_length: int = 20,
+                live: Optional[torch.Tensor] = None) -> DigitSpans:
     """The numbers formed by the digit positions ``positions`` (sorted flat indices into
     ``targets [...]``): runs along ``sequence_dim``; with ``dot_ids``, a dot target between two
-    digits joins their runs (float level)."""
+    digits joins their runs (float level).
+
+    ``live``: ``[P]`` bool on a fixed-capacity plan (``CallPlan.live``; the spare rows repeat position
+    0 after the live ones). Then nothing is read back to the host: the numbers are held at a capacity
+    of P + 1, the last a bin that takes the spare rows (``number`` P there) and is no number's (its
+    ``first`` and that of every unused slot is -1). Without it, S is the numbers' exact count."""
     device = positions.device
     shape = tuple(targets.shape) or (1, )
     flat_targets = targets.reshape(-1)
@@ -70,8 +76,7 @@ def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: in
     # the flat indices laid out as [rows, sequence]
     order = torch.arange(tokens, device=device).view(shape).movedim(sequence_dim, -1)
     order = order.reshape(-1, order.shape[-1]) if order.dim() else order.view(1, 1)
-    is_digit = torch.zeros(tokens, dtype=torch.bool, device=device)
-    is_digit[positions] = True
+    is_digit = RunContext(targets, positions, None, None, None, live).marked()
     digit = is_digit[order]
     previous = torch.zeros_like(digit)
     previous[:, 1:] = digit[:, :-1]
@@ -90,12 +95,22 @@ def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: in
     cells = cell_of[positions]
     number = (torch.cumsum(first_digit.to(torch.int64), 0) - 1)[cells]  # numbers counted in [rows, sequence] order
     count = torch.cumsum(digit.reshape(-1).to(torch.int64), 0)[cells]  # digits so far, 1-based
-    numbers = int(first_digit.sum())
-    digits_in = torch.zeros(numbers, dtype=torch.int64, device=device).index_add_(0, number, torch.ones_like(number))
+    if live is None:
+        numbers, digits = int(first_digit.sum()), torch.ones_like(number)
+    else:  # the spare rows go to the bin, slot P
+        numbers, digits = positions.numel() + 1, live.to(torch.int64)
+        number = torch.where(live, number, numbers - 1)
+    digits_in = torch.zeros(numbers, dtype=torch.int64, device=device).index_add_(0, number, digits)
     count_before = torch.zeros(numbers, dtype=torch.int64, device=device).scatter_reduce_(
         0, number, count - 1, reduce="amin", include_self=False)
     exponent = digits_in[number] - (count - count_before[number])
-    first = torch.searchsorted(positions, order.reshape(-1)[first_digit])
+    # each number's first digit: the position with no digit of its number before it (a bin past the
+    # slots takes every other row)
+    is_first = count - 1 == count_before[number]
+    if live is not None:
+        is_first = is_first & live
+    first = torch.full((numbers + 1, ), -1, dtype=torch.int64, device=device).index_put_(
+        (torch.where(is_first, number, numbers), ), torch.arange(positions.numel(), device=device))[:numbers]
     return DigitSpans(number=number, exponent=exponent.clamp(0, max_number_length - 1), first=first)
 
 
@@ -145,14 +160,16 @@ def runs_along(member: torch.Tensor, sequence_dim: int = -1) -> Runs:
     starts = (inside & ~previous).reshape(-1)
     run = (torch.cumsum(starts.to(torch.int64), 0) - 1).clamp(min=0)
     places = torch.arange(cells, device=device)
-    start_place = torch.zeros(int(starts.sum()), dtype=torch.int64, device=device)
-    start_place[run[starts]] = places[starts]
-    index = places - start_place[run] if start_place.numel() else torch.zeros_like(places)
+    # Sized by the cells (a bound on the runs), not by the runs' count: nothing here reads a value back
+    # to the host. Each run's first place; a cell that starts no run writes to a bin past the end.
+    start_place = torch.zeros(cells + 1, dtype=torch.int64, device=device).index_put_(
+        (torch.where(starts, run, cells), ), places)
+    index = places - start_place[run]
     inside = inside.reshape(-1)
-    length = torch.zeros_like(start_place).index_add_(0, run[inside], torch.ones_like(run[inside]))
+    length = torch.zeros(cells, dtype=torch.int64, device=device).index_add_(0, run, inside.to(torch.int64))
     flat = order.reshape(-1)
     found = [torch.empty_like(places) for _ in range(3)]
-    for tensor, value in zip(found, (run, index, length[run] if length.numel() else torch.zeros_like(places))):
+    for tensor, value in zip(found, (run, index, length[run])):
         tensor[flat] = value
     return Runs(*found)
 
@@ -166,7 +183,6 @@ class NumberLevelNTLoss(NumericLoss):
     0 for Megatron's ``[s, b]``).
     """
 
-    reads_runs = True  # a number spans its digit positions
     gradient = "hand-written"  # terms_for_call, over a call's numbers
     gradient_reference = "a float64 autograd reference and ntloss's NumberLevelLoss (tests/loss/test_ntl_number.py)"
 
@@ -218,6 +234,8 @@ class NumberLevelNTLoss(NumericLoss):
     def numbers(self, plan) -> CallNumbers:
         """The numbers of the call ``plan`` (``smmd_scale.call_plan.CallPlan``); the last call's are
         kept (weakly) for the next question about the same plan."""
+        if torch.compiler.is_compiling():  # no state kept from inside a graph (the ops ask once per call)
+            return self._numbers(plan)
         last = self._last_numbers
         if last is not None and last[0]() is plan:
             return last[1]
@@ -232,15 +250,16 @@ class NumberLevelNTLoss(NumericLoss):
         sequence_dim = self.sequence_dim if len(shape) else -1
         context = run_context(plan, sequence_dim)
         spans = digit_spans(context.targets, context.positions, sequence_dim,
-                            self._dots if self.float_level else None, self.max_number_length)
+                            self._dots if self.float_level else None, self.max_number_length, context.live)
         count = spans.first.numel()
         values = self.vocab.on(plan.positions.device, torch.float64)[1]
         target = torch.zeros(count, dtype=torch.float64, device=values.device).index_add_(
             0, spans.number, values[context.numeric_targets] * torch.pow(10.0, spans.exponent.to(torch.float64)))
         number, exponent = spans.number[context.of_call], spans.exponent[context.of_call]
+        # the call's row of each number's first digit (-1: not in this call); the others write to a bin
         is_first = spans.first[number] == context.of_call
-        first = torch.full((count, ), -1, dtype=torch.int64, device=number.device).index_put_(
-            (number[is_first], ), is_first.nonzero().squeeze(1))
+        first = torch.full((count + 1, ), -1, dtype=torch.int64, device=number.device).index_put_(
+            (torch.where(is_first, number, count), ), torch.arange(number.numel(), device=number.device))[:count]
         crossing = None
         if context.shard is not None:
             shard_of_digit = context.shard.shard_of_cells(context.positions)
@@ -266,13 +285,15 @@ class NumberLevelNTLoss(NumericLoss):
         numbers = self.numbers(plan)
         values = self.vocab.on(q.device, torch.float64)[1]
         scale = torch.pow(10.0, numbers.exponent.to(torch.float64))
-        here = numbers.first >= 0  # the numbers whose first digit (and value) is in this call
-        owners = numbers.first[here]
+        # Each number's first digit (and value) row in this call: indices over every number, not a
+        # selection of them (no host sync); a number whose first digit is elsewhere points at a bin row
+        # past the call's P (its mass there is 0, and what it writes there is dropped).
+        rows = q.shape[0]
+        owners = torch.where(numbers.first >= 0, numbers.first, rows)
         expected = torch.zeros_like(numbers.target).index_add_(0, numbers.number, (q @ values) * scale)
         first_mass = None
         if self.reweigh:
-            first_mass = torch.zeros_like(expected)
-            first_mass[here] = mass[owners]
+            first_mass = torch.cat([mass, mass.new_zeros(1)])[owners]
         comm_calls = comm_bytes = 0
         crossing = None if numbers.crossing is None else numbers.crossing.nonzero().squeeze(1)
         if crossing is not None and crossing.numel():  # the same numbers on every rank of the group
@@ -289,8 +310,8 @@ class NumberLevelNTLoss(NumericLoss):
         grad_mass = None
         if first_mass is not None:
             row_factor = row_factor * first_mass[numbers.number]
-            grad_mass = torch.zeros_like(mass).index_put_((owners, ), (loss - REWEIGH_MARGIN)[here])
+            grad_mass = mass.new_zeros(rows + 1).index_put_((owners, ), loss - REWEIGH_MARGIN)[:rows]
             loss = loss * first_mass + REWEIGH_MARGIN * (1.0 - first_mass)
-        value = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device).index_put_((owners, ), loss[here])
+        value = torch.zeros(rows + 1, dtype=torch.float64, device=q.device).index_put_((owners, ), loss)[:rows]
         return NumericTerms(value=value, grad_q=row_factor[:, None] * values[None, :], grad_mass=grad_mass,
                             parts={self.name: value}, comm_calls=comm_calls, comm_bytes=comm_bytes)

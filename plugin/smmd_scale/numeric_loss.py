@@ -81,9 +81,6 @@ class NumericLoss:
 
     #: True when :meth:`numeric_terms` needs the full softmax's mass on the numeric tokens.
     needs_mass = False
-    #: True when the loss at a position reads the other positions' targets (digit runs, numbers):
-    #: such a loss gets the call's exact numeric positions, never a fixed capacity of them.
-    reads_runs = False
 
     def __init__(self, vocab: NumericVocab, ignore_index: int = IGNORE_INDEX):
         if not isinstance(vocab, NumericVocab):
@@ -248,10 +245,6 @@ class WeightedNumericLosses(NumericLoss):
     @property
     def needs_mass(self) -> bool:
         return any(term.needs_mass for term, _ in self.terms)
-
-    @property
-    def reads_runs(self) -> bool:
-        return any(term.reads_runs for term, _ in self.terms)
 
     @property
     def stat_names(self) -> tuple:

@@ -122,6 +122,8 @@ class RunContext(NamedTuple):
     numeric_targets: ``[P']`` each one's index in the numeric vocabulary
     of_call:   ``[P]`` for each of the call's P numeric positions, its index into ``positions``
     shard:     the call's :class:`SequenceShard`, or None (the call holds whole sequences)
+    live:      ``[P']`` bool on a fixed-capacity plan (``CallPlan.live``: its spare rows repeat
+               position 0), else None
     """
 
     targets: torch.Tensor
@@ -129,6 +131,19 @@ class RunContext(NamedTuple):
     numeric_targets: torch.Tensor
     of_call: torch.Tensor
     shard: Optional[SequenceShard]
+    live: Optional[torch.Tensor] = None
+
+    def marked(self) -> torch.Tensor:
+        """bool ``[cells]`` of the targets: True at the numeric positions. A spare row marks nothing:
+        it writes to a bin cell past the end (an index, not a mask: no host sync)."""
+        cells = self.targets.numel()
+        if self.live is None:
+            marked = torch.zeros(cells, dtype=torch.bool, device=self.positions.device)
+            marked[self.positions] = True
+            return marked
+        marked = torch.zeros(cells + 1, dtype=torch.bool, device=self.positions.device)
+        marked[torch.where(self.live, self.positions, cells)] = True
+        return marked[:cells]
 
 
 def numeric_positions(targets: torch.Tensor, token_ids: torch.Tensor, ignore_index: int) -> tuple:
@@ -146,7 +161,7 @@ def run_context(plan, sequence_dim: int) -> RunContext:
     shard = plan.sequence_shard
     if shard is None:
         return RunContext(plan.targets.view(plan.spec.shape[:-1]), plan.positions, plan.numeric_targets,
-                          torch.arange(plan.positions.numel(), device=plan.positions.device), None)
+                          torch.arange(plan.positions.numel(), device=plan.positions.device), None, plan.live)
     dims = shard.targets.dim()
     if not -dims <= sequence_dim < dims or sequence_dim % dims != shard.dim % dims:
         raise ValueError(f"{type(plan.loss).__name__} finds numbers along sequence_dim={sequence_dim}, but the "

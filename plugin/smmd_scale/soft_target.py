@@ -130,17 +130,11 @@ class DIST2Loss(SoftTargetLoss):
     def options(self) -> tuple:
         return self.tau, self.place_weighted, self.sequence_dim
 
-    @property
-    def reads_runs(self) -> bool:
-        return self.place_weighted  # a position's place in its run of numeric targets
-
     def position_weights(self, plan) -> Optional[torch.Tensor]:
         if not self.place_weighted:
             return None
         context = run_context(plan, self.sequence_dim)
-        member = torch.zeros(context.targets.numel(), dtype=torch.bool, device=context.targets.device)
-        member[context.positions] = True
-        runs = runs_along(member.view(context.targets.shape), self.sequence_dim)
+        runs = runs_along(context.marked().view(context.targets.shape), self.sequence_dim)
         return (runs.length - runs.index)[context.positions[context.of_call]].to(torch.float64)
 
 

@@ -9,7 +9,10 @@ import torch
 
 from smmd_scale import NumericVocab, linear_numeric_cross_entropy, numeric_cross_entropy
 from smmd_scale.block_plan import DeviceProperties, plan_as
+from smmd_scale.digit_entropy import DigitEntropyLoss
+from smmd_scale.number_level import NumberLevelNTLoss
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
+from smmd_scale.soft_target import DIST2Loss
 
 H200 = DeviceProperties("cuda", free_bytes=139 << 30)
 CPU = DeviceProperties("cpu")
@@ -127,6 +130,31 @@ def test_the_padded_rows_never_reach_position_zero(generator):
         targets.view(-1)[0] = first
         accelerator = run(H200, "materialized", loss, [logits], targets, {}, reduction="none")
         check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}, reduction="none"))
+
+
+def test_digit_runs_at_a_fixed_capacity(generator):
+    """The losses that join digits into numbers find their runs at the fixed capacity (spare rows in a
+    bin, numbers at P + 1 slots): the same numbers, values and gradients as from the exact positions,
+    with dots inside and between runs, runs across the sequence dim of Megatron's ``[s, b]``, and position
+    0 a digit, a plain token, an ignored one or a dot."""
+    vocab, _ = problem(generator)
+    dot = 5
+    losses = [NumberLevelNTLoss(vocab, float_level=True, dot_token_ids=[dot]), NumberLevelNTLoss(vocab, reweigh=False),
+              DigitEntropyLoss(vocab, dot_token_ids=[dot]), DIST2Loss(vocab, place_weighted=True),
+              NumberLevelNTLoss(vocab, float_level=True, dot_token_ids=[dot], sequence_dim=0),
+              DigitEntropyLoss(vocab, dot_token_ids=[dot], sequence_dim=0)]
+    for first in (13, 50, -100, dot):
+        _, targets = problem(generator)
+        flat = targets.view(-1)
+        flat[3::7] = dot  # dots between digits (some), after one, before one
+        flat[0] = first
+        logits = torch.randn(2, TOKENS // 2, VOCAB, generator=generator, dtype=torch.float64) * 3
+        for loss in losses:
+            shaped = targets.T.contiguous() if loss.sequence_dim == 0 else targets
+            inputs = [logits.transpose(0, 1).contiguous() if loss.sequence_dim == 0 else logits]
+            for reduction in ("none", "mean"):
+                check_same(run(H200, "materialized", loss, inputs, shaped, {}, reduction),
+                           run(CPU, "materialized", loss, inputs, shaped, {}, reduction))
 
 
 # ------------------------------------------------------------------------------------------------

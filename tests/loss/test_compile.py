@@ -1,8 +1,9 @@
 """The loss compiles: ``torch.compile(fullgraph=True)`` of a function that calls either op traces into
 one graph (no host read breaks it: the checks that need a value become device-side asserts inside a
 compiled graph, and the numeric positions are held at a fixed capacity), gives what eager gives, and
-is not compiled again when only the number of numeric positions changes. The HF-installed loss under
-``torch.compile(model)`` adds no graph break of ours.
+is not compiled again when only the number of numeric positions changes: per-position losses and the
+digit-run ones (DEL, number-level NTL: their runs found at the capacity, their gradients
+hand-written). The HF-installed loss under ``torch.compile(model)`` adds no graph break of ours.
 
 Dynamo's own tracing (backend ``eager``) is quick and runs in the fast loop; inductor's code
 generation (tens of CPU-seconds per graph on this machine) runs with the slow tests.
@@ -69,7 +70,7 @@ def check_against_eager(compiled, eager, inputs, targets, **tolerance) -> None:
 
 
 @pytest.mark.parametrize("kind", ["materialized", "fused"])
-@pytest.mark.parametrize("loss_name", ["smmd", "ntl-was", "dist2"])
+@pytest.mark.parametrize("loss_name", ["smmd", "ntl-was", "dist2", "del", "ntl-number"])
 def test_one_graph_and_no_recompile_when_the_numbers_change(generator, kind, loss_name):
     loss = build_numeric_loss(vocab(), [(loss_name, 1.0)])
     eager = materialized(loss) if kind == "materialized" else fused(loss)

@@ -58,7 +58,8 @@ HAND_WRITTEN_WITH_OWN_REFERENCE = [name for name in NUMERIC_LOSSES
 VARIANTS = {"smmd": [{}, {"group": "smmd", "mode": "mmd"}, {"group": "smmd", "mode": "smooth"},
                      {"group": "smmd", "kernel": "laplace"}],
             "ntl-was": [{}, {"group": "ntl", "reweigh": False}, {"group": "ntl", "squash_factor": 9.0}],
-            "ntl-mse": [{}, {"group": "ntl", "reweigh": False}]}
+            "ntl-mse": [{}, {"group": "ntl", "reweigh": False}],
+            "del": [{}, {"group": "del", "place_base": 1.5, "scale": 0.3}]}
 
 
 @pytest.mark.parametrize("name", HAND_WRITTEN_WITH_OWN_REFERENCE)

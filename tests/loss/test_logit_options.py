@@ -174,16 +174,17 @@ def test_the_fused_head_s_capped_sigmoid_gives_tanh_and_its_derivative_to_a_few_
 
 @pytest.mark.parametrize("fused", [False, True], ids=["materialized", "fused"])
 def test_softcap_gradient_deep_in_saturation_equals_the_float64_reference(generator, fused):
-    """Logits up to ~40x the cap, where tanh is 1 to the last bit for most of them and its derivative
+    """Logits up to 48x the cap, where tanh is 1 to the last bit for the largest and its derivative
     1 - tanh^2 is read back from it: loss and gradients still the float64 reference's to 1e-10."""
     vocab, hidden, head, bias, targets = problem(generator, with_bias=True)
-    hidden = hidden * 30
+    # scaled so that the largest logit is 48x the cap whatever the draw (a fixed x30 left it at 15-40x on
+    # some seeds): tanh(x / 2.5) is 1 in float64 from x ~ 47, so the rows' largest logits are saturated
+    hidden = hidden * (48 * 2.5 / (hidden @ head.T).abs().max())
     numeric_loss, numeric_reference = numeric_loss_and_reference(vocab, "ntl")
     options = dict(logit_softcap=2.5, z_loss=1e-2)
     out, grads, upstream = run_op(fused, hidden, head, bias, targets, numeric_loss, 0.7, **options)
     expected, expected_grads = reference(hidden, head, bias, targets, numeric_reference, vocab.token_ids, 0.7,
                                          upstream, **options)
-    assert (hidden @ head.T).abs().max() > 40 * 2.5
     assert_matches(out, grads, expected, expected_grads, "saturated")
 
 
