@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
 
 from benchmarks.common import median_and_spread, results_dir_option, write_results
-from smmd_train.launcher import free_port
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.distributed.launcher import free_port
 
 # collective -> (position, keyword) of the tensor this rank hands in
 COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
@@ -83,7 +83,7 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
     import deepspeed.comm
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
-    from smmd_train.distributed import release_cpu_allreduce_segment
+    from smmd_train.distributed.groups import release_cpu_allreduce_segment
     deepspeed.comm.init_distributed("gloo", verbose=False)
     release_cpu_allreduce_segment()
     rows = _measure(rank, world_size, configs, repeats, vocab_parallel_cross_entropy)
@@ -92,7 +92,7 @@ def _worker(rank, world_size, port, configs, repeats, out_dir):
     dist.barrier()
     # Leave without interpreter finalization: here a process group stays referenced from outside
     # Python's reach after shutdown_distributed() (it warns), and a gloo thread that runs into
-    # finalization can abort the process (smmd_train.distributed.shutdown_distributed explains why),
+    # finalization can abort the process (smmd_train.distributed.groups.shutdown_distributed explains why),
     # which would make mp.spawn discard the written results.
     os._exit(0)
 

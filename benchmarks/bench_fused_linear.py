@@ -48,10 +48,11 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
+from smmd_cli.options import option, parse_options  # noqa: E402
+from smmd_cli.tables import markdown_table  # noqa: E402
+
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
 from benchmarks.common import machine, results_dir_option, write_results  # noqa: E402
-from smmd_train.options import option, parse_options  # noqa: E402
-from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("torch_ce", "torch_linear_ce", "ours_materialized", "ours_fused_w0", "ours_fused", "ours_fused_zcap",

@@ -18,12 +18,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
+
 from benchmarks.common import REPO, write_results
-from smmd_train.arguments import train_flags
-from smmd_train.launcher import launch_command
-from smmd_train.metrics_file import read_metrics
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.config.arguments import train_flags
+from smmd_train.distributed.launcher import launch_command
+from smmd_train.monitor.metrics_file import read_metrics
 
 STEPS, SEQ_LEN, GLOBAL_BATCH = 4, 32, 4
 LAYOUTS = {  # name: (processes, micro-batch, accumulation, extra train.py options)

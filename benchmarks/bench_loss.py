@@ -60,12 +60,13 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
+from smmd_cli.options import option, parse_options  # noqa: E402
+from smmd_cli.tables import markdown_table  # noqa: E402
+
 import smmd_scale  # noqa: E402  (after DS_ACCELERATOR is set)
 from benchmarks.common import REPO, machine, median_and_spread, results_dir_option, write_results  # noqa: E402
 from benchmarks.contenders.ntloss_package import Unavailable, build_ntloss  # noqa: E402
 from benchmarks.contenders.paper_way import PaperWaySMMD  # noqa: E402
-from smmd_train.options import option, parse_options  # noqa: E402
-from smmd_train.tables import markdown_table  # noqa: E402
 
 CONTENDERS = ("torch_ce", "deepspeed_ce", "paper_way", "ntloss", "ours_ce", "ntl_was", "ntl_mse", "dist2", "gauss_ls",
               "del", "ours")

@@ -34,11 +34,12 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from smmd_cli.options import option, parse_options  # noqa: E402
+from smmd_cli.tables import markdown_table  # noqa: E402
+
 from benchmarks.common import median_and_spread, write_results  # noqa: E402
 from benchmarks.contenders.standalone_before import numeric_loss_mean  # noqa: E402
 from smmd_scale import NTLoss, NumberLevelNTLoss, NumericVocab  # noqa: E402
-from smmd_train.options import option, parse_options  # noqa: E402
-from smmd_train.tables import markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("was", "mse", "number")

@@ -21,16 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
+
 from benchmarks.bench_train import prepare_data
 from benchmarks.common import (
     REPO,  # noqa: E402
     results_dir_option,
     write_results,
 )
-from smmd_train.arguments import train_command
-from smmd_train.metrics_file import read_metrics
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.config.arguments import train_command
+from smmd_train.monitor.metrics_file import read_metrics
 
 COLUMNS = (("sp", "SP", ""), ("seq_len", "tokens / sequence", ""), ("peak_gib_per_rank", "peak GiB / rank", ".3f"),
            ("fixed_gib_per_rank", "fixed GiB / rank", ".3f"), ("above_fixed_gib", "above fixed GiB", ".3f"),

@@ -33,16 +33,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
+
 from benchmarks.common import (
     REPO,  # noqa: E402
     results_dir_option,
     write_results,
 )
-from smmd_train.arguments import train_command
-from smmd_train.dashboards import write_experiment
-from smmd_train.metrics_file import read_metrics
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.config.arguments import train_command
+from smmd_train.monitor.dashboards import write_experiment
+from smmd_train.monitor.metrics_file import read_metrics
 
 WARMUP_STEPS = 3
 LOSSES = {"ce": dict(framework_loss=True), "ce+smmd": dict(numeric_loss=["smmd:1"]),
@@ -93,7 +94,7 @@ def model_with_vocabulary(args: TrainOptions, work: Path, tokenizer_dir: Path) -
         return args.model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_train.presets import preset_config
+    from smmd_train.model.presets import preset_config
 
     directory = work / f"{args.model}_vocab{args.vocab_size}"
     if not (directory / "config.json").is_file():

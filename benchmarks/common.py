@@ -1,5 +1,5 @@
 """Shared pieces of the benchmark scripts: the machine description and JSON results (their tables:
-``smmd_train.tables.markdown_table``)."""
+``smmd_cli.tables.markdown_table``)."""
 
 import datetime
 import json
@@ -9,8 +9,7 @@ import statistics
 from pathlib import Path
 
 import torch
-
-from smmd_train.options import option
+from smmd_cli.options import option
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from (its launch/, ds_configs/)
 RESULTS = REPO / "benchmarks" / "results"

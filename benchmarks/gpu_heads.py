@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
 
 from benchmarks import bench_fused_linear as bench
 from benchmarks.common import write_results
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
 
 
 @contextlib.contextmanager

@@ -33,10 +33,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
 
 from benchmarks.common import write_results
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
 
 FP32_CE, FP32_GRAD = 4e-6, 6e-7
 
@@ -134,7 +134,7 @@ def accuracy(device: torch.device, seed: int) -> list:
 def large_step(device: torch.device, tokens: int, vocab_size: int, seed: int) -> list:
     """One bf16 forward + backward of CE + SMMD at [tokens, vocab]: time, peak memory, host syncs."""
     import smmd_scale
-    from smmd_train.memory import logits_and_loss_bytes
+    from smmd_train.tools.memory import logits_and_loss_bytes
 
     generator = torch.Generator().manual_seed(seed)
     vocab = smmd_scale.NumericVocab(list(range(1000)), list(range(1000)), vocab_size)
@@ -229,10 +229,10 @@ def training(device: torch.device, work: Path, quick: bool) -> list:
     fused head, the export and its evaluation."""
     from benchmarks.common import REPO
     from smmd_numeracy.tokenizer import train_numeric_tokenizer
-    from smmd_train.arguments import TRAIN_SCRIPT, train_flags
-    from smmd_train.checkpoint import tag_for_step
-    from smmd_train.launcher import launch_command
-    from smmd_train.metrics_file import read_metrics
+    from smmd_train.checkpoint.saving import tag_for_step
+    from smmd_train.config.arguments import TRAIN_SCRIPT, train_flags
+    from smmd_train.distributed.launcher import launch_command
+    from smmd_train.monitor.metrics_file import read_metrics
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -28,12 +28,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
 
+from smmd_cli.options import option, parse_options  # noqa: E402
+from smmd_cli.tables import markdown_table  # noqa: E402
+
 from benchmarks import bench_fused_linear as bench  # noqa: E402
 from benchmarks.common import results_dir_option, write_results  # noqa: E402
 from smmd_scale.block_plan import DeviceProperties, fused_head_plan, plan_as  # noqa: E402
 from smmd_scale.op_count import count_ops  # noqa: E402
-from smmd_train.options import option, parse_options  # noqa: E402
-from smmd_train.tables import markdown_table  # noqa: E402
 
 CONTENDERS = ("torch_ce", "torch_linear_ce", "deepspeed_fused", "ours_materialized", "ours_fused", "ours_fused_zcap")
 SHAPES = {"gpu": [bench.Shape(4096, 1024, 32_000, "bf16"), bench.Shape(16_384, 4096, 128_256, "bf16")],

@@ -43,7 +43,7 @@ split would count that as model states.
                 :meth:`LaunchMemory.split`) minus model states and runtime: gathered parameters,
                 activations, logits and loss, gradients in flight, the optimizer step's temporaries.
 
-The planner's terms for the same settings (``smmd_train.memory``: ``nodes 1``, ``gpus_per_node 2``, the
+The planner's terms for the same settings (``smmd_train.tools.memory``: ``nodes 1``, ``gpus_per_node 2``, the
 run's ``--tp``, ``--seq_len``, micro-batch 1, ``fused_linear``) in fp32, the run's precision: model states
 without the gathered largest layer (``model_states_bytes``' ``partitioned_bytes``) against the first;
 the gathered largest layer, ``activation_bytes``, ``logits_and_loss_bytes`` and the optimizer step's
@@ -69,16 +69,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
+
 from benchmarks.common import (
     REPO,  # noqa: E402
     results_dir_option,
     write_results,
 )
 from benchmarks.numeracy.runner import child_environment, run_watched
-from smmd_train.arguments import train_command
-from smmd_train.metrics_file import read_metrics
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.config.arguments import train_command
+from smmd_train.monitor.metrics_file import read_metrics
 
 GIB = 2**30
 PROCESSES = 2  # ranks of every launch: TP 2 x DP 1, then TP 1 x DP 2
@@ -143,7 +144,7 @@ def prepare_data(work: Path) -> dict:
 
 def model_config(args: RealWidthOptions, tokenizer):
     """The 7B preset's Llama with this run's width, heads, MLP, layers and vocabulary."""
-    from smmd_train.presets import preset_config
+    from smmd_train.model.presets import preset_config
 
     config = preset_config("7b", args.vocab_size, max_position_embeddings=max(args.seq_len, 128),
                            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -316,7 +317,7 @@ def planned_terms(config, tp_size: int, seq_len: int, precision: str, processes:
     """The memory planner's per-rank terms for one launch of this benchmark: ``model_states_bytes`` (the
     ZeRO-3 partitions), ``step_bytes`` (the gathered largest layer, activations, logits and loss, the
     optimizer step's temporaries) and their parts, in ``precision``."""
-    from smmd_train import memory
+    from smmd_train.tools import memory
 
     states = memory.model_states_bytes(config, 1, processes, tp_size, precision=precision)
     activations = memory.activation_bytes(config, seq_len, 1, tp_size, precision=precision)
@@ -410,7 +411,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from smmd_train.presets import parameter_count
+    from smmd_train.model.presets import parameter_count
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -441,7 +442,7 @@ def main(argv=None) -> None:
     stages = {"train": {"wall_seconds": time.monotonic() - began}}
     # 2. The universal checkpoint, beforehand in one process; 3. resumed at TP 1 on the same ranks (or on one:
     # --resume_processes 1): the same 2 sequences per step (micro-batch 1 x DP 2, or x 2 accumulated).
-    stages["convert"] = run_single([sys.executable, "-m", "smmd_train.checkpoint", "convert", output_dir],
+    stages["convert"] = run_single([sys.executable, "-m", "smmd_train.checkpoint.saving", "convert", output_dir],
                                    output_dir / "convert.log", env)
     resumed_began = time.monotonic()
     resumed = launch(train_command(processes=args.resume_processes, tp=RESUME_TP,

@@ -19,8 +19,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from smmd_train.launcher import free_port
-from smmd_train.options import option, parse_options
+from smmd_cli.options import option, parse_options
+
+from smmd_train.distributed.launcher import free_port
 
 # URL (after the server's address) of each dashboard; Time Series draws with WebGL unless forceSVG.
 DASHBOARDS = {

@@ -1,6 +1,6 @@
 # Sourced by pretrain.sh and continue_pretrain.sh once they have set their defaults: runs
 # launch/train.py under the deepspeed launcher with the flags both share, then the caller's own
-# flags (the arguments given to `.`), then the user's. The command comes from smmd_train.launcher,
+# flags (the arguments given to `.`), then the user's. The command comes from smmd_train.distributed.launcher,
 # the builder the Python tools use too. Variables, each overridable from the environment:
 #   NUM_NODES (1); HOSTFILE (default: hostfile beside this script, read when NUM_NODES > 1); GPUS_PER_NODE (default:
 #   DeepSpeed counts each node's devices); MASTER_ADDR, MASTER_PORT (default: 127.0.0.1 and a free
@@ -35,7 +35,7 @@ done
 if [ ${#dry_run[@]} -gt 0 ]; then
   launcher=("${PYTHON:-python}")
 else
-  launcher=("${PYTHON:-python}" -m smmd_train.launcher --nodes "$NUM_NODES")
+  launcher=("${PYTHON:-python}" -m smmd_train.distributed.launcher --nodes "$NUM_NODES")
   if [ "$NUM_NODES" -gt 1 ]; then
     if [ ! -f "$HOSTFILE" ]; then
       echo "NUM_NODES=$NUM_NODES needs a hostfile: HOSTFILE=$HOSTFILE does not exist (copy $LAUNCH_DIR/hostfile.example)" >&2

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from smmd_train.options import option, parse_options
+from smmd_cli.options import option, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
@@ -130,8 +130,8 @@ def start_train(args, settings: dict, name: str, output_dir: Path, loss_flags: d
     """Start one train.py run, its output in its log file: one plain process (``processes`` 1, as
     the study runs), else ``processes`` ranks under the deepspeed launcher; ``layout``: more train.py
     options (``tp``, ``save_steps``, ``resume``)."""
-    from smmd_train.arguments import train_command
-    from smmd_train.metrics_file import METRICS_FILE
+    from smmd_train.config.arguments import train_command
+    from smmd_train.monitor.metrics_file import METRICS_FILE
 
     command = train_command(processes=processes, launcher="python" if processes == 1 else "deepspeed",
                             master_port=None if processes == 1 else master_port,
@@ -206,7 +206,7 @@ def _advance(metrics_path: Path, bar, seen: dict) -> None:
 
 
 def training_summary(output_dir: Path) -> dict:
-    from smmd_train.metrics_file import read_metrics
+    from smmd_train.monitor.metrics_file import read_metrics
 
     records = read_metrics(output_dir)
     steps = [r for r in records if "loss/total" in r]
@@ -217,7 +217,7 @@ def training_summary(output_dir: Path) -> dict:
 
 
 def step_losses(output_dir: Path) -> dict:
-    from smmd_train.metrics_file import read_metrics
+    from smmd_train.monitor.metrics_file import read_metrics
 
     return {record["step"]: record["loss/total"] for record in read_metrics(output_dir) if "loss/total" in record}
 
@@ -311,13 +311,13 @@ def main(argv=None) -> None:
         refuse(f"--arm {args.arm}: {error}; run the study first (python -m benchmarks.numeracy.run_study --tier a)")
 
     import torch
+    from smmd_cli.tables import markdown_table
     from transformers import AutoTokenizer
 
     from smmd_numeracy import train_numeric_tokenizer
-    from smmd_train.checkpoint import tag_for_step
-    from smmd_train.dashboards import write_experiment
-    from smmd_train.launcher import free_port
-    from smmd_train.tables import markdown_table
+    from smmd_train.checkpoint.saving import tag_for_step
+    from smmd_train.distributed.launcher import free_port
+    from smmd_train.monitor.dashboards import write_experiment
 
     torch.set_num_threads(args.threads)  # the evaluation below, like the training processes
     work = Path(args.work_dir)

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 for argument in "$@"; do
   # demo.py parses its arguments before importing anything but the standard library and
-  # smmd_train.options (which imports nothing else), so any python 3 prints the help.
+  # smmd_cli.options (which imports nothing else), so any python 3 prints the help.
   if [ "$argument" = "--help" ] || [ "$argument" = "-h" ]; then
     PYTHONPATH=plugin exec python3 launch/demo.py --help
   fi

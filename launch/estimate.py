@@ -7,10 +7,10 @@ booking a cluster.
     python launch/estimate.py --model /models/llama-3-8b --nodes 1 --gpus_per_node 8   # an HF folder or config.json
     python launch/estimate.py --all --nodes 1 --gpus_per_node 8 [...]   # markdown table, 1b..70b
 
-What is counted, and what is not: ``smmd_train/memory.py``.
+What is counted, and what is not: ``smmd_train/tools/memory.py``.
 """
 
-from smmd_train.memory import main
+from smmd_train.tools.memory import main
 
 if __name__ == "__main__":
     main()

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from smmd_train.options import option, parse_options
+from smmd_cli.options import option, parse_options
 
 
 def _locate(checkpoint: str) -> tuple:
     """(run output dir, tag) from OUTPUT_DIR or OUTPUT_DIR/TAG."""
-    from smmd_train.commits import find_resume_tag, is_committed
+    from smmd_train.checkpoint.commits import find_resume_tag, is_committed
 
     path = Path(checkpoint)
     if (path / "run_config.json").is_file():
@@ -46,7 +45,7 @@ def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_train.model import config_from_dict
+    from smmd_train.model.build import config_from_dict
 
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag)
     config = config_from_dict(run["model_config"])
@@ -63,9 +62,9 @@ def export_offline(run_dir: Path, tag: str, run: dict, target: str) -> None:
 def export_distributed(run_dir: Path, tag: str, run: dict, target: str) -> None:
     from transformers import AutoTokenizer
 
-    from smmd_train.distributed import init_distributed
-    from smmd_train.export import checkpoint_layout, export_hf, layout_config
-    from smmd_train.model import config_from_dict
+    from smmd_train.checkpoint.export import checkpoint_layout, export_hf, layout_config
+    from smmd_train.distributed.groups import init_distributed
+    from smmd_train.model.build import config_from_dict
     from smmd_train.run import build_engine
 
     world_size, tp_size = checkpoint_layout(run_dir, tag, run)
@@ -97,7 +96,7 @@ def main(argv=None) -> None:
     options, _ = parse_options(ExportOptions, argv, description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    from smmd_train.export import checkpoint_layout
+    from smmd_train.checkpoint.export import checkpoint_layout
 
     run_dir, tag = _locate(options.checkpoint)
     run = json.loads((run_dir / "run_config.json").read_text())
@@ -109,24 +108,24 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from smmd_train.distributed import load_backends, shutdown_distributed
-    from smmd_train.process_start import keep_imports, pause_collections
+    from smmd_train.distributed.groups import load_backends, shutdown_distributed
+    from smmd_train.distributed.process_start import keep_imports, pause_collections
 
     # The collector off while the export imports what it runs on, then that frozen, at the top level
-    # rather than in a function whose frame holds the engine (smmd_train.process_start).
+    # rather than in a function whose frame holds the engine (smmd_train.distributed.process_start).
     pause_collections()
     import deepspeed.utils.zero_to_fp32  # noqa: F401
     import transformers  # noqa: F401
 
-    import smmd_train.export  # noqa: F401
+    import smmd_train.checkpoint.export  # noqa: F401
     import smmd_train.run  # noqa: F401
 
     load_backends()
     keep_imports()
-    from smmd_train.process_end import skip_final_collections
+    from smmd_train.distributed.process_end import skip_final_collections
 
     try:
         sys.exit(main())
     finally:
         shutdown_distributed()  # ordered, on every exit path (see there)
-        skip_final_collections()  # then no collection at exit (smmd_train.process_end)
+        skip_final_collections()  # then no collection at exit (smmd_train.distributed.process_end)

@@ -5,12 +5,12 @@ TensorBoard and a table.
     python launch/scaling.py --world_sizes 1,2,4 --tp 1,2 --max_steps 20 --output_dir sweeps/tiny \
         --deepspeed_config ds_configs/zero3.json --model tiny --tokenizer tok --data train.jsonl
 
-Strong (fixed global batch) or weak (``--weak``: fixed batch per replica) scaling: ``smmd_train/scaling.py``.
+Strong (fixed global batch) or weak (``--weak``: fixed batch per replica) scaling: ``smmd_train/tools/scaling.py``.
 """
 
 import sys
 
-from smmd_train.scaling import main
+from smmd_train.tools.scaling import main
 
 if __name__ == "__main__":
     sys.exit(main())

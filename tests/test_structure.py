@@ -17,9 +17,10 @@ INVENTORIES = {"smmd_scale.compat", "smmd_train.compat", "smmd_numeracy.compat"}
 # Underscored names the standard library documents as public.
 PUBLIC_UNDERSCORED = {"os._exit"}
 # The modules of plugin/, launch/ and benchmarks/ that may turn a command line into argparse's namespace: train.py's
-# configuration, the small tools' option dataclasses (smmd_train.options), and the inventory, which builds
+# configuration, the small tools' option dataclasses (smmd_cli.options), and the inventory, which builds
 # the namespace DeepSpeed's ds_to_universal entry point takes. Every other module reads typed fields.
-NAMESPACE_MODULES = {"smmd_train.arguments", "smmd_train.run_config", "smmd_train.options", "smmd_train.compat"}
+NAMESPACE_MODULES = {"smmd_train.config.arguments", "smmd_train.config.run_config", "smmd_cli.options",
+                     "smmd_train.compat"}
 PARSE_METHODS = {"parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args"}
 
 
@@ -34,7 +35,7 @@ def modules_under(root, folders) -> dict:
     return found
 
 
-MODULES = {**modules_under(PLUGIN, ["smmd_scale", "smmd_train", "smmd_numeracy"]),
+MODULES = {**modules_under(PLUGIN, ["smmd_scale", "smmd_train", "smmd_numeracy", "smmd_cli"]),
            **modules_under(REPO, ["launch", "benchmarks"])}
 
 
@@ -109,7 +110,7 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def private_upstream_uses(path, project_packages=("smmd_scale", "smmd_train", "smmd_numeracy", "benchmarks",
+def private_upstream_uses(path, project_packages=("smmd_scale", "smmd_train", "smmd_numeracy", "smmd_cli", "benchmarks",
                                                    "launch")) -> list:
     """``["file:line: what"]`` for every private upstream API the file reaches for outside an inventory:
 
@@ -312,7 +313,7 @@ def test_planted_private_upstream_accesses_are_found(tmp_path):
         "getattr(dataset, '_fingerprint', None)", "layer._all_to_all_groups",
         "model.config._attn_implementation"]), found
     # A real module with one of the accesses its inventory wraps put back is refused.
-    data = (PLUGIN / "smmd_train" / "data.py").read_text()
+    data = (PLUGIN / "smmd_train" / "data" / "packing.py").read_text()
     assert "compat.dataset_fingerprint(dataset)" in data
     (tmp_path / "data.py").write_text(data.replace("compat.dataset_fingerprint(dataset)", "dataset._fingerprint", 1))
     found = [use.split(":", 2)[2].strip() for use in private_upstream_uses(tmp_path / "data.py")]
@@ -326,7 +327,7 @@ def test_planted_namespace_reads_are_found(tmp_path):
         from argparse import Namespace
         from types import SimpleNamespace
 
-        from smmd_train.options import parse_options
+        from smmd_cli.options import parse_options
 
 
         def main(argv, parser, Options):
@@ -340,8 +341,8 @@ def test_planted_namespace_reads_are_found(tmp_path):
     assert found == sorted(["from argparse import Namespace", "parser.parse_args(...)", "parser.parse_known_args(...)",
                             "argparse.Namespace"]), found
     # A real tool with a parser of its own put back is refused.
-    tool = (PLUGIN / "smmd_train" / "gguf_convert.py").read_text()
-    assert not namespace_uses(PLUGIN / "smmd_train" / "gguf_convert.py")
+    tool = (PLUGIN / "smmd_train" / "tools" / "gguf_convert.py").read_text()
+    assert not namespace_uses(PLUGIN / "smmd_train" / "tools" / "gguf_convert.py")
     (tmp_path / "gguf_convert.py").write_text(tool + "\n\nARGS = argparse.ArgumentParser().parse_args()\n")
     found = [use.split(":", 2)[2].strip() for use in namespace_uses(tmp_path / "gguf_convert.py")]
     assert found == ["argparse.ArgumentParser().parse_args(...)"]
@@ -375,3 +376,69 @@ def test_the_ignore_index_is_written_once():
              if (lines := ignore_index_literals(path.read_text()))}
     assert list(found) == ["smmd_scale/numeric_loss.py"] and len(found["smmd_scale/numeric_loss.py"]) == 1, found
     assert ignore_index_literals("x = f(y, -100)  # -100\ns = '-100'\n") == [1]  # the finder finds, and only code
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's rooms and floors
+# ----------------------------------------------------------------------------------------------
+
+# The trainer's rooms (a folder each) and top-level modules, by floor, lowest first. A module imports
+# its own room and the rooms of lower floors, never a room on its floor or above: the floors run one way.
+TRAINER_FLOORS = [("compat", "moved"), ("model", "monitor"), ("distributed", ), ("config", "data"), ("components", ),
+                  ("checkpoint", ), ("plan", ), ("run", ), ("tools", ), ("train", "commands")]
+TRAINER_ROOMS = ("config", "data", "distributed", "model", "checkpoint", "monitor", "components", "tools")
+
+
+def room_of(module: str, package: str = "smmd_train") -> str:
+    """``"config"`` for smmd_train.config.arguments, ``"plan"`` for smmd_train.plan; ``""`` for the package."""
+    return module[len(package) + 1:].split(".")[0] if module.startswith(package + ".") else ""
+
+
+def upward_imports(modules: dict, floors=TRAINER_FLOORS, package: str = "smmd_train") -> list:
+    """``["a imports b (floor i -> j)"]`` for every import from a room to another on its floor or above, and
+    ``["a: in no floor"]`` for a module of ``package`` whose room is on no floor."""
+    floor_of = {room: floor for floor, rooms in enumerate(floors) for room in rooms}
+    found = []
+    for name, path in modules.items():
+        room = room_of(name, package)
+        if not room:
+            continue
+        if room not in floor_of:
+            found.append(f"{name}: in no floor")
+            continue
+        for module, _, _ in imports_of(name, path, modules):
+            other = room_of(module, package)
+            if other and other != room and floor_of.get(other, len(floors)) >= floor_of[room]:
+                found.append(f"{name} imports {module} (floor {floor_of[room]} -> {floor_of.get(other)})")
+    return found
+
+
+def test_the_trainer_s_floors_run_one_way():
+    trainer = {name for name in MODULES if name.startswith("smmd_train.")}
+    assert {f"smmd_train.{room}" for room in TRAINER_ROOMS} <= trainer
+    assert {room_of(name) for name in trainer} == {room for rooms in TRAINER_FLOORS for room in rooms}
+    offenders = upward_imports(MODULES)
+    assert not offenders, offenders
+
+
+def test_a_planted_upward_import_is_found(tmp_path):
+    """A preset that reaches up into the checkpoint room, and a module in a room on no floor."""
+    modules = _plant(tmp_path, {
+        "smmd_train/__init__.py": "",
+        "smmd_train/model/__init__.py": "",
+        "smmd_train/model/presets.py": "from ..checkpoint.commits import committed\n",
+        "smmd_train/checkpoint/__init__.py": "",
+        "smmd_train/checkpoint/commits.py": "from ..model import presets\ncommitted = presets\n",
+        "smmd_train/attic/old.py": "",
+    })
+    assert upward_imports(modules) == ["smmd_train.attic.old: in no floor",
+                                       "smmd_train.model.presets imports smmd_train.checkpoint.commits "
+                                       "(floor 1 -> 5)"]
+
+
+def test_the_trainer_s_map_names_every_room():
+    described = (PLUGIN / "smmd_train" / "__init__.py").read_text()
+    rooms = sorted(path.parent.name for path in (PLUGIN / "smmd_train").glob("*/__init__.py"))
+    assert rooms == sorted(TRAINER_ROOMS)
+    for room in [*rooms, "train", "run", "plan", "commands", "compat", "moved"]:
+        assert f"``{room}``" in described, f"smmd_train/__init__.py does not name {room}"

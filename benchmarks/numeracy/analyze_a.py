@@ -37,11 +37,11 @@ from typing import Optional
 
 import numpy as np
 from scipy import optimize, stats
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
 
 from benchmarks.numeracy.analyze import ALPHA, describe, holm, paired_power, paired_test, strict_json
-from smmd_train.metrics_file import read_metrics
-from smmd_train.options import option, parse_options
-from smmd_train.tables import markdown_table
+from smmd_train.monitor.metrics_file import read_metrics
 
 HERE = Path(__file__).resolve().parent
 BASELINE = "ce"

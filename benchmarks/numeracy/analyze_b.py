@@ -19,13 +19,13 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+from smmd_cli.tables import markdown_table
 
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.analyze import strict_json
 from smmd_numeracy import tier_a
 from smmd_numeracy.tier_b import TEST_SPLITS
-from smmd_train.metrics_file import read_metrics
-from smmd_train.tables import markdown_table
+from smmd_train.monitor.metrics_file import read_metrics
 
 SPLITS = tuple(TEST_SPLITS)
 # name -> (header, higher is better, display scale, unit, columns tested), as analyze_a.METRICS

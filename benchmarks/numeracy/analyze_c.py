@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from smmd_cli.tables import markdown_table
+
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.analyze import strict_json
-from smmd_train.tables import markdown_table
 
 # name -> (header, higher is better, display scale, unit, columns tested), as analyze_a.METRICS
 METRICS = {

@@ -42,11 +42,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+
 from benchmarks.common import REPO, machine
 from benchmarks.numeracy import analyze
 from benchmarks.numeracy.runner import EVALUATION_LOCK, RunFailed, child_environment, run_measured, write_json
-from smmd_train.arguments import train_command
-from smmd_train.options import option, parse_options
+from smmd_train.config.arguments import train_command
 
 HERE = Path(__file__).resolve().parent
 TIERS = ["suite", "a", "b", "aprime", "c"]
@@ -204,9 +205,9 @@ def prepare_data(work_dir: Path, settings: dict) -> dict:
     from transformers import AutoTokenizer
 
     import smmd_numeracy as numeracy
-    from smmd_train.data import pack_files
-    from smmd_train.model import model_config
-    from smmd_train.presets import parameter_count
+    from smmd_train.data.packing import pack_files
+    from smmd_train.model.build import model_config
+    from smmd_train.model.presets import parameter_count
 
     data_dir, tokenizer_dir, cache_dir = work_dir / "data", work_dir / "tokenizer", work_dir / "cache"
     corpus_record = data_dir / "corpus.json"

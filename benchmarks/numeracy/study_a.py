@@ -30,12 +30,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+
 from benchmarks.common import REPO, machine
 from benchmarks.numeracy import analyze_a
 from benchmarks.numeracy.runner import EVALUATION_LOCK, RunFailed, child_environment, run_measured, write_json
 from smmd_numeracy import tier_a
-from smmd_train.arguments import train_command
-from smmd_train.options import option, parse_options
+from smmd_train.config.arguments import train_command
 
 HERE = Path(__file__).resolve().parent
 
@@ -120,9 +121,9 @@ def prepare(work_dir: Path, settings: dict, build=build_data) -> dict:
     from transformers import AutoTokenizer
 
     from smmd_numeracy import train_numeric_tokenizer
-    from smmd_train.data import pack_files
-    from smmd_train.model import model_config
-    from smmd_train.presets import parameter_count
+    from smmd_train.data.packing import pack_files
+    from smmd_train.model.build import model_config
+    from smmd_train.model.presets import parameter_count
 
     record = work_dir / "data" / "data.json"
     if not record.is_file():

@@ -36,11 +36,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from smmd_cli.options import option, parse_options
+
 from benchmarks.numeracy import analyze_a, analyze_c, study_a
 from benchmarks.numeracy.runner import REPO, RunFailed, child_environment, run_watched, write_json
 from smmd_numeracy import tier_c
-from smmd_train.arguments import train_command
-from smmd_train.options import option, parse_options
+from smmd_train.config.arguments import train_command
 
 DEFAULT_MODEL = os.environ.get("SMMD_TIER_C_MODEL")  # no default folder: a machine path is not the code's
 SELECTION_SEED, PILOT_SEED = study_a.SELECTION_SEED, 2000

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from smmd_cli.options import option, parse_options
+from smmd_cli.tables import markdown_table
 
-from smmd_train.options import option, parse_options
-from smmd_train.process_end import skip_final_collections
-from smmd_train.tables import markdown_table
+from smmd_train.distributed.process_end import skip_final_collections
 
 from .evaluation import evaluate_qa, load_qa
 
@@ -117,6 +117,6 @@ def main(argv=None) -> dict:
 def cli(argv=None) -> None:
     """The ``smmd-evaluate`` console command: :func:`main` without its return value (the report,
     which a console script would otherwise turn into the exit status), and no collection at exit
-    (``smmd_train.process_end``)."""
+    (``smmd_train.distributed.process_end``)."""
     main(argv)
     skip_final_collections()

@@ -1,7 +1,7 @@
 """A call's slice of the whole sequence under sequence parallelism, for the losses that read whole
 numbers (DEL's place weights, DIST2's place weights, number-level NTL).
 
-Under sequence parallelism (``train.py --sp N``, ``smmd_train.sequence_parallel``) each rank of a
+Under sequence parallelism (``train.py --sp N``, ``smmd_train.distributed.sequence_parallel``) each rank of a
 group holds a slice of every sequence, so a number's digits can lie on two or more ranks. Every rank
 of the group has the whole micro-batch's targets (only the activations are sliced), so a call may
 pass them along with its slice as a :class:`SequenceShard`; the losses then find each number in the

@@ -1,12 +1,25 @@
-"""What ``launch/train.py`` is made of: its arguments and command-line builder (``arguments``), the
-run's set-up in one call (``run``: plan, data, model and engine, the numeric loss; one train step),
-the plan (``plan``: tokenizer, architecture, resolved DeepSpeed config from ``config``, numeric
-vocabulary and loss), data loading and packing (``data``), model presets and creation (``presets``,
-``model``), process-group start-up (``distributed``), checkpoints and the train state (``checkpoint``;
-which are committed: ``commits``; resumed under another layout: ``universal``), whether an output
-dir is resumed, refused or overwritten (``resume``), held-out evaluation (``evaluation``), the
-non-finite step guard (``guard``), Hugging Face export (``export``), the training monitor
-(``monitor``) and its TensorBoard views (``dashboards``), scaling sweeps (``scaling``), the memory
-planner behind ``launch/estimate.py`` (``memory``) and ``train.py --dry_run``, the start checked for a
-job's world size in one process (``dry_run``). Needs the ``train`` extra.
+"""What ``launch/train.py`` is made of, in rooms on floors (a module imports its own room and lower
+floors only; ``tests/test_structure.py`` holds it), lowest first:
+
+* ``compat``: the inventory of the private upstream APIs the trainer reaches for; ``moved``: the
+  modules that moved into rooms in 0.3.0, refused by their old names;
+* ``model`` (presets, AutoTP's split, the model built under ZeRO-3) and ``monitor`` (TensorBoard,
+  ``metrics.jsonl``, the dashboards);
+* ``distributed``: process groups for every launcher, the launcher command line, sequence
+  parallelism, the compile preflight, a process's start and end;
+* ``config`` (the command line, the typed run settings, the DeepSpeed config) and ``data`` (sources,
+  packing, micro-batches, whether the loss will see a numeric target);
+* ``components``: the loss reporter, held-out evaluation, the schedule, the non-finite step guard;
+* ``checkpoint``: save and load, commits, universal checkpoints, resume, the experiment record, export;
+* ``plan``: what a run will be, decided before any weight exists; ``run``: the run set up in one call
+  and its train step;
+* ``tools``: the memory planner, scaling sweeps, GGUF conversion, the dry run;
+* ``train`` (the program) and ``commands`` (the console commands).
+
+Each room's ``__init__.py`` names its modules. The small command-line helpers every package shares
+(typed options, Markdown tables) live in ``smmd_cli``. Needs the ``train`` extra.
 """
+
+from . import moved
+
+moved.install()

@@ -15,10 +15,10 @@ DISTRIBUTION = "smmd-scale"
 # Console command -> (the program it runs, the extra that program needs).
 PROGRAMS = {
     "smmd-train": ("smmd_train.train:cli", "train"),
-    "smmd-sweep": ("smmd_train.scaling:main", "train"),
-    "smmd-estimate": ("smmd_train.memory:main", "train"),
+    "smmd-sweep": ("smmd_train.tools.scaling:main", "train"),
+    "smmd-estimate": ("smmd_train.tools.memory:main", "train"),
     "smmd-evaluate": ("smmd_numeracy.evaluate_cli:cli", "train"),
-    "smmd-convert-gguf": ("smmd_train.gguf_convert:main", "finetune"),
+    "smmd-convert-gguf": ("smmd_train.tools.gguf_convert:main", "finetune"),
 }
 
 

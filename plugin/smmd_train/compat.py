@@ -1,7 +1,7 @@
 """The trainer's inventory of private upstream APIs (DeepSpeed, torch, datasets, transformers,
 argparse): every one ``smmd_train`` uses is reached here and nowhere else.
 
-Each function names what it reaches for, imports lazily (``smmd_train.distributed`` loads this
+Each function names what it reaches for, imports lazily (``smmd_train.distributed.groups`` loads this
 module before torch is needed), says which upstream version it was checked against, and raises
 :class:`~smmd_scale.compat.UpstreamChanged` naming the installed version when the thing is gone.
 ``tests/train/test_trainer_compat.py`` exercises each one against the installed versions.
@@ -123,7 +123,7 @@ def deepspeed_lru_caches() -> list:
     """DeepSpeed's ``functools.lru_cache`` wrappers: those its modules made at import, found from the modules'
     functions and classes (through decorators' closures and ``__wrapped__``: the one that matters is inside
     an nvtx wrapper), and any made since, from ``gc.get_objects()``, which does not list objects frozen by
-    ``gc.freeze()`` (``smmd_train.process_start`` freezes what a rank imported)."""
+    ``gc.freeze()`` (``smmd_train.distributed.process_start`` freezes what a rank imported)."""
     import functools
     import gc
     import sys

@@ -1,9 +1,9 @@
 """What a training run will be, decided before any weight or batch exists: the tokenizer, the model
 architecture, the resolved DeepSpeed config, the parallel layout, the numeric vocabulary, the
 numeric loss, and whether the DeepSpeed ops the config needs can be compiled
-(``smmd_train.preflight``). Every rank computes the same plan from the same arguments, so a bad combination
+(``smmd_train.distributed.preflight``). Every rank computes the same plan from the same arguments, so a bad combination
 (a layout the model cannot split, a bad loss option such as ``--smmd_sigmas -1``, a loss that reads
-digits on a tokenizer that writes numbers as multi-digit tokens: ``smmd_train.numeric_targets``)
+digits on a tokenizer that writes numbers as multi-digit tokens: ``smmd_train.data.numeric_targets``)
 raises the same error on every rank, before the model is built, and it can be checked in a single
 process without a launcher.
 
@@ -19,18 +19,18 @@ from typing import Optional
 from smmd_scale.refusal import Refusal
 from smmd_scale.registry import LossOptionError
 
-from .arguments import VOCAB_FLAGS
-from .autotp import check_tensor_parallel_split
-from .config import Topology, check_tensor_parallel_world, resolve_config
-from .data import check_tokenizer_fits_model
-from .loss_reporter import LossReporter, loss_reporter
-from .model import check_local_sources, model_config
-from .numeric_targets import check_digit_losses
-from .preflight import BuildEnvironment, check_ops, ops_to_compile
-from .presets import PRESETS
-from .run_config import RunConfig
-from .schedule import MAX_WARMUP_FRACTION, Schedule, warmup_steps_for
-from .sequence_parallel import check_sequence_parallel
+from .components.loss_reporter import LossReporter, loss_reporter
+from .components.schedule import MAX_WARMUP_FRACTION, Schedule, warmup_steps_for
+from .config.arguments import VOCAB_FLAGS
+from .config.deepspeed import Topology, check_tensor_parallel_world, resolve_config
+from .config.run_config import RunConfig
+from .data.numeric_targets import check_digit_losses
+from .data.packing import check_tokenizer_fits_model
+from .distributed.preflight import BuildEnvironment, check_ops, ops_to_compile
+from .distributed.sequence_parallel import check_sequence_parallel
+from .model.autotp import check_tensor_parallel_split
+from .model.build import check_local_sources, model_config
+from .model.presets import PRESETS
 
 
 @dataclass
@@ -44,12 +44,12 @@ class RunPlan:
     tensorboard_dir: str  # where (--tensorboard_dir, or the config's tensorboard output_path/job_name)
     schedule: Schedule  # the learning-rate schedule (a resumed run's: its checkpoint's, smmd_train.run)
     numeric_vocab: object  # smmd_scale.NumericVocab for the model's (padded) vocabulary
-    loss: LossReporter  # the loss the run trains on (smmd_train.loss_reporter), its numeric loss built
+    loss: LossReporter  # the loss the run trains on (smmd_train.components.loss_reporter), its numeric loss built
     warnings: list = field(default_factory=list)
 
     @property
     def warmup_steps(self) -> int:
-        """The warmup actually used (``smmd_train.schedule.warmup_steps_for``)."""
+        """The warmup actually used (``smmd_train.components.schedule.warmup_steps_for``)."""
         return self.schedule.warmup_steps
 
     @property
@@ -83,7 +83,7 @@ def context_warning(config, seq_len: int) -> Optional[str]:
 
 
 def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supported: bool) -> RunPlan:
-    """The plan for ``config`` (``smmd_train.run_config.RunConfig``) on ``world_size`` ranks of
+    """The plan for ``config`` (``smmd_train.config.run_config.RunConfig``) on ``world_size`` ranks of
     ``accelerator`` (DeepSpeed's device name: "cuda", "cpu", ...)."""
     from transformers import AutoTokenizer
 

@@ -3,13 +3,13 @@
     plan     tokenizer, architecture, resolved DeepSpeed config, parallel layout, numeric vocabulary
              and numeric loss (``smmd_train.plan``): no process group, no weights
     data     rank 0 tokenizes and packs into the cache first, the others then read the cache; a resume
-             that would change the objective or the data is refused here (``smmd_train.experiment``), and
-             so are data that hold no target of the numeric loss (``smmd_train.numeric_targets``)
+             that would change the objective or the data is refused here (``smmd_train.checkpoint.experiment``), and
+             so are data that hold no target of the numeric loss (``smmd_train.data.numeric_targets``)
     engine   the model (partitioned as it is built), ``deepspeed.initialize`` (AutoTP shards it and
              makes the LM head vocabulary-parallel), the planned numeric loss installed on the head
 
     launch = init_distributed()
-    config = RunConfig.from_args(parse_args(argv))          # flags + DeepSpeed config (smmd_train.run_config)
+    config = RunConfig.from_args(parse_args(argv))          # flags + DeepSpeed config (smmd_train.config.run_config)
     run = prepare_run(config, launch)                       # all of it: what launch/train.py trains
     run = prepare_run(config, Launch(0, 4, 0, 4, "single"), until="data")  # the checks alone: one process,
                                                             # no launcher (the sweep's pre-launch check, tests)
@@ -28,15 +28,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .commits import read_commit
-from .data import pack_files
-from .distributed import Launch, rank_zero_first
-from .experiment import check_resumed_experiment, experiment_record
-from .numeric_targets import check_numeric_targets
+from .checkpoint.commits import read_commit
+from .checkpoint.experiment import check_resumed_experiment, experiment_record
+from .checkpoint.resume import plan_resume
+from .config.run_config import ModelData, RunConfig, RunRefused
+from .data.numeric_targets import check_numeric_targets
+from .data.packing import pack_files
+from .distributed.groups import Launch, rank_zero_first
+from .distributed.sequence_parallel import micro_batch_inputs, step_targets, target_counts
 from .plan import RunPlan, plan_run
-from .resume import plan_resume
-from .run_config import ModelData, RunConfig, RunRefused
-from .sequence_parallel import micro_batch_inputs, step_targets, target_counts
 
 STAGES = ("plan", "data", "engine")
 
@@ -57,17 +57,17 @@ class PreparedRun:
     train_blocks: object = None  # datasets.Dataset of packed [seq_len] blocks
     eval_blocks: object = None  # the same for --eval_data, or None
     engine: object = None  # deepspeed.DeepSpeedEngine
-    batches: object = None  # smmd_train.data.PackedBatches: this data-parallel rank's micro-batches
+    batches: object = None  # smmd_train.data.batches.PackedBatches: this data-parallel rank's micro-batches
     dp_rank: int = 0
     dp_group: object = None  # None: the world (with --sp: the dp x sp ranks, whose losses add up) reduces the metrics
-    sp_size: int = 1  # Ulysses sequence parallelism (smmd_train.sequence_parallel): ranks per sequence
+    sp_size: int = 1  # Ulysses sequence parallelism (smmd_train.distributed.sequence_parallel): ranks per sequence
     sp_rank: int = 0  # which shard of each sequence this rank holds
     sp_group: object = None  # this rank's sequence-parallel group (None without --sp)
     sp_loss_scale: float = 1.0  # multiplies this rank's loss share before the backward (sequence_parallel)
     resume_tag: Optional[str] = None  # the committed checkpoint --resume continues (every rank's choice)
     experiment: Optional[dict] = None  # what the run trains on, for the commit markers (experiment_record)
     flops_per_token: float = 0.0  # training FLOPs per token (forward + backward)
-    rank_parameters: Optional[dict] = None  # what this rank holds (smmd_train.model.rank_parameters)
+    rank_parameters: Optional[dict] = None  # what this rank holds (smmd_train.model.build.rank_parameters)
 
     @property
     def micro_batch_size(self) -> int:
@@ -84,10 +84,10 @@ class PreparedRun:
 
 def prepare_run(config: RunConfig, launch: Launch, until: str = "engine", accelerator: Optional[tuple] = None
                 ) -> PreparedRun:
-    """Set up the run of ``config`` (``smmd_train.run_config.RunConfig``) on ``launch``'s ranks, up to
+    """Set up the run of ``config`` (``smmd_train.config.run_config.RunConfig``) on ``launch``'s ranks, up to
     and including the stage ``until`` (one of :data:`STAGES`). ``accelerator``: (DeepSpeed's device name,
     whether it computes bf16 natively) to plan for; default: this machine's (a dry run plans for the job's
-    GPUs: ``smmd_train.dry_run.planned_accelerator``)."""
+    GPUs: ``smmd_train.tools.dry_run.planned_accelerator``)."""
     if until not in STAGES:
         raise ValueError(f"until={until!r} must be one of {STAGES}")
     if accelerator is None:
@@ -153,7 +153,7 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
     DeepSpeed engine; returns (engine, training FLOPs per token at ``seq_len``, counted before AutoTP
     shards the model). Also what launch/export_hf.py loads an AutoTP checkpoint into. With ``sp_size``
     > 1 the model's attention runs through DeepSpeed Ulysses and ZeRO-3 gets its sequence-parallel
-    layout (``smmd_train.sequence_parallel``).
+    layout (``smmd_train.distributed.sequence_parallel``).
 
     ``model.parameters()`` stays lazy so that the optimizer sees the parameters after AutoTP replaced
     the modules, in module order (an engine built the same way loads the run's checkpoints)."""
@@ -161,8 +161,8 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
     from deepspeed.utils import groups
 
     from . import compat
-    from .distributed import destroy_at_shutdown
-    from .model import build_model, flops_per_token, zero_init_config
+    from .distributed.groups import destroy_at_shutdown
+    from .model.build import build_model, flops_per_token, zero_init_config
 
     if tp_size > 1:
         compat.init_tensor_parallel_groups(tp_size)  # ZeRO-3 partitions over these groups
@@ -171,7 +171,7 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
     model_flops_per_token = flops_per_token(model, seq_len)
     mpu = groups if tp_size > 1 else None
     if sp_size > 1:
-        from .sequence_parallel import UlyssesAttention
+        from .distributed.sequence_parallel import UlyssesAttention
 
         ulysses = destroy_at_shutdown(UlyssesAttention(model, sp_size, ds_config["train_micro_batch_size_per_gpu"],
                                                        seq_len))
@@ -187,8 +187,8 @@ def build_engine(model_config, ds_config: dict, tp_size: int, seq_len: int, *, p
 def _build_engine(run: PreparedRun) -> None:
     from deepspeed.utils import groups
 
-    from .data import PackedBatches
-    from .model import rank_parameters
+    from .data.batches import PackedBatches
+    from .model.build import rank_parameters
 
     inputs, plan, topology = run.config.model_data, run.plan, run.plan.topology
     log(layout_line(topology, run.launch.launcher))
@@ -202,7 +202,7 @@ def _build_engine(run: PreparedRun) -> None:
     if topology.sp_size > 1:  # the SP groups are consecutive ranks (DeepSpeed's parallel_state_sp)
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-        from .sequence_parallel import shard_loss_scale
+        from .distributed.sequence_parallel import shard_loss_scale
 
         run.sp_size, run.sp_group = topology.sp_size, parallel_state_sp.get_sequence_parallel_group()
         run.sp_rank, run.sp_loss_scale = dist.get_rank(run.sp_group), shard_loss_scale(run.engine, topology.sp_size)
@@ -220,7 +220,7 @@ def layout_line(topology, launcher: str) -> str:
 
 
 def parameters_line(parameters: dict, topology) -> str:
-    """The log line of the parameters rank 0 holds (``smmd_train.model.rank_parameters``; a dry run counts the
+    """The log line of the parameters rank 0 holds (``smmd_train.model.build.rank_parameters``; a dry run counts the
     same two numbers)."""
     held = (f"{parameters['tensor_parallel']:,} after AutoTP (--tp {topology.tp_size})" if topology.tp_size > 1 else
             f"{parameters['tensor_parallel']:,} (no AutoTP)")
@@ -275,10 +275,10 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
 
 
 def open_monitor(run: PreparedRun, start_step: int = 0):
-    """The run's :class:`~smmd_train.monitor.TrainingMonitor` (metrics.jsonl, TensorBoard, HParams),
+    """The run's :class:`~smmd_train.monitor.training.TrainingMonitor` (metrics.jsonl, TensorBoard, HParams),
     for a run that continues from ``start_step`` (a resumed checkpoint's step; 0 from scratch)."""
-    from .dashboards import run_hparams
-    from .monitor import TrainingMonitor
+    from .monitor.dashboards import run_hparams
+    from .monitor.training import TrainingMonitor
 
     plan, topology = run.plan, run.plan.topology
     return TrainingMonitor(run.engine, world_size=topology.world_size, tp_size=topology.tp_size,

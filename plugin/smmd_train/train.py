@@ -12,7 +12,7 @@ resume -> train steps, with evaluation and checkpoints at their own cadence -> e
 runs :func:`dry_run` instead: the same start for ``--world_size`` ranks in one process, up to the
 first step, without the hardware, and what each rank will hold and send. Its pieces are
 the ``smmd_train`` package (``smmd_train.run`` sets the run up); its flags are in
-``smmd_train/arguments.py``.
+``smmd_train/config/arguments.py``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 # Only the parser and the configuration at the top: cli() reads the command line and the DeepSpeed config
 # before DeepSpeed and transformers load (seconds, on every rank), so a mistyped flag is refused at once;
 # main() imports the rest.
-from .arguments import parse_args
-from .run_config import RunConfig, RunRefused
+from .config.arguments import parse_args
+from .config.run_config import RunConfig, RunRefused
 
 
 def seed_everything(seed: int) -> None:
@@ -40,15 +40,15 @@ def seed_everything(seed: int) -> None:
 
 
 def main(config: RunConfig) -> None:
-    """Train the run of ``config`` (:class:`smmd_train.run_config.RunConfig`)."""
+    """Train the run of ``config`` (:class:`smmd_train.config.run_config.RunConfig`)."""
     from tqdm import tqdm
 
-    from .checkpoint import Checkpointer, TrainState, run_record
-    from .distributed import init_distributed
-    from .evaluation import Evaluator, describe
-    from .export import export_hf
-    from .guard import NonFiniteGuard
-    from .resume import resume_or_start
+    from .checkpoint.export import export_hf
+    from .checkpoint.resume import resume_or_start
+    from .checkpoint.saving import Checkpointer, TrainState, run_record
+    from .components.evaluation import Evaluator, describe
+    from .components.guard import NonFiniteGuard
+    from .distributed.groups import init_distributed
     from .run import log, open_monitor, prepare_run, train_step, write_run_config
 
     optimization, checkpointing, inputs = config.optimization, config.checkpointing, config.model_data
@@ -107,9 +107,10 @@ def main(config: RunConfig) -> None:
 
 def dry_run(config: RunConfig) -> None:
     """``--dry_run``: the start of the run of ``config`` checked for ``--world_size`` ranks in this one process,
-    and what each rank will hold and send (``smmd_train.dry_run``). Raises :class:`RunRefused` with the lines
+    and what each rank will hold and send (``smmd_train.tools.dry_run``). Raises :class:`RunRefused` with the lines
     a real start would refuse with, or when the micro-batch does not fit the GPUs."""
-    from .dry_run import (
+    from .run import layout_line, log, parameters_line, prepare_run
+    from .tools.dry_run import (
         build_parallel_groups,
         dry_run_launch,
         format_report,
@@ -120,7 +121,6 @@ def dry_run(config: RunConfig) -> None:
         unfit,
         write_report,
     )
-    from .run import layout_line, log, parameters_line, prepare_run
 
     Path(config.checkpointing.output_dir).mkdir(parents=True, exist_ok=True)
     launch, accelerator = dry_run_launch(config.target), planned_accelerator()
@@ -151,7 +151,7 @@ def dry_run(config: RunConfig) -> None:
 def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, checkpoint_tag) -> list:
     """The console's end-of-run summary: what was trained, the final losses and throughput, the held-out
     metrics, and where the checkpoint, the metrics, TensorBoard and the export went."""
-    from .evaluation import describe
+    from .components.evaluation import describe
 
     checkpointing, plan = run.config.checkpointing, run.plan
     lines = [f"done: {steps} step(s) in {seconds:.1f} s, to step {run.config.optimization.max_steps}"]
@@ -177,8 +177,8 @@ def end_of_run(run, steps: int, seconds: float, summary: dict, evaluation, check
 def load_program() -> None:
     """Import what :func:`main` runs on: DeepSpeed, transformers, datasets and ``torch._dynamo`` with them
     (seconds, on every rank), before any process group exists."""
-    from . import checkpoint, evaluation, export, guard, resume, run  # noqa: F401
-    from .distributed import load_backends
+    from . import run  # noqa: F401
+    from .distributed.groups import load_backends
 
     load_backends()
 
@@ -188,16 +188,16 @@ def cli(argv=None) -> None:
     exit code says how it ended (0 trained or checked, 2 refused: one line per problem on rank 0, 3 stopped
     for non-finite losses). A bad command line exits 2 from the parser, before anything heavy is imported."""
     args = parse_args(argv, description=__doc__)
-    from .process_start import keep_imports, pause_collections
+    from .distributed.process_start import keep_imports, pause_collections
 
     # The collector off while the program imports, then what it imported frozen, here rather than inside
-    # main(), whose frame holds the run (smmd_train.process_start).
+    # main(), whose frame holds the run (smmd_train.distributed.process_start).
     pause_collections()
     load_program()
     keep_imports()
-    from .distributed import shutdown_distributed
-    from .guard import NonFiniteLossError
-    from .process_end import skip_final_collections
+    from .components.guard import NonFiniteLossError
+    from .distributed.groups import shutdown_distributed
+    from .distributed.process_end import skip_final_collections
 
     exit_code = 0
     try:
@@ -219,7 +219,7 @@ def cli(argv=None) -> None:
         # process group go, with their gloo threads, before interpreter shutdown; else a rank can
         # abort at exit after a job that did its work (see shutdown_distributed).
         shutdown_distributed()
-        skip_final_collections()  # after the shutdown's own collection (smmd_train.process_end)
+        skip_final_collections()  # after the shutdown's own collection (smmd_train.distributed.process_end)
     sys.exit(exit_code)
 
 

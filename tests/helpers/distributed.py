@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from smmd_train.launcher import free_port
+from smmd_train.distributed.launcher import free_port
 
 from .host_probe import describe, hang_guard
 

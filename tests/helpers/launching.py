@@ -1,16 +1,16 @@
 """Start real launchers (deepspeed, mpirun, plain python) from tests, on loopback, with timeouts.
 
-Command lines come from ``smmd_train.arguments`` and ``smmd_train.launcher`` (the builders the demo, the
-benchmarks and the shell launchers use too).
+Command lines come from ``smmd_train.config.arguments`` and ``smmd_train.distributed.launcher`` (the
+builders the demo, the benchmarks and the shell launchers use too).
 """
 
 import os
 import subprocess
 from pathlib import Path
 
-from smmd_train.arguments import train_command, train_flags  # noqa: F401  (re-exported)
-from smmd_train.launcher import launch_command  # noqa: F401  (re-exported)
-from smmd_train.metrics_file import read_metrics
+from smmd_train.config.arguments import train_command, train_flags  # noqa: F401  (re-exported)
+from smmd_train.distributed.launcher import launch_command  # noqa: F401  (re-exported)
+from smmd_train.monitor.metrics_file import read_metrics
 
 from .host_probe import describe, hang_guard
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout under test
 TRAIN = REPO / "launch" / "train.py"
 
 
-# What a launcher exports to say where a process stands (every launcher smmd_train.distributed knows).
+# What a launcher exports to say where a process stands (every launcher smmd_train.distributed.groups knows).
 LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
 LAUNCHER_PREFIXES = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_", "TORCHELASTIC_")

@@ -72,7 +72,9 @@ def eval_ce_of_hf_model(model_dir, corpus) -> float:
     """Token-mean CE of a saved HF model on the same packed eval blocks train.py evaluates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from smmd_train.data import eval_batches, load_text_dataset, tokenize_and_pack
+    from smmd_train.data.batches import eval_batches
+    from smmd_train.data.packing import tokenize_and_pack
+    from smmd_train.data.sources import load_text_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
     blocks = tokenize_and_pack(load_text_dataset([str(corpus / "eval.jsonl")]), tokenizer, SEQ_LEN)

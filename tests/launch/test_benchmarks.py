@@ -128,8 +128,9 @@ def test_bench_ntl_standalone_writes_rows_where_every_contender_computes_the_sam
 
 def test_bench_loss_takes_at_most_one_grid_flag():
     """--quick, --cpu and --full name the grid; none: the device's default grid; two: refused (exit 2)."""
+    from smmd_cli.options import parse_options
+
     from benchmarks.bench_loss import LossOptions
-    from smmd_train.options import parse_options
 
     assert parse_options(LossOptions, ["--cpu"])[0].grid == "cpu"
     assert parse_options(LossOptions, ["--device", "cpu"])[0].grid is None

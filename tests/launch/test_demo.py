@@ -14,7 +14,7 @@ from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, run
 
 from smmd_numeracy import tier_a
-from smmd_train.metrics_file import read_metrics
+from smmd_train.monitor.metrics_file import read_metrics
 
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
 

@@ -34,7 +34,7 @@ EIGHT_DEVICES = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
 DISCOVER = """
 import dataclasses, json, os, sys
 sys.modules["mpi4py"] = None  # `from mpi4py import MPI` raises ImportError: MPI stays uninitialised
-from smmd_train.distributed import discover_launch
+from smmd_train.distributed.groups import discover_launch
 try:
     launch = dataclasses.asdict(discover_launch())
 except Exception as error:

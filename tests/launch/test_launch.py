@@ -27,8 +27,8 @@ from helpers.train_runs import (
     train_args,
 )
 
-from smmd_train.launcher import free_port
-from smmd_train.metrics_file import read_metrics
+from smmd_train.distributed.launcher import free_port
+from smmd_train.monitor.metrics_file import read_metrics
 
 pytestmark = pytest.mark.slow
 corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
@@ -71,7 +71,7 @@ def test_zero3_from_scratch_with_smmd(zero3_run, corpus):
     scalars, hparams = tensorboard_run(output)
     assert CONTRACT_SCALARS <= scalars
     assert (hparams["world_size"], hparams["tp_size"], hparams["dp_size"], hparams["launcher"]) == \
-        ("2", "1", "2", "deepspeed/torchrun")  # settings as text (smmd_train.dashboards.hparam_value)
+        ("2", "1", "2", "deepspeed/torchrun")  # settings as text (smmd_train.monitor.dashboards.hparam_value)
     # The exported model scores the eval data exactly as the trained engine did.
     assert eval_ce_of_hf_model(output / "hf", corpus) == pytest.approx(last["eval/ce"], rel=1e-5)
     # Training runs without a KV cache; the exported model generates with one.

@@ -18,7 +18,7 @@ from helpers.train_runs import (
     train_args,
 )
 
-from smmd_train.launcher import free_port
+from smmd_train.distributed.launcher import free_port
 
 pytestmark = pytest.mark.slow
 corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)

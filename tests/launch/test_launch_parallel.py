@@ -23,7 +23,7 @@ from helpers.train_runs import (
     train_args,
 )
 
-from smmd_train.launcher import free_port
+from smmd_train.distributed.launcher import free_port
 
 pytestmark = pytest.mark.slow
 corpus = corpus_fixture()  # the module's corpus on disk (a module-scoped fixture)
@@ -83,7 +83,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_on_one_rank_through_a_universal_che
     # (b) 1 rank of 2 sequences, the checkpoint converted beforehand by the offline command.
     output = tmp_path / "one_rank"
     cut_back(output)
-    converted = run([sys.executable, "-m", "smmd_train.checkpoint", "convert", output], timeout=300)
+    converted = run([sys.executable, "-m", "smmd_train.checkpoint.saving", "convert", output], timeout=300)
     assert "step00000004: converted to a universal checkpoint" in converted.stdout
     completed = run(deepspeed_command(1, *train_args(corpus, output, steps=6, resume=True)), timeout=600)
     assert "the complete conversion there is reused" in completed.stdout

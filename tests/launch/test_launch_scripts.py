@@ -1,5 +1,5 @@
 """launch/pretrain.sh and launch/continue_pretrain.sh compose the deepspeed command a user expects
-from their environment variables, through smmd_train.launcher (the builder the Python tools use). A
+from their environment variables, through smmd_train.distributed.launcher (the builder the Python tools use). A
 stand-in `deepspeed` (DEEPSPEED) records its arguments, so these tests check the command line itself;
 train.py under the real launcher is test_launch.py's. A flag that the DeepSpeed config could decide
 is passed only when its variable is set; a stand-in that resolves train.py's plan from the command
@@ -15,7 +15,7 @@ import pytest
 from helpers.host_probe import hang_guard
 from helpers.launching import REPO
 
-from smmd_train.launcher import launch_command
+from smmd_train.distributed.launcher import launch_command
 
 STUB = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD"
@@ -28,10 +28,10 @@ TRAIN_SCRIPT = str(REPO / "launch" / "train.py")
 # DeepSpeed config reconciled with the flags), one rank, no process group, no model.
 PLANNER = f"""#!{sys.executable}
 import json, sys
-from smmd_train.arguments import parse_args
-from smmd_train.distributed import Launch
+from smmd_train.config.arguments import parse_args
+from smmd_train.distributed.groups import Launch
 from smmd_train.run import RunRefused, prepare_run
-from smmd_train.run_config import RunConfig
+from smmd_train.config.run_config import RunConfig
 try:
     config = RunConfig.from_args(parse_args(sys.argv[sys.argv.index({TRAIN_SCRIPT!r}) + 1:]))
     run = prepare_run(config, Launch(0, 1, 0, 1, "single"), until="plan")
@@ -154,7 +154,7 @@ def test_the_builder_on_one_node_and_across_a_hostfile():
 
 
 def test_the_builder_s_command_line_entry_reports_a_bad_placement():
-    completed = subprocess.run([sys.executable, "-m", "smmd_train.launcher", "--nodes", "2", "train.py"],
+    completed = subprocess.run([sys.executable, "-m", "smmd_train.distributed.launcher", "--nodes", "2", "train.py"],
                                capture_output=True, text=True, timeout=hang_guard(60))
     assert completed.returncode == 2 and "nodes=2 needs a hostfile naming them" in completed.stderr
 
@@ -241,7 +241,7 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     plan reads no weights)."""
     from transformers import AutoTokenizer
 
-    from smmd_train.presets import preset_config
+    from smmd_train.model.presets import preset_config
 
     directory = tmp_path_factory.mktemp("model")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

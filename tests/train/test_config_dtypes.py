@@ -8,7 +8,7 @@ import torch
 from helpers.distributed import run_ranks, values_or_raise
 from helpers.launching import REPO
 
-from smmd_train.config import load_config, resolve_config
+from smmd_train.config.deepspeed import load_config, resolve_config
 
 CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 

@@ -36,7 +36,7 @@ class RecordingEngine:
 
 
 def _train(directory, hparams, stats, evaluate, steps):
-    from smmd_train.monitor import TrainingMonitor
+    from smmd_train.monitor.training import TrainingMonitor
 
     monitor = TrainingMonitor(RecordingEngine(), world_size=1, tp_size=1, dp_size=1, dp_group=None,
                               flops_per_token=6e6, tensorboard_dir=str(directory), hparams=hparams)
@@ -68,7 +68,7 @@ def _metrics(group):
 
 
 def test_each_run_is_its_own_hparams_row_with_its_metrics(root):
-    from smmd_train.dashboards import RUN_METRICS, trial_id
+    from smmd_train.monitor.dashboards import RUN_METRICS, trial_id
 
     groups = {group["name"]: group for group in Dashboards(root).session_groups()}
     trials = {name: trial_id(root / name / "tensorboard") for name in RUNS}
@@ -102,7 +102,7 @@ def test_pointed_at_one_run_the_row_has_its_metrics(root, name):
 def test_the_layout_charts_what_the_run_writes_one_tag_per_chart(root, name):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from smmd_train.dashboards import FROM_ZERO
+    from smmd_train.monitor.dashboards import FROM_ZERO
 
     run_dir = root / name / "tensorboard"
     tags = set()
@@ -136,7 +136,7 @@ def test_the_layout_charts_what_the_run_writes_one_tag_per_chart(root, name):
 
 
 def _a_sweep(rank, world_size, root):
-    from smmd_train import dashboards
+    from smmd_train.monitor import dashboards
 
     dashboards.write_experiment(str(root), differs=("world_size", "tp_size"))  # before the runs, as a sweep does
     for name, run in RUNS.items():
@@ -147,7 +147,7 @@ def test_runs_under_a_log_root_with_an_experiment_leave_it_the_columns(tmp_path)
     """TensorBoard reads one experiment, the first it finds: under a sweep's, the runs declare none."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from smmd_train import dashboards
+    from smmd_train.monitor import dashboards
 
     values_or_raise(run_ranks(_a_sweep, 1, tmp_path, fresh=True))
     for name in RUNS:
@@ -180,7 +180,7 @@ def _quantile(values, fraction):
 def test_the_scaling_charts_keep_every_world_size_on_the_axis(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from smmd_train.scaling import Config, scaling_table, write_scaling_view
+    from smmd_train.tools.scaling import Config, scaling_table, write_scaling_view
 
     configs = [Config(size, 1, 1, size) for size in (1, 2, 4)]
     results = {config.name: {"status": "ok", "summary": {
@@ -222,7 +222,7 @@ def test_trial_ids_fit_the_hparams_column_and_stay_apart(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    from smmd_train.dashboards import TRIAL_ID_CHARS
+    from smmd_train.monitor.dashboards import TRIAL_ID_CHARS
 
     values_or_raise(run_ranks(_long_named_runs, 1, tmp_path))
     written = []
@@ -261,7 +261,7 @@ def test_the_memory_charts_start_at_zero(root, tmp_path):
     outliers", on by default) and has no axis-minimum setting: peak memory of 0.64 and 0.66 GiB would
     span the whole chart, a 3% difference drawn as a cliff. Each memory chart draws a band from 0, so
     0 is on its axis and the heights compare as they are."""
-    from smmd_train.scaling import Config, scaling_table, write_scaling_view
+    from smmd_train.tools.scaling import Config, scaling_table, write_scaling_view
 
     configs = [Config(size, 1, 1, size) for size in (1, 2, 4)]
     results = {config.name: {"status": "ok", "summary": {

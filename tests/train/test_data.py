@@ -22,13 +22,9 @@ from helpers.host_probe import hang_guard
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from smmd_train import data
-from smmd_train.data import (
-    PackedBatches,
-    check_tokenizer_fits_model,
-    eval_batches,
-    load_text_dataset,
-    tokenize_and_pack,
-)
+from smmd_train.data.batches import PackedBatches, eval_batches
+from smmd_train.data.packing import check_tokenizer_fits_model, tokenize_and_pack
+from smmd_train.data.sources import load_text_dataset
 
 from conftest import SESSION_SEED
 
@@ -360,7 +356,8 @@ _SECOND_RANK = textwrap.dedent("""
     import hashlib, json, sys
     import numpy as np
     from transformers import AutoTokenizer
-    from smmd_train.data import load_text_dataset, tokenize_and_pack
+    from smmd_train.data.sources import load_text_dataset
+    from smmd_train.data.packing import tokenize_and_pack
 
     tokenizer_dir, cache_dir, seq_len, *paths = sys.argv[1:]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -650,7 +647,7 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
     step's count of valid targets, which counts the completion tokens and EOS alone."""
     from helpers.models import tiny_llama
 
-    from smmd_train.sequence_parallel import forward_inputs, micro_batch_inputs, step_targets, target_counts
+    from smmd_train.distributed.sequence_parallel import forward_inputs, micro_batch_inputs, step_targets, target_counts
 
     records = random_records(rng, rng.randint(3, 6))
     seq_len = 4 * -(-(fitting_seq_len(records, tokenizer) + rng.randint(0, 8)) // 4)  # SP=4 shards it below
@@ -752,10 +749,10 @@ def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_lin
                                                                                  tokenizer):
     from helpers.launching import REPO, train_flags
 
-    from smmd_train.arguments import parse_args
-    from smmd_train.distributed import Launch
+    from smmd_train.config.arguments import parse_args
+    from smmd_train.config.run_config import RunConfig
+    from smmd_train.distributed.groups import Launch
     from smmd_train.run import RunRefused, prepare_run
-    from smmd_train.run_config import RunConfig
 
     records = random_records(rng, 12)
     sft = write_records(tmp_path / "sft.jsonl", records)

@@ -1,5 +1,5 @@
 """train.py --dry_run in this process: the start of a job of hundreds of ranks checked on torch's fake process
-groups with the model on the meta device, and what rank 0 will hold and send (``smmd_train.dry_run``). No
+groups with the model on the meta device, and what rank 0 will hold and send (``smmd_train.tools.dry_run``). No
 step runs, so each takes seconds. Its numbers are checked against closed forms of the models' shapes here,
 and against real 2-rank runs in tests/launch/test_dry_run_launch.py."""
 
@@ -12,12 +12,12 @@ from helpers.corpora import write_corpus
 from helpers.launching import REPO, train_flags
 
 from smmd_train import compat
-from smmd_train.arguments import parse_args
-from smmd_train.distributed import shutdown_distributed
-from smmd_train.dry_run import exchange_bytes, grown_capacity
-from smmd_train.memory import estimate, largest_micro_batch
-from smmd_train.presets import parameter_count, preset_config, rank_numel
-from smmd_train.run_config import RunConfig, RunRefused
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.run_config import RunConfig, RunRefused
+from smmd_train.distributed.groups import shutdown_distributed
+from smmd_train.model.presets import parameter_count, preset_config, rank_numel
+from smmd_train.tools.dry_run import exchange_bytes, grown_capacity
+from smmd_train.tools.memory import estimate, largest_micro_batch
 from smmd_train.train import dry_run
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"

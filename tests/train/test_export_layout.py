@@ -8,10 +8,10 @@ import json
 
 from helpers.launching import REPO
 
-from smmd_train.checkpoint import commit_record, run_record, tag_for_step
-from smmd_train.commits import commit
-from smmd_train.config import Topology, load_config, resolve_config, set_tensor_parallel
-from smmd_train.export import checkpoint_layout, layout_config
+from smmd_train.checkpoint.commits import commit
+from smmd_train.checkpoint.export import checkpoint_layout, layout_config
+from smmd_train.checkpoint.saving import commit_record, run_record, tag_for_step
+from smmd_train.config.deepspeed import Topology, load_config, resolve_config, set_tensor_parallel
 
 SCHEDULE = {"lr": 3e-3, "warmup_steps": 1, "max_steps": 6, "min_lr_ratio": 0.1}
 

@@ -1,10 +1,10 @@
-"""The master port the launch helpers pick (``smmd_train.launcher.free_port``): free, and below the
+"""The master port the launch helpers pick (``smmd_train.distributed.launcher.free_port``): free, and below the
 kernel's ephemeral range, where an outgoing connection cannot take it before the master binds it (a
 port from bind(0) could be taken: EADDRINUSE when a busy machine started a group)."""
 
 import socket
 
-from smmd_train.launcher import LOWEST_MASTER_PORT, ephemeral_port_range, free_port
+from smmd_train.distributed.launcher import LOWEST_MASTER_PORT, ephemeral_port_range, free_port
 
 
 def test_the_port_is_free_and_outside_the_ephemeral_range():
@@ -20,7 +20,7 @@ def test_the_port_is_free_and_outside_the_ephemeral_range():
 
 def test_a_taken_port_is_passed_over(monkeypatch):
     """With every candidate but one taken, the one free is found."""
-    import smmd_train.launcher as launcher
+    import smmd_train.distributed.launcher as launcher
 
     monkeypatch.setattr(launcher, "ephemeral_port_range", lambda: (LOWEST_MASTER_PORT + 3, 60999))
     held = []

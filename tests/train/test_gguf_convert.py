@@ -17,7 +17,7 @@ from helpers.models import tiny_llama
 from helpers.style_tokenizers import gpt2_style
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from smmd_train.gguf_convert import bundled_gguf, main
+from smmd_train.tools.gguf_convert import bundled_gguf, main
 
 HEADS, KV_HEADS = 4, 2
 TEXTS = ["What is 17 + 25? Answer: 42", "In 2024 the team sold 12 cars for $3,000 each."]
@@ -137,7 +137,8 @@ def test_without_a_usable_gguf_package_the_command_says_what_to_install(converte
     old.mkdir(parents=True)
     (old / "METADATA").write_text("Metadata-Version: 2.1\nName: gguf\nVersion: 0.1.0\n")
     env = environment(PYTHONPATH=os.pathsep.join(filter(None, [str(old.parent), os.environ.get("PYTHONPATH")])))
-    completed = subprocess.run([sys.executable, "-m", "smmd_train.gguf_convert", str(gguf_path), str(tmp_path / "out")],
+    completed = subprocess.run([sys.executable, "-m", "smmd_train.tools.gguf_convert", str(gguf_path),
+                                str(tmp_path / "out")],
                                env=env, capture_output=True, text=True, timeout=hang_guard(300))
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert completed.stderr.count("\n") == 1 and "pip install 'smmd-scale[finetune]'" in completed.stderr

@@ -11,11 +11,10 @@ from helpers.launching import REPO, train_flags
 
 import smmd_scale
 from smmd_scale.registry import NUMERIC_LOSSES, all_options, options_in_use
-from smmd_train.arguments import build_parser, parse_args
-from smmd_train.dashboards import LOSS_OPTION_COLUMNS, RUN_HPARAMS, UNUSED_OPTION, loss_option_hparams
-from smmd_train.experiment import LOSS_FLAGS, objective_record
-from smmd_train.loss_reporter import numeric_loss
-from smmd_train.run_config import RunConfig
+from smmd_train.components.loss_reporter import LOSS_FLAGS, numeric_loss, objective_record
+from smmd_train.config.arguments import build_parser, parse_args
+from smmd_train.config.run_config import RunConfig
+from smmd_train.monitor.dashboards import LOSS_OPTION_COLUMNS, RUN_HPARAMS, UNUSED_OPTION, loss_option_hparams
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 

@@ -1,4 +1,4 @@
-"""The run's loss is one :class:`~smmd_train.loss_reporter.LossReporter`, chosen once from the command
+"""The run's loss is one :class:`~smmd_train.components.loss_reporter.LossReporter`, chosen once from the command
 line: what the sweep, the HParams, the resume record and the train loop ask of it for our numeric loss
 and for the model's own (``--framework_loss``), and, in the code, no other module deciding between the
 two (no ``installed is None`` branch, no other reader of ``--framework_loss``).
@@ -8,13 +8,13 @@ import ast
 
 from helpers.launching import REPO, train_flags
 
-from smmd_train.arguments import parse_args
-from smmd_train.loss_reporter import ModelLossReporter, NumericLossReporter, loss_reporter
-from smmd_train.run_config import RunConfig
+from smmd_train.components.loss_reporter import ModelLossReporter, NumericLossReporter, loss_reporter
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 # The modules that may read --framework_loss: the parser (its checks) and the one choice of reporter.
-CHOOSERS = {"plugin/smmd_train/arguments.py", "plugin/smmd_train/loss_reporter.py"}
+CHOOSERS = {"plugin/smmd_train/config/arguments.py", "plugin/smmd_train/components/loss_reporter.py"}
 
 
 def reporter_of(tmp_path, **options):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.distributed import run_ranks, values_or_raise
 
-from smmd_train.metrics_file import read_metrics
+from smmd_train.monitor.metrics_file import read_metrics
 
 pytestmark = pytest.mark.gloo
 STEP_SECONDS = {1: 5.0, 2: 1.0, 3: 2.0}  # step 1 is the warm-up
@@ -30,7 +30,7 @@ class RecordingEngine:
 
 
 def _three_steps(rank, world_size, directory):
-    from smmd_train.monitor import TrainingMonitor
+    from smmd_train.monitor.training import TrainingMonitor
 
     engine = RecordingEngine()
     monitor = TrainingMonitor(engine, world_size=world_size, tp_size=1, dp_size=world_size, dp_group=None,
@@ -53,7 +53,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
     from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    from smmd_train import dashboards
+    from smmd_train.monitor import dashboards
 
     (steps0, summary0, events0), (steps1, summary1, events1) = values_or_raise(run_ranks(_three_steps, 2, tmp_path,
                                                                                          fresh=True))
@@ -130,7 +130,7 @@ def test_the_monitor_reduces_over_replicas_skips_the_warmup_and_writes_tensorboa
 
 
 def _killed_resumed_and_restarted(rank, world_size, directory):
-    from smmd_train.monitor import TrainingMonitor
+    from smmd_train.monitor.training import TrainingMonitor
 
     def segment(start_step, steps, ce):
         """A process of the run: its monitor opened at ``start_step``, then ``steps`` trained at loss ``ce``."""
@@ -163,7 +163,7 @@ def test_a_resumed_run_s_metrics_hold_each_step_once(tmp_path):
 def test_a_resume_drops_a_damaged_metrics_line_instead_of_failing(tmp_path):
     """Rank 0 alone rewrites the file when it resumes: a line that is no record (damaged on disk) must
     not raise there while the other ranks go on into the step's collectives."""
-    from smmd_train.metrics_file import keep_records_through
+    from smmd_train.monitor.metrics_file import keep_records_through
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss/ce": 2.5}\n{"step": 2, "loss/ce"\x00\n'
@@ -178,7 +178,7 @@ def test_read_metrics_leaves_out_a_record_still_being_written(tmp_path):
 
 
 def _shares(rank, world_size):
-    from smmd_train.monitor import TrainingMonitor
+    from smmd_train.monitor.training import TrainingMonitor
 
     monitor = TrainingMonitor(RecordingEngine(), world_size=world_size, tp_size=1, dp_size=world_size, dp_group=None,
                               flops_per_token=6e6)

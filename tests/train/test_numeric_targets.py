@@ -1,4 +1,4 @@
-"""A numeric loss never silently does nothing (``smmd_train.numeric_targets``): the tokenizer's number
+"""A numeric loss never silently does nothing (``smmd_train.data.numeric_targets``): the tokenizer's number
 style; the numeric-target positions of the first optimizer steps, counted for each registered loss as the
 train step counts them, against a count from the token strings and against the positions the loss itself
 scores; and what train.py's set-up makes of them before the model is built, in one process (its own
@@ -19,18 +19,19 @@ from helpers.style_tokenizers import gpt2_style, llama2_style, llama3_style, qwe
 import smmd_scale
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss
 from smmd_scale.vocab import dot_token_ids
-from smmd_train.arguments import parse_args
-from smmd_train.data import PackedBatches, pack_files
-from smmd_train.distributed import Launch
-from smmd_train.numeric_targets import (
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.run_config import RunConfig
+from smmd_train.data.batches import PackedBatches
+from smmd_train.data.numeric_targets import (
     CHECKED_STEPS,
     check_digit_losses,
     number_style,
     numeric_targets,
     step_numeric_targets,
 )
+from smmd_train.data.packing import pack_files
+from smmd_train.distributed.groups import Launch
 from smmd_train.run import RunRefused, prepare_run
-from smmd_train.run_config import RunConfig
 
 SEQ_LEN = 48
 ZERO3 = REPO / "ds_configs" / "zero3.json"

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from helpers.launching import REPO, train_flags
 
-from smmd_train.arguments import parse_args
-from smmd_train.config import load_config, resolve_config
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.deepspeed import load_config, resolve_config
+from smmd_train.config.run_config import RunConfig
+from smmd_train.distributed.preflight import BuildEnvironment, check_ops, ops_to_compile
 from smmd_train.plan import plan_run
-from smmd_train.preflight import BuildEnvironment, check_ops, ops_to_compile
-from smmd_train.run_config import RunConfig
 
 NOTHING_PREBUILT = {"fused_adam": False, "cpu_adam": False, "async_io": False}
 

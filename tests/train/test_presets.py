@@ -12,14 +12,14 @@ from helpers.host_probe import hang_guard
 from helpers.models import saved_activation_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smmd_train import memory as estimate_cli
-from smmd_train.presets import (
+from smmd_train.model.presets import (
     PRESETS,
     largest_layer_params,
     parameter_count,
     preset_config,
     zero_partition_params,
 )
+from smmd_train.tools import memory as estimate_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_parameter_count_random_configs(generator):
         assert largest_layer_params(config) == model_to_params(model)[1], config
 
 
-# The config class of each decoder family train.py trains (smmd_train.presets.DECODER_FAMILIES).
+# The config class of each decoder family train.py trains (smmd_train.model.presets.DECODER_FAMILIES).
 FAMILY_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                          "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                          "gemma3_text": "Gemma3TextConfig"}
@@ -78,7 +78,7 @@ def _family_config(family, layers, tied=True, hidden_size=96, heads=6, kv_heads=
 def test_every_family_s_parameter_count_equals_its_model(generator):
     from transformers import AutoModelForCausalLM
 
-    from smmd_train.presets import DECODER_FAMILIES
+    from smmd_train.model.presets import DECODER_FAMILIES
 
     assert set(FAMILY_CONFIG_CLASSES) == set(DECODER_FAMILIES)
     for family in FAMILY_CONFIG_CLASSES:
@@ -217,11 +217,11 @@ UNEVEN = [(9, 3, 64, 1536, 49152, True), (12, 12, 64, 3072, 50257, False), (32, 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, intermediate, vocab, tied", UNEVEN)
 @pytest.mark.parametrize("tp_size", [2, 3, 4])
 def test_uneven_splits_are_deepspeeds(heads, kv_heads, head_dim, intermediate, vocab, tied, tp_size):
-    """The shares of smmd_train.autotp, and the per-rank counts built on them, against DeepSpeed's
+    """The shares of smmd_train.model.autotp, and the per-rank counts built on them, against DeepSpeed's
     own get_shard_size_list for every projection and the vocabulary-parallel head."""
     from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
 
-    from smmd_train.autotp import kv_head_shares, near_even_shares
+    from smmd_train.model.autotp import kv_head_shares, near_even_shares
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -251,7 +251,7 @@ def test_uneven_splits_are_deepspeeds(heads, kv_heads, head_dim, intermediate, v
 
 
 def test_what_autotp_cannot_split_is_refused_with_what_to_do():
-    from smmd_train.autotp import check_tensor_parallel_split
+    from smmd_train.model.autotp import check_tensor_parallel_split
 
     config = LlamaConfig(vocab_size=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
     check_tensor_parallel_split(config, 3)  # one vocabulary row per rank is enough
@@ -352,8 +352,8 @@ def test_the_zero_partition_is_what_a_rank_holds(generator):
     the data-parallel ranks, what it leaves whole over the world; apart from ZeRO-3's padding."""
     from transformers import AutoModelForCausalLM
 
-    from smmd_train.config import Topology
-    from smmd_train.dry_run import parameters, partitioned_parameters
+    from smmd_train.config.deepspeed import Topology
+    from smmd_train.tools.dry_run import parameters, partitioned_parameters
 
     for family in FAMILY_CONFIG_CLASSES:
         for tied in (True, False):

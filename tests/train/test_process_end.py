@@ -1,4 +1,4 @@
-"""smmd_train.process_end.skip_final_collections, in fresh interpreters (it changes process-wide state):
+"""smmd_train.distributed.process_end.skip_final_collections, in fresh interpreters (it changes process-wide state):
 interpreter finalization collects a reference cycle left at exit, and after the call it does not, while
 what the process printed and wrote before is all there."""
 
@@ -11,7 +11,7 @@ from helpers.launching import REPO
 
 SCRIPT = """
 import sys
-from smmd_train.process_end import skip_final_collections
+from smmd_train.distributed.process_end import skip_final_collections
 
 class Node:
     def __del__(self):

@@ -1,4 +1,4 @@
-"""smmd_train.process_start, in fresh interpreters (it changes process-wide state): while paused, the
+"""smmd_train.distributed.process_start, in fresh interpreters (it changes process-wide state): while paused, the
 collector does not run; after keep_imports it runs again, a cycle made later is collected, and what was
 alive before (a cycle the "imports" left) is frozen and no collection finalizes it. A collector that was
 off before stays off."""
@@ -12,7 +12,7 @@ from helpers.launching import REPO
 
 SCRIPT = """
 import gc, sys
-from smmd_train.process_start import keep_imports, pause_collections
+from smmd_train.distributed.process_start import keep_imports, pause_collections
 
 class Node:
     def __init__(self, name):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers.distributed import run_ranks, values_or_raise
 
-from smmd_train.distributed import rank_zero_first
+from smmd_train.distributed.groups import rank_zero_first
 
 pytestmark = pytest.mark.gloo
 
@@ -93,10 +93,10 @@ def type_name_on_rank_zero(kind: str) -> str:
 def _prepare_on_broken_data(rank, world_size, tokenizer_dir: str, data: str, output_dir: str):
     from helpers.launching import REPO, train_flags
 
-    from smmd_train.arguments import parse_args
-    from smmd_train.distributed import Launch
+    from smmd_train.config.arguments import parse_args
+    from smmd_train.config.run_config import RunConfig
+    from smmd_train.distributed.groups import Launch
     from smmd_train.run import RunRefused, prepare_run
-    from smmd_train.run_config import RunConfig
 
     config = RunConfig.from_args(parse_args(train_flags(
         deepspeed_config=REPO / "ds_configs" / "zero3.json", model="tiny", tokenizer=tokenizer_dir, data=[data],

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.distributed import run_ranks, values_or_raise
 
-from smmd_train.checkpoint import tag_for_step
-from smmd_train.commits import COMMIT_FILE, LATEST_FILE, agreed_resume_tag
+from smmd_train.checkpoint.commits import COMMIT_FILE, LATEST_FILE, agreed_resume_tag
+from smmd_train.checkpoint.saving import tag_for_step
 
 pytestmark = pytest.mark.gloo
 

@@ -1,5 +1,5 @@
 """A resume cannot silently change the experiment: what the checkpoint was trained on (objective
-and data, ``smmd_train.experiment``) is in its commit marker, and a resumed run that differs is
+and data, ``smmd_train.checkpoint.experiment``) is in its commit marker, and a resumed run that differs is
 refused before any model is built, one line per change, unless --allow_objective_change says to
 continue with a warning that names the changes. Through train.py's own set-up up to the data
 (``prepare_run(until="data")``: plan, then the packed blocks), on commit markers written by the
@@ -14,14 +14,15 @@ from helpers.corpora import write_corpus
 from helpers.launching import REPO, train_flags
 
 from smmd_scale.registry import NUMERIC_LOSSES
-from smmd_train.arguments import parse_args
-from smmd_train.checkpoint import commit_record, run_record, tag_for_step
-from smmd_train.commits import commit
-from smmd_train.data import PackedBatches
-from smmd_train.distributed import Launch
-from smmd_train.experiment import LOSS_FLAGS, experiment_changes
+from smmd_train.checkpoint.commits import commit
+from smmd_train.checkpoint.experiment import experiment_changes
+from smmd_train.checkpoint.saving import commit_record, run_record, tag_for_step
+from smmd_train.components.loss_reporter import LOSS_FLAGS
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.run_config import RunConfig
+from smmd_train.data.batches import PackedBatches
+from smmd_train.distributed.groups import Launch
 from smmd_train.run import RunRefused, prepare_run
-from smmd_train.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 BASE = dict(numeric_loss=["smmd:1", "ntl-was:0.3"])
@@ -174,7 +175,7 @@ def test_prompt_completion_rows_that_move_text_between_prompt_and_completion_are
     another objective's data; rows without labels (packed text) hash their ids alone."""
     import datasets
 
-    from smmd_train.experiment import blocks_fingerprint
+    from smmd_train.checkpoint.experiment import blocks_fingerprint
 
     ids = [[5, 6, 7, 8, 2, 0], [9, 10, 11, 2, 0, 0]]
     labels = [[-100, -100, 7, 8, 2, -100], [-100, 10, 11, 2, -100, -100]]

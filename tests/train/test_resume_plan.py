@@ -13,15 +13,15 @@ import pytest
 from helpers.corpora import write_corpus
 from helpers.launching import REPO, train_flags
 
-from smmd_train.arguments import parse_args
-from smmd_train.checkpoint import commit_record, run_record, tag_for_step
-from smmd_train.commits import commit
-from smmd_train.config import Topology
-from smmd_train.distributed import Launch
-from smmd_train.resume import clear_run
+from smmd_train.checkpoint.commits import commit
+from smmd_train.checkpoint.resume import clear_run
+from smmd_train.checkpoint.saving import commit_record, run_record, tag_for_step
+from smmd_train.components.schedule import lr_factor
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.deepspeed import Topology
+from smmd_train.config.run_config import RunConfig
+from smmd_train.distributed.groups import Launch
 from smmd_train.run import RunRefused, prepare_run
-from smmd_train.run_config import RunConfig
-from smmd_train.schedule import lr_factor
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 SCHEDULE = {"lr": 3e-3, "warmup_steps": 1, "max_steps": 6, "min_lr_ratio": 0.1}

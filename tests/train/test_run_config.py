@@ -1,4 +1,4 @@
-"""The typed run configuration (``smmd_train.run_config``) built from train.py's real command lines:
+"""The typed run configuration (``smmd_train.config.run_config``) built from train.py's real command lines:
 flags and the DeepSpeed config's numbers resolved once, a mistyped field name failing where it is
 written, and every flag of the parser declared by exactly one field."""
 
@@ -10,8 +10,8 @@ import json
 import pytest
 from helpers.launching import REPO, train_flags
 
-from smmd_train.arguments import build_parser, parse_args
-from smmd_train.run_config import PARSER_ONLY, SECTIONS, Optimization, RunConfig, RunRefused
+from smmd_train.config.arguments import build_parser, parse_args
+from smmd_train.config.run_config import PARSER_ONLY, SECTIONS, Optimization, RunConfig, RunRefused
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 
@@ -104,11 +104,11 @@ def test_every_flag_sets_exactly_one_field():
 
 
 # Where train.py's parsed command line may be read: the parser's module and the configuration's.
-NAMESPACE_READERS = {"plugin/smmd_train/arguments.py", "plugin/smmd_train/run_config.py"}
+NAMESPACE_READERS = {"plugin/smmd_train/config/arguments.py", "plugin/smmd_train/config/run_config.py"}
 
 
 def namespace_reads(source: str) -> list:
-    """``"line N"`` for each place in ``source`` where the result of ``smmd_train.arguments.parse_args``
+    """``"line N"`` for each place in ``source`` where the result of ``smmd_train.config.arguments.parse_args``
     (under any name it is imported as) goes anywhere but straight into ``RunConfig.from_args``: directly,
     or through a variable every read of which does."""
     tree = ast.parse(source)
@@ -141,7 +141,7 @@ def namespace_reads(source: str) -> list:
 
 
 def test_no_module_but_the_configuration_s_own_reads_the_parsed_command_line():
-    planted = ("from smmd_train.arguments import parse_args as parse\n"
+    planted = ("from smmd_train.config.arguments import parse_args as parse\n"
                "config = RunConfig.from_args(parse(argv))\n"
                "def main(argv):\n    args = parse(argv)\n    run(RunConfig.from_args(args))\n    return args.seq_len\n"
                "def other(argv):\n    return plan(parse(argv))\n")
@@ -157,7 +157,7 @@ def test_no_module_but_the_configuration_s_own_reads_the_parsed_command_line():
 
 def test_every_hparams_column_is_a_field_s_or_the_plan_s():
     """The HParams columns the fields declare, and those the plan or the launch decides, are the dashboard's."""
-    from smmd_train.dashboards import RUN_HPARAMS
+    from smmd_train.monitor.dashboards import RUN_HPARAMS
 
     declared = []
     for section in SECTIONS.values():

@@ -7,7 +7,7 @@ import time
 
 from helpers.host_probe import hang_guard
 
-from smmd_train.launcher import run_to_completion
+from smmd_train.distributed.launcher import run_to_completion
 
 # A "launcher" that starts a "rank" which ignores nothing and outlives it unless killed.
 LAUNCHER = ("import subprocess, sys, time; "

@@ -19,9 +19,9 @@ from helpers.corpora import write_corpus
 from helpers.host_probe import hang_guard
 from helpers.launching import REPO, environment, run
 
-from smmd_train.launcher import free_port, launch_command
-from smmd_train.metrics_file import read_metrics
-from smmd_train.scaling import (
+from smmd_train.distributed.launcher import free_port, launch_command
+from smmd_train.monitor.metrics_file import read_metrics
+from smmd_train.tools.scaling import (
     Config,
     format_table,
     main,

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (smmd_train.sequence_parallel): the shards and their labels against
+"""Ulysses sequence parallelism (smmd_train.distributed.sequence_parallel): the shards and their labels against
 the whole sequence and against DeepSpeed's own data-loader adapter, the refusals, and on 2 gloo
 ranks a tiny Llama whose two shards' loss shares and gradients add up to the whole sequence's
 (float64), with and without the fused linear head: with the numbers all in one shard, and with
@@ -11,8 +11,8 @@ from helpers.distributed import run_ranks, values_or_raise
 from helpers.models import saved_activation_bytes, tiny_llama
 
 from smmd_scale import DigitEntropyLoss, NumberLevelNTLoss, NumericVocab, SMMDLoss
-from smmd_train.presets import preset_config
-from smmd_train.sequence_parallel import IGNORE_INDEX, check_sequence_parallel, forward_inputs
+from smmd_train.distributed.sequence_parallel import IGNORE_INDEX, check_sequence_parallel, forward_inputs
+from smmd_train.model.presets import preset_config
 
 VOCAB_SIZE, NUMERIC_IDS = 64, list(range(40, 56))
 
@@ -92,7 +92,7 @@ def _against_deepspeed_adapter(rank, world_size, seed):
 
     _deepspeed_comm()
 
-    from smmd_train.sequence_parallel import target_counts
+    from smmd_train.distributed.sequence_parallel import target_counts
 
     input_ids = random_ids(seed, batch=2, seq_len=12)
     batch = {"input_ids": input_ids.clone(), "labels": input_ids.clone(),
@@ -136,7 +136,7 @@ def _shares_add_up(rank, world_size, fused_linear, seed, digits=False):
     import torch.distributed as dist
 
     import smmd_scale
-    from smmd_train.sequence_parallel import UlyssesAttention, target_counts
+    from smmd_train.distributed.sequence_parallel import UlyssesAttention, target_counts
 
     if digits:
         vocab = NumericVocab(DIGIT_IDS, list(range(10)), VOCAB_SIZE)
@@ -205,8 +205,8 @@ def _saved_activation_bytes_per_rank(rank, world_size, kv_heads, micro_batch, se
     1-layer and a 2-layer Llama through Ulysses, and the planner's count for the same layout."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from smmd_train import memory
-    from smmd_train.sequence_parallel import UlyssesAttention
+    from smmd_train.distributed.sequence_parallel import UlyssesAttention
+    from smmd_train.tools import memory
 
     configs = [LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
                            intermediate_size=176, num_hidden_layers=layers, attn_implementation="sdpa")

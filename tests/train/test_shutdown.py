@@ -4,7 +4,7 @@ error path it neither waits for the other ranks nor lets the error's frames keep
 
 Why it matters: a gloo worker thread that still holds a finished collective when the interpreter
 finalizes can be ended by Python with pthread_exit and abort the process ("terminate called
-without an active exception"); see smmd_train.distributed.shutdown_distributed.
+without an active exception"); see smmd_train.distributed.groups.shutdown_distributed.
 """
 
 import os
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from helpers.distributed import run_ranks, values_or_raise
 
-from smmd_train.distributed import shutdown_distributed
+from smmd_train.distributed.groups import shutdown_distributed
 
 pytestmark = pytest.mark.gloo
 NATIVE_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore_uv")
@@ -92,7 +92,7 @@ def test_on_an_error_path_it_skips_the_barrier_and_frees_the_failed_frames_group
 def _a_run_that_loads_a_config(rank, world_size, port, config_dir):
     import sys
 
-    from smmd_train.distributed import init_distributed
+    from smmd_train.distributed.groups import init_distributed
 
     preloaded = "torch._dynamo" in sys.modules
     # run_ranks' group goes (init_distributed starts its own, as train.py does), but only once every rank
@@ -117,7 +117,7 @@ def _a_run_that_loads_a_config(rank, world_size, port, config_dir):
 def test_a_training_process_that_loads_a_config_leaves_no_group_behind(tmp_path):
     from transformers import LlamaConfig
 
-    from smmd_train.launcher import free_port
+    from smmd_train.distributed.launcher import free_port
 
     LlamaConfig(vocab_size=64).save_pretrained(tmp_path)
     for preloaded, leftover, messages in values_or_raise(run_ranks(_a_run_that_loads_a_config, 2, free_port(),

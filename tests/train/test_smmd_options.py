@@ -11,9 +11,9 @@ from helpers.launching import REPO, train_flags
 
 import smmd_scale
 from smmd_scale.value_kernel import build_kernel
-from smmd_train.arguments import parse_args
-from smmd_train.loss_reporter import numeric_loss
-from smmd_train.run_config import RunConfig
+from smmd_train.components.loss_reporter import numeric_loss
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.run_config import RunConfig
 
 ZERO3 = REPO / "ds_configs" / "zero3.json"
 

@@ -11,12 +11,12 @@ import pytest
 from helpers.corpora import write_corpus
 from helpers.launching import REPO, TRAIN, train_command, train_flags
 
-from smmd_train.arguments import parse_args
-from smmd_train.config import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
-from smmd_train.dashboards import RUN_HPARAMS, run_hparams
-from smmd_train.distributed import Launch
+from smmd_train.config.arguments import parse_args
+from smmd_train.config.deepspeed import CPU_SETTINGS, load_config, resolve_config, set_tensor_parallel
+from smmd_train.config.run_config import RunConfig
+from smmd_train.distributed.groups import Launch
+from smmd_train.monitor.dashboards import RUN_HPARAMS, run_hparams
 from smmd_train.run import RunRefused, prepare_run
-from smmd_train.run_config import RunConfig
 
 SEQ_LEN = 48
 ZERO3 = REPO / "ds_configs" / "zero3.json"
@@ -74,7 +74,7 @@ def test_train_command_launchers(tmp_path):
 
 def test_numeric_loss_flags_build_the_run_s_numeric_loss(tmp_path):
     import smmd_scale
-    from smmd_train.loss_reporter import numeric_loss
+    from smmd_train.components.loss_reporter import numeric_loss
 
     def loss_of(args):
         return RunConfig.from_args(args).loss
@@ -175,7 +175,7 @@ def test_bad_ce_options_are_named(tmp_path, capsys, options, message):
 
 
 def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir):
-    from smmd_train.loss_reporter import ce_options
+    from smmd_train.components.loss_reporter import ce_options
 
     corpus = write_corpus(tmp_path / "data.jsonl", 20)
     args, plan = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", z_loss=1e-4, label_smoothing=0.1),
@@ -580,7 +580,7 @@ def test_an_explicit_warmup_longer_than_a_tenth_of_the_run_is_capped_with_a_warn
 def test_schedule_trains_from_the_first_step_warms_up_linearly_then_decays_to_the_floor():
     import torch
 
-    from smmd_train.schedule import lr_factor, warmup_cosine
+    from smmd_train.components.schedule import lr_factor, warmup_cosine
 
     parameter = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([parameter], lr=0.5)
@@ -637,7 +637,7 @@ def test_every_loss_that_can_drown_ce_has_the_study_s_setting_to_cite():
     (NumericLoss.value_scale not None at the defaults): each has one, kept in the trainer."""
     from smmd_scale import NumericVocab
     from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
-    from smmd_train.loss_reporter import STUDY_SETTINGS
+    from smmd_train.components.loss_reporter import STUDY_SETTINGS
 
     vocab = NumericVocab(list(range(20, 30)), [float(value) for value in range(10)], 40)
     defaults = options_from(lambda option: option.default)

@@ -225,7 +225,7 @@ def test_a_zero3_engine_builds_without_compiling_deepspeed_s_muon_kernels():
     import json
     import subprocess
 
-    from smmd_train.launcher import free_port
+    from smmd_train.distributed.launcher import free_port
 
     completed = subprocess.run([sys.executable, "-c", MUON_CHECK, str(free_port())], capture_output=True, text=True,
                                timeout=hang_guard(300), env=dict(os.environ, DS_ACCELERATOR="cpu"))

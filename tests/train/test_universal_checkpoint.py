@@ -1,4 +1,4 @@
-"""The pure pieces of a resume under another layout (smmd_train.universal): the re-split of a ZeRO-3
+"""The pure pieces of a resume under another layout (smmd_train.checkpoint.universal): the re-split of a ZeRO-3
 sub-group partitioned over the whole world into the data-parallel partitions ds_to_universal reads,
 the {"param": tensor} form of a universal checkpoint's states, and the refusals of the conversion and
 its command line. test_launch.py resumes real checkpoints under another --tp and world size."""
@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from smmd_train import checkpoint, universal
-from smmd_train.commits import COMMIT_FILE
-from smmd_train.universal import UNIVERSAL_DIR, convert_to_universal, repartition_over_dp
+from smmd_train.checkpoint import saving as checkpoint
+from smmd_train.checkpoint import universal
+from smmd_train.checkpoint.commits import COMMIT_FILE
+from smmd_train.checkpoint.universal import UNIVERSAL_DIR, convert_to_universal, repartition_over_dp
 
 
 def zero3_partitions(parameters: list, ranks: int) -> list:
