@@ -33,7 +33,7 @@ from ..model.presets import PRESETS
 
 # train.py of the source checkout this package is installed from (an editable install), for the
 # commands the trainer's tools build (train_command, the scaling sweep).
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parents[3] / "launch" / "train.py"  # plugin/smmd_train/config/ -> the checkout
 
 
 # Spellings removed in 0.3.0 (kept through 0.2.0 with a warning): refused by name, with what replaced them.
