@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import sys
 
 # old module -> where it is now
@@ -71,7 +72,9 @@ def install() -> None:
 def room_attribute(room: str, name: str):
     """A room package's ``__getattr__`` (``room`` one of :data:`BECAME_ROOMS`): a name its old module
     held is refused naming the room's module that holds it now."""
-    if not name.startswith("__"):
+    # (a module of the room itself is not refused: ``from room import module`` asks here first, then
+    # imports it when this raises AttributeError)
+    if not name.startswith("__") and importlib.util.find_spec(f"{room}.{name}") is None:
         for module in BECAME_ROOMS[room]:
             if hasattr(importlib.import_module(module), name):
                 raise ImportError(f"{room} is a room since smmd-scale 0.3.0: {name} is in {module}",

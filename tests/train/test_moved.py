@@ -55,6 +55,13 @@ def test_a_name_of_a_module_that_became_a_room_is_refused_naming_its_module():
         holder = next(module for module in BECAME_ROOMS[room] if hasattr(importlib.import_module(module), name))
         with pytest.raises(ImportError, match=rf"^{room} is a room since smmd-scale 0\.3\.0: {name} is in {holder}$"):
             exec(f"from {room} import {name}", {})
+    # a room's own module is taken from it as a module is from a package, also before it was imported
+    # (smmd_train.monitor.training imports dashboards: the name is the old module's too)
+    fresh = subprocess.run([sys.executable, "-c", "from smmd_train.monitor import dashboards, training; "
+                            "from smmd_train.data import packing; from smmd_train.checkpoint import universal; "
+                            "print(dashboards.__name__, packing.__name__)"],
+                           env=environment(), capture_output=True, text=True, timeout=hang_guard(120))
+    assert fresh.stdout.split() == ["smmd_train.monitor.dashboards", "smmd_train.data.packing"], fresh.stderr[-2000:]
     with pytest.raises(AttributeError, match="has no attribute 'never_there'"):
         importlib.import_module("smmd_train.model").never_there  # noqa: B018 (the attribute read is the test)
 
