@@ -6,7 +6,13 @@ r"""Pretraining and continued pretraining with CE + a numeric loss: the script p
 The program (it reads top to bottom) is ``smmd_train/train.py``, also installed as ``smmd-train``.
 """
 
-from smmd_train.train import cli
+import sys
+
+from smmd_train.loss_modules import import_loss_modules
+
+import_loss_modules(sys.argv[1:])  # a user's own losses register before the trainer reads the registry
+
+from smmd_train.train import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli()

@@ -384,8 +384,8 @@ def test_the_ignore_index_is_written_once():
 
 # The trainer's rooms (a folder each) and top-level modules, by floor, lowest first. A module imports
 # its own room and the rooms of lower floors, never a room on its floor or above: the floors run one way.
-TRAINER_FLOORS = [("compat", "moved"), ("model", "monitor"), ("distributed", ), ("config", "data"), ("components", ),
-                  ("checkpoint", ), ("plan", ), ("run", ), ("tools", ), ("train", "commands")]
+TRAINER_FLOORS = [("compat", "moved", "loss_modules"), ("model", "monitor"), ("distributed", ), ("config", "data"),
+                  ("components", ), ("checkpoint", ), ("plan", ), ("run", ), ("tools", ), ("train", "commands")]
 TRAINER_ROOMS = ("config", "data", "distributed", "model", "checkpoint", "monitor", "components", "tools")
 
 
@@ -440,5 +440,5 @@ def test_the_trainer_s_map_names_every_room():
     described = (PLUGIN / "smmd_train" / "__init__.py").read_text()
     rooms = sorted(path.parent.name for path in (PLUGIN / "smmd_train").glob("*/__init__.py"))
     assert rooms == sorted(TRAINER_ROOMS)
-    for room in [*rooms, "train", "run", "plan", "commands", "compat", "moved"]:
+    for room in [*rooms, "train", "run", "plan", "commands", "compat", "moved", "loss_modules"]:
         assert f"``{room}``" in described, f"smmd_train/__init__.py does not name {room}"

@@ -177,6 +177,63 @@ NUMERIC_LOSSES = {entry.name: entry for entry in (
 )}
 
 
+# The modules that took a copy of the table when they were imported (their TensorBoard tags, HParams
+# columns, resume-record flags): a loss registered after one of them would be missing there.
+_READERS = []
+
+
+def note_reader(module: str) -> None:
+    """Record that ``module`` (its ``__name__``) copied the table at import: from then on
+    :func:`register_numeric_loss` refuses, naming it, rather than leave a loss half registered."""
+    if module not in _READERS:
+        _READERS.append(module)
+
+
+def register_numeric_loss(entry: NumericLossEntry) -> NumericLossEntry:
+    """Add a loss of one's own to the table, as the built-in ones are (its module calls this when
+    imported; train.py imports it with ``--loss_module MODULE`` before it reads the table): its name on
+    ``--numeric_loss``, its statistic (``loss/<stat_name>``), its options as train.py flags, HParams
+    columns and resume-record keys. Returns ``entry``.
+
+    Raises:
+        TypeError: ``entry`` is not a :class:`NumericLossEntry`, or an option not a :class:`LossOption`.
+        ValueError: its name, statistic, option group or a flag is another loss's, or a name is not
+            a plain word.
+        RuntimeError: a module has already copied the table (:func:`note_reader`), so the loss would
+            be missing there; the message names the modules and what to import first.
+    """
+    if not isinstance(entry, NumericLossEntry):
+        raise TypeError(f"register_numeric_loss takes a smmd_scale.registry.NumericLossEntry, got "
+                        f"{type(entry).__name__}")
+    if _READERS:
+        raise RuntimeError(f"numeric loss {entry.name!r} registered after {', '.join(_READERS)} copied the registry, "
+                           "so its flags, tags and resume record would be missing there: import the module that "
+                           "registers it first (train.py: --loss_module MODULE)")
+    if not entry.name or not all(part.isalnum() for part in entry.name.split("-")):
+        raise ValueError(f"loss name {entry.name!r} must be words of letters and digits joined by '-' (as "
+                         "--numeric_loss NAME:WEIGHT reads it)")
+    if not entry.stat_name.isidentifier():
+        raise ValueError(f"stat_name {entry.stat_name!r} of loss {entry.name!r} must be an identifier (a TensorBoard "
+                         "tag loss/<stat_name> and a statistics key)")
+    taken = {(other.name, other.stat_name, *other.parts): other.name for other in NUMERIC_LOSSES.values()}
+    for names, owner in taken.items():
+        clash = {entry.name, entry.stat_name, *entry.parts} & set(names)
+        if clash:
+            raise ValueError(f"loss {entry.name!r}: {', '.join(sorted(clash))} is taken by loss {owner!r}")
+    groups = {other.option_group for other in NUMERIC_LOSSES.values()}
+    if entry.option_group in groups:
+        raise ValueError(f"loss {entry.name!r}: option group {entry.option_group!r} is another loss's")
+    flags = {option.flag: option for option in all_options()}
+    for option in entry.options:
+        if not isinstance(option, LossOption):
+            raise TypeError(f"loss {entry.name!r}: its options must be smmd_scale.registry.LossOption, got "
+                            f"{type(option).__name__}")
+        if option.flag in flags:
+            raise ValueError(f"loss {entry.name!r}: flag {option.flag} is another loss's option")
+    NUMERIC_LOSSES[entry.name] = entry
+    return entry
+
+
 def all_options() -> tuple:
     """Every registered :class:`LossOption` once (an option several entries share appears once), in
     registry order: what train.py makes its loss flags from."""

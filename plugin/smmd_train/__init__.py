@@ -2,7 +2,8 @@
 floors only; ``tests/test_structure.py`` holds it), lowest first:
 
 * ``compat``: the inventory of the private upstream APIs the trainer reaches for; ``moved``: the
-  modules that moved into rooms in 0.3.0, refused by their old names;
+  modules that moved into rooms in 0.3.0, refused by their old names; ``loss_modules``: a user's own
+  losses (``--loss_module``), imported before anything reads the loss registry;
 * ``model`` (presets, AutoTP's split, the model built under ZeRO-3) and ``monitor`` (TensorBoard,
   ``metrics.jsonl``, the dashboards);
 * ``distributed``: process groups for every launcher, the launcher command line, sequence

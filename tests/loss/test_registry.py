@@ -63,3 +63,39 @@ def test_each_entry_says_what_its_class_says():
                 (entry.name, option.keyword, option.default, declared)
             checked += 1
     assert checked >= 10  # (every entry's options: SMMD 4, NTL 2 twice and 1 twice, DIST2 2, Gaussian LS 1, DEL 2)
+
+
+def _toy_entry(name="toy-abs", stat_name="toy_abs", group="toy", flag="--toy_scale"):
+    from smmd_scale.registry import LossOption, NumericLossEntry
+
+    return NumericLossEntry(name, stat_name, (), group, SMMDLoss, "a toy", options=(
+        LossOption("scale", flag, float, 1.0, "the toy's scale"), ))
+
+
+def test_a_user_registers_a_loss_of_their_own_and_a_bad_or_late_entry_is_refused(monkeypatch):
+    """``register_numeric_loss`` (what a ``--loss_module`` calls; tests/launch/test_loss_module.py runs
+    one through train.py): the table takes a new entry, refuses one that takes another's name,
+    statistic, option group or flag, and refuses any entry once a module has copied the table."""
+    from smmd_scale import registry
+
+    monkeypatch.setattr(registry, "NUMERIC_LOSSES", dict(NUMERIC_LOSSES))
+    monkeypatch.setattr(registry, "_READERS", [])
+    for entry, message in ((_toy_entry(name="smmd"), "smmd is taken by loss 'smmd'"),
+                           (_toy_entry(stat_name="ntl_was"), "ntl_was is taken by loss 'ntl-was'"),
+                           (_toy_entry(stat_name="mmd"), "mmd is taken by loss 'smmd'"),
+                           (_toy_entry(group="ntl"), "option group 'ntl' is another loss's"),
+                           (_toy_entry(flag="--smmd_sigmas"), "flag --smmd_sigmas is another loss's option"),
+                           (_toy_entry(name="toy abs"), "must be words of letters and digits"),
+                           (_toy_entry(stat_name="toy-abs"), "must be an identifier")):
+        with pytest.raises(ValueError, match=message):
+            registry.register_numeric_loss(entry)
+    with pytest.raises(TypeError, match="takes a smmd_scale.registry.NumericLossEntry"):
+        registry.register_numeric_loss(("toy-abs", "toy_abs"))
+    assert registry.register_numeric_loss(_toy_entry()) is registry.NUMERIC_LOSSES["toy-abs"]
+    assert parse_terms("smmd toy-abs:0.5") == [("smmd", 1.0), ("toy-abs", 0.5)]
+    assert "--toy_scale" in [option.flag for option in registry.all_options()]
+    assert "toy_abs" in registry.statistic_names()
+    registry.note_reader("smmd_train.monitor.training")
+    with pytest.raises(RuntimeError, match=r"'toy-two' registered after smmd_train\.monitor\.training copied the "
+                                           r"registry.*--loss_module MODULE"):
+        registry.register_numeric_loss(_toy_entry("toy-two", "toy_two", "toy2", "--toy_two"))

@@ -19,7 +19,7 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 
-from smmd_scale.registry import NUMERIC_LOSSES
+from smmd_scale.registry import NUMERIC_LOSSES, note_reader
 
 from ..config.arguments import VOCAB_FLAGS
 
@@ -231,6 +231,7 @@ def numeric_scale_warnings(loss, vocab_size: int) -> list:
 # The flags that shape each numeric loss, recorded when it is in --numeric_loss: its registry entry's
 # options (NTL-MSE and number-level NTL take no distances, so --ntl_squash_factor is NTL-WAS's alone).
 LOSS_FLAGS = {name: tuple(option.column for option in entry.options) for name, entry in NUMERIC_LOSSES.items()}
+note_reader(__name__)
 
 
 def objective_record(settings, vocab) -> dict:

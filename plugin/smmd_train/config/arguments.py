@@ -29,6 +29,8 @@ from smmd_scale.registry import NUMERIC_LOSSES, all_options, parse_terms
 
 from .. import compat
 from ..distributed.launcher import launch_command
+from ..loss_modules import FLAG as LOSS_MODULE_FLAG
+from ..loss_modules import import_loss_modules
 from ..model.presets import PRESETS
 
 # train.py of the source checkout this package is installed from (an editable install), for the
@@ -155,6 +157,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       "total = CE + sum of weight x loss, e.g. --numeric_loss smmd ntl-was:0.3; weight 0 (smmd:0) "
                       "trains on CE only and still logs the numeric metrics. Losses: " +
                       "; ".join(f"{entry.name}: {entry.summary}" for entry in NUMERIC_LOSSES.values()))
+    smmd.add_argument(LOSS_MODULE_FLAG, nargs="+", default=[], metavar="MODULE",
+                      help="import these Python modules first: each registers numeric losses of its own "
+                      "(smmd_scale.registry.register_numeric_loss), which --numeric_loss then names like the "
+                      "built-in ones, with their option flags (docs/objective.md, 'Adding a numeric loss')")
     smmd.add_argument("--numeric_policy", default="integers", choices=["integers", "digits", "floats"],
                       help="which tokens are numeric (NumericVocab.from_tokenizer), for every numeric loss")
     smmd.add_argument("--numeric_max_value", type=float, default=999,
@@ -195,6 +201,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] = None) -> argparse.Namespace:
     """train.py's arguments, with the checks that need no file, model or process group."""
+    import_loss_modules(sys.argv[1:] if argv is None else [str(token) for token in argv])
     parser = build_parser(description)
     parser.check_known(sys.argv[1:] if argv is None else [str(token) for token in argv])
     args = parser.parse_args(argv)

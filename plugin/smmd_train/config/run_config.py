@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
 
-from smmd_scale.registry import all_options
+from smmd_scale.registry import all_options, note_reader
 
 from .deepspeed import (
     AUTO,
@@ -98,10 +98,12 @@ class Layout:
 class Loss:
     """What the run trains on: CE, the numeric loss(es) and their options, or the model's own loss."""
 
+    loss_module: tuple = setting("--loss_module")  # modules that register losses of the user's own
     numeric_loss: tuple = setting("--numeric_loss", hparam="numeric_loss")  # ((name, weight), ...)
     numeric_policy: str = setting("--numeric_policy")
     numeric_max_value: float = setting("--numeric_max_value")
     # Each registered loss option (smmd_scale.registry.all_options) by its column: {"smmd_sigmas": (2.0,), ...}
+    note_reader(__name__)  # (the field's flags and HParams columns copy the registry's options)
     options: Mapping = setting(*(option.flag for option in all_options()),
                                hparam=tuple(option.column for option in all_options()))
     fused_linear: bool = setting("--fused_linear", hparam="fused_linear")

@@ -37,9 +37,11 @@ import hashlib
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from smmd_scale.registry import all_options, options_in_use, statistic_names
+from smmd_scale.registry import all_options, note_reader, options_in_use, statistic_names
 
 from .. import compat
+
+note_reader(__name__)  # the charts and HParams columns below copy the registry's losses
 
 # Per-step charts, one tag each (tag -> title), by category; a run's layout holds those it writes.
 STEP_CHARTS = {

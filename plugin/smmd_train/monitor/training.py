@@ -46,13 +46,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from smmd_scale.registry import statistic_names
+from smmd_scale.registry import note_reader, statistic_names
 
 from . import dashboards
 from .metrics_file import keep_records_through
 
 # The per-position statistics the registered numeric losses report (their output's stats), logged as loss/<name>.
 NUMERIC_PARTS = statistic_names()
+note_reader(__name__)
 # Sums kept per step, in this order, reduced over the data-parallel group.
 _SUMS = ("total", "ce", "z", "numeric", *NUMERIC_PARTS, "numeric_tokens", "correct", "abs_error", "tokens",
          "micro_batches")
