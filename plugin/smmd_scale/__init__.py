@@ -11,7 +11,9 @@ refused by name with what replaced it (``removed.py``).
 """
 
 from .digit_entropy import DigitEntropyLoss
+from .dist2 import DIST2Loss
 from .fused_linear import linear_numeric_cross_entropy
+from .gauss_ls import GaussianLabelSmoothingLoss
 from .integrations import install, vocab_parallel_numeric_cross_entropy
 from .loss import NumericOutput, numeric_cross_entropy
 from .ntl import NTLoss
@@ -20,7 +22,6 @@ from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .registry import NUMERIC_LOSSES, build_numeric_loss
 from .removed import module_attribute
 from .smmd import SMMDLoss
-from .soft_target import DIST2Loss, GaussianLabelSmoothingLoss
 from .vocab import NumericVocab
 
 __version__ = "0.3.0"

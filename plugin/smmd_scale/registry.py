@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .digit_entropy import DigitEntropyLoss
+from .dist2 import DIST2Loss
+from .gauss_ls import GaussianLabelSmoothingLoss
 from .ntl import NTLoss
 from .number_level import NumberLevelNTLoss
 from .numeric_loss import NumericLoss, WeightedNumericLosses
 from .refusal import Refusal
 from .smmd import SMMDLoss
-from .soft_target import DIST2Loss, GaussianLabelSmoothingLoss
 from .vocab import NumericVocab
 
 

@@ -4,22 +4,22 @@ distance,
 
     t_j = exp(-(v_j - v_y)^2 / tau) / sum_k exp(-(v_k - v_y)^2 / tau)      over the N numeric tokens
 
-in two named parameterisations, each as its authors' code computes it:
+in two named parameterisations, each as its authors' code computes it, each in a module of its own:
 
-* **DIST2** (:class:`DIST2Loss`; "Teaching Metric Distance to Discrete Autoregressive Language
-  Models", arXiv 2503.02379; the re-implementation ``DIST2loss`` in PolyU-VCLab/DEL):
+* **DIST2** (``smmd_scale.dist2.DIST2Loss``; "Teaching Metric Distance to Discrete Autoregressive
+  Language Models", arXiv 2503.02379; the re-implementation ``DIST2loss`` in PolyU-VCLab/DEL):
   ``KL(t || q) = sum_j t_j (log t_j - log q_j)`` with ``q = softmax`` over the numeric tokens (the
   numeric slice is the normaliser), temperature ``tau`` (the re-implementation's is 1). With
   ``place_weighted=True`` each position is weighted by its place in its run of numeric targets (1
   for the last, 2 for the one before, ...), as that re-implementation does.
-* **Gaussian label smoothing** (:class:`GaussianLabelSmoothingLoss`; the NTL paper's baseline,
-  tum-ai/number-token-loss ``GaussianLabelSmoother``): the cross-entropy ``-sum_j t_j log p_j`` with
+* **Gaussian label smoothing** (``smmd_scale.gauss_ls.GaussianLabelSmoothingLoss``; the NTL paper's
+  baseline, tum-ai/number-token-loss ``GaussianLabelSmoother``): the cross-entropy ``-sum_j t_j log p_j`` with
   ``p`` the **full-vocabulary** softmax and ``tau = 2 sigma^2``. The smoother uses it *instead of* CE
   at number targets; here it is a term added to CE (``CE + weight * loss``), see docs/objective.md.
 
-Both have a hand-written gradient, ``w (q - t)`` through the numeric logits (and, for the
-full-vocabulary normaliser, ``-1`` through the log of the numeric tokens' mass); ``numeric_value``
-states the same loss for autograd (tested equal).
+This module holds what they share (:class:`SoftTargetLoss`). Both have a hand-written gradient,
+``w (q - t)`` through the numeric logits (and, for the full-vocabulary normaliser, ``-1`` through the
+log of the numeric tokens' mass); ``numeric_value`` states the same loss for autograd (tested equal).
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ from typing import Optional
 import torch
 
 from .call_plan import NumericSlice
-from .number_level import runs_along
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .refusal import Named, Refusal
-from .sequence_shard import run_context
 from .vocab import NumericVocab
 
 
-def _positive(name: str, value) -> float:
+def positive(name: str, value) -> float:
+    """``value`` as a float, or a refusal naming ``name`` unless it is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise Refusal("{option} must be a finite number > 0", option=Named(name, value))
     return float(value)
@@ -58,7 +57,7 @@ class SoftTargetLoss(NumericLoss):
         if int(torch.unique(vocab.values).numel()) < 2:
             raise ValueError(f"the numeric vocabulary has {len(vocab)} token(s) but fewer than two distinct values; "
                              "soft targets over one value are the one-hot target (plain CE)")
-        self.tau = _positive("tau", tau)
+        self.tau = positive("tau", tau)
 
     @property
     def needs_mass(self) -> bool:
@@ -102,61 +101,3 @@ class SoftTargetLoss(NumericLoss):
             grad_log_mass = None if grad_log_mass is None else grad_log_mass * weights
         return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={self.name: value},
                             grad_logits=grad_logits, grad_log_mass=grad_log_mass)
-
-
-class DIST2Loss(SoftTargetLoss):
-    """DIST2: ``KL(t || softmax over the numeric tokens)``, ``t_j ~ exp(-(v_j - v_y)^2 / tau)``.
-
-    ``DIST2Loss(vocab, tau=1.0)``; ``place_weighted=True`` weights each position by its place in its
-    run of numeric targets along ``sequence_dim`` (the last one 1, the one before 2, ...), as the DEL
-    authors' re-implementation does on digit tokenizers.
-    """
-
-    name = "dist2"
-
-    def __init__(self, vocab: NumericVocab, tau: float = 1.0, place_weighted: bool = False, sequence_dim: int = -1,
-                 ignore_index: int = IGNORE_INDEX):
-        super().__init__(vocab, tau, ignore_index)
-        if not isinstance(place_weighted, bool):
-            raise TypeError(f"place_weighted={place_weighted!r} must be True or False")
-        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
-            raise TypeError(f"sequence_dim={sequence_dim!r} must be an int")
-        self.place_weighted, self.sequence_dim = place_weighted, sequence_dim
-
-    def __repr__(self):
-        return (f"DIST2Loss(tau={self.tau:g}, place_weighted={self.place_weighted}, sequence_dim={self.sequence_dim}, "
-                f"ignore_index={self.ignore_index}, vocab={self.vocab!r})")
-
-    def options(self) -> tuple:
-        return self.tau, self.place_weighted, self.sequence_dim
-
-    def position_weights(self, plan) -> Optional[torch.Tensor]:
-        if not self.place_weighted:
-            return None
-        context = run_context(plan, self.sequence_dim)
-        runs = runs_along(context.marked().view(context.targets.shape), self.sequence_dim)
-        return (runs.length - runs.index)[context.positions[context.of_call]].to(torch.float64)
-
-
-class GaussianLabelSmoothingLoss(SoftTargetLoss):
-    """Gaussian label smoothing on number tokens: ``-sum_j t_j log p_j``, ``p`` the full-vocabulary
-    softmax, ``t_j ~ exp(-(v_j - v_y)^2 / (2 sigma^2))`` over the numeric tokens.
-
-    ``GaussianLabelSmoothingLoss(vocab, sigma=1.0)``: a term next to CE; the smoother's own objective
-    (this loss *instead of* CE at number targets) is ``CE + loss - CE at the number targets``.
-    """
-
-    name = "gauss_ls"
-    normaliser = "vocab"
-    divergence = "ce"
-
-    def __init__(self, vocab: NumericVocab, sigma: float = 1.0, ignore_index: int = IGNORE_INDEX):
-        self.sigma = _positive("sigma", sigma)
-        super().__init__(vocab, 2.0 * self.sigma * self.sigma, ignore_index)
-
-    def __repr__(self):
-        return (f"GaussianLabelSmoothingLoss(sigma={self.sigma:g}, ignore_index={self.ignore_index}, "
-                f"vocab={self.vocab!r})")
-
-    def options(self) -> tuple:
-        return (self.sigma, )

@@ -10,9 +10,9 @@ import torch
 from smmd_scale import NumericVocab, linear_numeric_cross_entropy, numeric_cross_entropy
 from smmd_scale.block_plan import DeviceProperties, plan_as
 from smmd_scale.digit_entropy import DigitEntropyLoss
+from smmd_scale.dist2 import DIST2Loss
 from smmd_scale.number_level import NumberLevelNTLoss
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss, options_from
-from smmd_scale.soft_target import DIST2Loss
 
 H200 = DeviceProperties("cuda", free_bytes=139 << 30)
 CPU = DeviceProperties("cpu")
