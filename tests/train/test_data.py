@@ -21,10 +21,10 @@ from helpers import style_tokenizers
 from helpers.host_probe import hang_guard
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from smmd_train import data
+from smmd_train.data import sources
 from smmd_train.data.batches import PackedBatches, eval_batches
-from smmd_train.data.packing import check_tokenizer_fits_model, tokenize_and_pack
-from smmd_train.data.sources import load_text_dataset
+from smmd_train.data.packing import check_tokenizer_fits_model, pack_files, tokenize_and_pack
+from smmd_train.data.sources import data_format, load_text_dataset
 
 from conftest import SESSION_SEED
 
@@ -175,7 +175,7 @@ def test_a_broken_first_line_is_named_by_file_line_and_column(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{path}:1:12: not valid JSON: Expecting ',' delimiter; ")):
         load_text_dataset([str(path)])
     with pytest.raises(ValueError, match=re.escape(f"{path}:1:12: not valid JSON: Expecting ',' delimiter; ")):
-        data.pack_files([str(path)], None, 8)
+        pack_files([str(path)], None, 8)
 
 
 def test_a_broken_json_array_names_its_line(tmp_path):
@@ -236,7 +236,7 @@ def test_empty_inputs(tmp_path):
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "json"])
 def test_invalid_utf8_names_the_file_and_line(tmp_path, rng, monkeypatch, kind):
     # Tiny read chunks put multi-byte characters (and the bad bytes) across chunk boundaries.
-    monkeypatch.setattr(data, "_UTF8_CHUNK_BYTES", rng.randint(1, 64))
+    monkeypatch.setattr(sources, "_UTF8_CHUNK_BYTES", rng.randint(1, 64))
     documents = random_documents(rng, rng.randint(1, 20))
     if kind == "txt":
         lines = [document.encode() for document in documents]
@@ -619,11 +619,11 @@ def test_prompt_completion_rows_are_prompt_completion_eos_then_padding(tmp_path,
     records = [record for file in files for record in file]
     seq_len = max(sum(map(len, record_ids(record, tokenizer.backend_tokenizer, tokenizer.eos_token_id)))
                   for record in records) + rng.randint(0, 5)
-    assert data.data_format(paths) == "prompt_completion"
+    assert data_format(paths) == "prompt_completion"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     for cache_dir in (None, tmp_path / "cache", tmp_path / "cache"):  # the third reads the second's cache file
-        rows = data.pack_files(paths, tokenizer, seq_len, cache_dir=cache_dir)
+        rows = pack_files(paths, tokenizer, seq_len, cache_dir=cache_dir)
         assert rows.column_names == ["input_ids", "labels"] and len(rows) == len(records)
         for row, record in zip(rows, records):
             prompt, completion = record_ids(record, tokenizer.backend_tokenizer, tokenizer.eos_token_id)
@@ -651,7 +651,7 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
 
     records = random_records(rng, rng.randint(3, 6))
     seq_len = 4 * -(-(fitting_seq_len(records, tokenizer) + rng.randint(0, 8)) // 4)  # SP=4 shards it below
-    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer, seq_len)
+    rows = pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer, seq_len)
     batches = PackedBatches(rows, micro_batch_size=len(records), dp_rank=0, dp_size=1, seed=rng.randrange(2**32))
     batch = next(batches)
     model = tiny_llama(len(tokenizer), max_positions=seq_len, seed=rng.randrange(2**31)).double().eval()
@@ -693,7 +693,7 @@ def test_a_padded_batch_trains_the_examples_one_by_one_and_counts_completion_tok
 
 def test_prompt_completion_data_resumes_through_the_same_data_state(tmp_path, rng, tokenizer):
     records = random_records(rng, rng.randint(10, 30))
-    rows = data.pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer,
+    rows = pack_files([write_records(tmp_path / "sft.jsonl", records)], tokenizer,
                            fitting_seq_len(records, tokenizer))
     micro_batch_size, dp_size, seed = rng.randint(1, 3), rng.randint(1, 2), rng.randrange(2**32)
     original = PackedBatches(rows, micro_batch_size, 0, dp_size, seed)
@@ -725,7 +725,7 @@ def test_a_bad_prompt_completion_record_is_one_line_naming_file_and_line(tmp_pat
     index = rng.randint(1, len(records))
     path = write_records(tmp_path / "sft.jsonl", records, extra_lines=[(index, line)])
     with pytest.raises(ValueError) as refused:
-        data.pack_files([path], tokenizer, fitting_seq_len(records, tokenizer))
+        pack_files([path], tokenizer, fitting_seq_len(records, tokenizer))
     text = str(refused.value)
     assert re.search(re.escape(path) + message.format(line=index + 1), text) and "\n" not in text, text
 
@@ -736,13 +736,13 @@ def test_formats_do_not_mix_and_a_record_longer_than_seq_len_is_named(tmp_path, 
     text = str(write_jsonl(tmp_path / "text.jsonl", random_documents(rng, 3)))
     with pytest.raises(ValueError, match=re.escape(f"mix prompt/completion files ['{sft}'] and text sources "
                                                    f"['{text}']; train on one format per run")):
-        data.pack_files([text, sft], tokenizer, 64)
+        pack_files([text, sft], tokenizer, 64)
     longest = max(range(len(records)), key=lambda index: sum(map(len, record_ids(
         records[index], tokenizer.backend_tokenizer, tokenizer.eos_token_id))))
     length = sum(map(len, record_ids(records[longest], tokenizer.backend_tokenizer, tokenizer.eos_token_id)))
     with pytest.raises(ValueError, match=re.escape(f"{sft}:{longest + 1}: the record is {length} tokens (")
                        + rf".*more than --seq_len {length - 1}; raise --seq_len"):
-        data.pack_files([sft], tokenizer, length - 1)
+        pack_files([sft], tokenizer, length - 1)
 
 
 def test_train_py_s_set_up_reads_prompt_completion_data_and_refuses_a_broken_line(tmp_path, rng, tokenizer_dir,
