@@ -226,10 +226,12 @@ def padded_numeric_positions(vocab: NumericVocab, targets: torch.Tensor, valid: 
 def fixed_capacity(loss: NumericLossLike, device: torch.device, tensor_parallel: bool, sequence_shard) -> bool:
     """Whether a call's numeric positions are held at a fixed capacity (the call's tokens) rather than
     at the count the targets hold: on an accelerator's plan or inside ``torch.compile``, where reading
-    the count back to the host would stall the device or break the graph. Not under tensor or
-    sequence parallelism (the exchange's header carries the count, and its rows have a capacity of
-    their own). A loss that reads digit runs finds them at the capacity too (``RunContext.live``)."""
-    if tensor_parallel or sequence_shard is not None:
+    the count back to the host would stall the device or break the graph. Under tensor parallelism
+    too: the count then travels in the exchange's header, written on the device, and only the rows
+    within the exchange's own capacity are sent (:func:`smmd_scale.parallel.exchange`). Not on a sequence
+    shard (its numbers are found in the whole sequence's targets, at their exact positions). A loss
+    that reads digit runs finds them at the capacity too (``RunContext.live``)."""
+    if sequence_shard is not None:
         return False
     return DeviceProperties.of(device).accelerator or torch.compiler.is_compiling()
 
@@ -270,11 +272,12 @@ def rank_contribution(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=No
                       target_logits: Optional[torch.Tensor] = None,
                       local_logit_sum: Optional[torch.Tensor] = None) -> RankContribution:
     """This rank's complete contribution to the exchange: the header of ``plan`` and its data pieces
-    (``numeric_logits [P, hi - lo]``; with CE the local :class:`ShiftedLogSumExp` and ``target_logits [T]``;
+    (``numeric_logits [P, hi - lo]``, on a fixed-capacity plan ``[T, hi - lo]`` with the count a device
+    tensor; with CE the local :class:`ShiftedLogSumExp` and ``target_logits [T]``;
     with label smoothing the sum of this shard's logits ``[T]``)."""
     return RankContribution(**_header(plan.loss, plan.spec, plan.targets, plan.vocab_start_index,
                                       with_ce=local_lse is not None, options=plan.options,
-                                      numeric_positions=int(plan.positions.numel()),
+                                      numeric_positions=plan.numeric_count,
                                       numeric_columns=plan.numeric_columns),
                             numeric_logits=numeric_logits, local_lse=local_lse, target_logits=target_logits,
                             local_logit_sum=local_logit_sum)
@@ -348,7 +351,9 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
         owned, local_targets = valid, flat_targets.clamp(0, max(width - 1, 0))
     # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
     if may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard):
-        positions, numeric_targets, live = padded_numeric_positions(vocab, local_targets, valid)
+        # (the numeric positions are the whole vocabulary's: the global target ids, clamped into it)
+        positions, numeric_targets, live = padded_numeric_positions(
+            vocab, flat_targets.clamp(0, vocab.vocab_size - 1) if tensor_parallel else local_targets, valid)
     else:
         (positions, numeric_targets), live = numeric_positions(flat_targets, token_ids, loss.ignore_index), None
     lo, hi = vocab.count_below(vocab_start_index), vocab.count_below(vocab_start_index + width)

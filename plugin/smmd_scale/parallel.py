@@ -240,37 +240,47 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
     row[VOCAB_START], row[WIDTH] = contribution.vocab_start, contribution.width
     row[VOCAB_SIZE] = contribution.vocab_size
     row[NUMERIC_SIZE], row[LOSS_FINGERPRINT] = numeric_size, contribution.loss_fingerprint
-    row[NUMERIC_POSITIONS] = contribution.numeric_positions
+    counted_on_device = isinstance(contribution.numeric_positions, torch.Tensor)  # a fixed-capacity plan
+    row[NUMERIC_POSITIONS] = 0 if counted_on_device else contribution.numeric_positions
     own_header = views["header"][tp_rank]
     own_header.copy_(torch.tensor(row, dtype=torch.int64))
     healthy = contribution.failed_check is None
+    lo, hi = contribution.numeric_columns
     if healthy:
         own_header[TARGETS_FINGERPRINT] = targets_fingerprint(contribution.targets)
+        if counted_on_device:
+            own_header[NUMERIC_POSITIONS] = contribution.numeric_positions
         if contribution.with_ce:
             views["lse"][:, tp_rank, 0], views["lse"][:, tp_rank, 1] = contribution.local_lse
             if contribution.local_logit_sum is not None:
                 views["lse"][:, tp_rank, 2] = contribution.local_logit_sum
             views["target"].copy_(contribution.target_logits)
-        lo, hi = contribution.numeric_columns
-        if contribution.numeric_positions <= state.capacity:
+        if counted_on_device:  # the numeric positions come first: the capacity's rows hold them when they fit
+            rows = min(state.capacity, contribution.numeric_logits.shape[0])
+            views["numeric"][:rows, lo:hi] = contribution.numeric_logits[:rows]
+        elif contribution.numeric_positions <= state.capacity:
             views["numeric"][:contribution.numeric_positions, lo:hi] = contribution.numeric_logits
 
     _all_reduce(buffer, tp_group)
     comm_calls, comm_bytes = 1, buffer.numel() * WORD_BYTES
-    _raise_on_disagreement(views["header"].tolist())
+    header = views["header"].tolist()  # the call's one host read: every rank's verdict and counts
+    _raise_on_disagreement(header)
 
+    count = header[tp_rank][NUMERIC_POSITIONS]
     numeric = views["numeric"]
-    if contribution.numeric_positions > state.capacity:
-        # All ranks agree on numeric_positions (checked above), so all of them take this branch.
-        state.capacity = _grown_capacity(contribution.numeric_positions)
+    if count > state.capacity:
+        # All ranks agree on the count (checked above), so all of them take this branch.
+        state.capacity = _grown_capacity(count)
         again = _PackedBuffer()
         again.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
         second, second_views = again.allocate(contribution.device)
-        lo, hi = contribution.numeric_columns
-        second_views["numeric"][:contribution.numeric_positions, lo:hi] = contribution.numeric_logits
+        second_views["numeric"][:count, lo:hi] = contribution.numeric_logits[:count]
         _all_reduce(second, tp_group)
         comm_calls, comm_bytes = 2, comm_bytes + second.numel() * WORD_BYTES
         numeric = second_views["numeric"]
-    return ExchangeResult(lse_slots=views.get("lse"), target_logits=views.get("target"),
-                     numeric_logits=numeric[:contribution.numeric_positions], comm_calls=comm_calls,
-                     comm_bytes=comm_bytes)
+    numeric = numeric[:count]
+    if counted_on_device:  # back to the plan's capacity: its spare rows after the count, as zeros
+        numeric = torch.cat([numeric, numeric.new_zeros((contribution.numeric_logits.shape[0] - count,
+                                                          numeric_size))])
+    return ExchangeResult(lse_slots=views.get("lse"), target_logits=views.get("target"), numeric_logits=numeric,
+                          comm_calls=comm_calls, comm_bytes=comm_bytes)
