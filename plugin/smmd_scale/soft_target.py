@@ -101,3 +101,14 @@ class SoftTargetLoss(NumericLoss):
             grad_log_mass = None if grad_log_mass is None else grad_log_mass * weights
         return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={self.name: value},
                             grad_logits=grad_logits, grad_log_mass=grad_log_mass)
+
+
+# The losses that lived here until 0.3.0, each now in a module of its own.
+_MOVED = {"DIST2Loss": "smmd_scale.dist2", "GaussianLabelSmoothingLoss": "smmd_scale.gauss_ls"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise ImportError(f"{name} moved to {_MOVED[name]} in smmd-scale 0.3.0 (from smmd_scale import {name} "
+                          "works as before)", name=__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,3 +99,14 @@ def test_a_user_registers_a_loss_of_their_own_and_a_bad_or_late_entry_is_refused
     with pytest.raises(RuntimeError, match=r"'toy-two' registered after smmd_train\.monitor\.training copied the "
                                            r"registry.*--loss_module MODULE"):
         registry.register_numeric_loss(_toy_entry("toy-two", "toy_two", "toy2", "--toy_two"))
+
+
+def test_a_loss_that_moved_to_a_module_of_its_own_is_refused_by_its_old_path():
+    import smmd_scale
+    from smmd_scale.dist2 import DIST2Loss
+    from smmd_scale.gauss_ls import GaussianLabelSmoothingLoss
+
+    assert smmd_scale.DIST2Loss is DIST2Loss and smmd_scale.GaussianLabelSmoothingLoss is GaussianLabelSmoothingLoss
+    for name, module in (("DIST2Loss", "smmd_scale.dist2"), ("GaussianLabelSmoothingLoss", "smmd_scale.gauss_ls")):
+        with pytest.raises(ImportError, match=f"^{name} moved to {module} in smmd-scale 0.3.0"):
+            exec(f"from smmd_scale.soft_target import {name}", {})
