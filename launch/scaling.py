@@ -10,7 +10,11 @@ Strong (fixed global batch) or weak (``--weak``: fixed batch per replica) scalin
 
 import sys
 
-from smmd_train.tools.scaling import main
+from smmd_train.loss_modules import import_loss_modules
+
+import_loss_modules(sys.argv[1:])  # a user's own losses register before the sweep reads train.py's flags
+
+from smmd_train.tools.scaling import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -62,7 +62,7 @@ def _run(command: str, argv):
               f'pip install "smmd-scale[{extra}]" (in a checkout: pip install -e ".[{extra}]")', file=sys.stderr)
         return 2
     module, function = target.split(":")
-    if command == "smmd-train":  # a user's own losses register before the trainer reads the registry
+    if command in ("smmd-train", "smmd-sweep"):  # a user's own losses register before the trainer reads the registry
         from .loss_modules import import_loss_modules
 
         import_loss_modules(sys.argv[1:] if argv is None else argv)
