@@ -37,7 +37,7 @@ import torch
 from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
 from .parallel import sum_across
 from .refusal import Refusal, digits_vocabulary, literal
-from .sequence_shard import RunContext, run_context
+from .sequence_shard import marked_cells, run_context
 from .vocab import NumericVocab
 
 # ntloss computes the target numbers in float32 and takes float32's epsilon in the denominator.
@@ -76,7 +76,7 @@ def digit_spans(targets: torch.Tensor, positions: torch.Tensor, sequence_dim: in
     # the flat indices laid out as [rows, sequence]
     order = torch.arange(tokens, device=device).view(shape).movedim(sequence_dim, -1)
     order = order.reshape(-1, order.shape[-1]) if order.dim() else order.view(1, 1)
-    is_digit = RunContext(targets, positions, None, None, None, live).marked()
+    is_digit = marked_cells(tokens, positions, live)
     digit = is_digit[order]
     previous = torch.zeros_like(digit)
     previous[:, 1:] = digit[:, :-1]

@@ -134,16 +134,20 @@ class RunContext(NamedTuple):
     live: Optional[torch.Tensor] = None
 
     def marked(self) -> torch.Tensor:
-        """bool ``[cells]`` of the targets: True at the numeric positions. A spare row marks nothing:
-        it writes to a bin cell past the end (an index, not a mask: no host sync)."""
-        cells = self.targets.numel()
-        if self.live is None:
-            marked = torch.zeros(cells, dtype=torch.bool, device=self.positions.device)
-            marked[self.positions] = True
-            return marked
-        marked = torch.zeros(cells + 1, dtype=torch.bool, device=self.positions.device)
-        marked[torch.where(self.live, self.positions, cells)] = True
-        return marked[:cells]
+        """bool ``[cells]`` of the targets: True at the numeric positions (:func:`marked_cells`)."""
+        return marked_cells(self.targets.numel(), self.positions, self.live)
+
+
+def marked_cells(cells: int, positions: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool ``[cells]``: True at ``positions`` (flat indices); with ``live`` (a fixed-capacity plan's), a
+    spare row marks nothing: it writes to a bin cell past the end (an index, not a mask: no host sync)."""
+    if live is None:
+        marked = torch.zeros(cells, dtype=torch.bool, device=positions.device)
+        marked[positions] = True
+        return marked
+    marked = torch.zeros(cells + 1, dtype=torch.bool, device=positions.device)
+    marked[torch.where(live, positions, cells)] = True
+    return marked[:cells]
 
 
 def numeric_positions(targets: torch.Tensor, token_ids: torch.Tensor, ignore_index: int) -> tuple:

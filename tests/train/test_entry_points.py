@@ -113,3 +113,18 @@ def test_the_help_shows_the_usage_example_as_written():
                         "--tp 2 \\")
     assert lines[first + 1] == ("        --model 7b --tokenizer /data/tokenizer --data /data/corpus.jsonl "
                                 "--output_dir /ckpt/run1")
+
+
+def test_the_loss_modules_are_read_off_the_command_line_before_any_parser():
+    """``--loss_module`` as argparse reads it (several after one flag, ``=``, the flag repeated), found
+    by the pre-scan that launch/train.py, smmd-train and smmd-sweep run before the trainer is imported;
+    a module that cannot be imported is named with the flag."""
+    from smmd_train.loss_modules import import_loss_modules, loss_modules_in
+
+    argv = ["--model", "tiny", "--loss_module", "a", "b.c", "--lr", "0.1", "--loss_module=d", "--numeric_loss",
+            "smmd", "--loss_module", "e"]
+    assert loss_modules_in(argv) == ["a", "b.c", "d", "e"]
+    assert loss_modules_in(["--model", "tiny", "--numeric_loss", "smmd"]) == []
+    assert import_loss_modules(["--loss_module", "json"]) == ["json"]
+    with pytest.raises(SystemExit, match=r"^--loss_module no_such_module_here: cannot import it \(No module named"):
+        import_loss_modules(["--loss_module", "no_such_module_here"])
