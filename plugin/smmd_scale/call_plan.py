@@ -24,21 +24,25 @@ from .sequence_shard import SequenceShard, numeric_positions
 from .vocab import NumericVocab
 
 
-@dataclass
 class NumericSlice:
     """What the one exchange gives a numeric loss at a call's P numeric-target positions (float64).
 
     logits:   ``[P, N]`` the numeric logits (after the call's logit scale and soft-cap)
-    q, log_q: ``[P, N]`` the softmax over the numeric tokens and its log
+    q, log_q: ``[P, N]`` the softmax over the numeric tokens and its log (``log_q`` formed when a loss
+              first reads it, if not given: the losses that read only ``q`` launch no op for it)
     mass:     ``[P]`` the full softmax's probability on the numeric tokens, None unless the loss
               ``needs_mass``; ``log_mass`` its log, formed without cancellation
     """
 
-    logits: torch.Tensor
-    q: torch.Tensor
-    log_q: torch.Tensor
-    mass: Optional[torch.Tensor] = None
-    log_mass: Optional[torch.Tensor] = None
+    def __init__(self, logits: torch.Tensor, q: torch.Tensor, log_q: Optional[torch.Tensor] = None,
+                 mass: Optional[torch.Tensor] = None, log_mass: Optional[torch.Tensor] = None):
+        self.logits, self.q, self._log_q, self.mass, self.log_mass = logits, q, log_q, mass, log_mass
+
+    @property
+    def log_q(self) -> torch.Tensor:
+        if self._log_q is None:
+            self._log_q = torch.log_softmax(self.logits, dim=-1)
+        return self._log_q
 
 
 @runtime_checkable
@@ -174,7 +178,11 @@ class CallPlan:
         (:class:`~smmd_scale.sequence_shard.SequenceShard`), None when it holds whole sequences
     live: None when ``positions`` are exactly the numeric positions (P of them, a size read from the
         data); else ``[T]`` bool: the plan holds a fixed capacity of T rows (the call's tokens), the
-        numeric positions first, and ``live`` says which rows are numeric (:func:`fixed_capacity`)
+        numeric positions first, and ``live`` says which rows are numeric (:func:`fixed_capacity`);
+        ``live_count`` their number and ``live_weight`` ``live`` as float64 (what masks the rows' values
+        and sums the statistics over the numeric rows, made once)
+    valid_count: the valid (not ignored) targets, a 0-dim tensor counted on the device once for the CE
+        + numeric ops (the mean's divisor and the statistics); None for the loss alone
     """
 
     loss: NumericLossLike
@@ -198,6 +206,8 @@ class CallPlan:
     sequence_shard: Optional[SequenceShard] = None
     live: Optional[torch.Tensor] = None
     live_count: Optional[torch.Tensor] = None
+    live_weight: Optional[torch.Tensor] = None
+    valid_count: Optional[torch.Tensor] = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -318,14 +328,13 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, int):
         raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
     vocab = loss.vocab
+    values_on_host = not (DeviceProperties.of(spec.device).accelerator or torch.compiler.is_compiling())
     if failed_check is None:
         failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
                                            ignore_index=loss.ignore_index, num_items_in_batch=num_items_in_batch,
                                            num_numeric_in_batch=num_numeric_in_batch, weight=weight,
-                                           options=options,
-                                           values_on_host=not (DeviceProperties.of(spec.device).accelerator
-                                                               or torch.compiler.is_compiling()))
+                                           options=options, values_on_host=values_on_host)
     if failed_check is not None:
         if not tensor_parallel:
             raise failed_check.error()
@@ -342,26 +351,32 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     width = spec.width
     compute_dtype = compute_dtype_for(spec.dtype, options.accum_dtype)
     token_ids, values = vocab.on(spec.device, compute_dtype)
-    flat_targets = targets.reshape(-1).to(torch.long)
+    flat_targets = (targets if targets.dim() == 1 else targets.reshape(-1)).to(torch.long)
     valid = flat_targets != loss.ignore_index
     if tensor_parallel:
         owned = valid & (flat_targets >= vocab_start_index) & (flat_targets < vocab_start_index + width)
         local_targets = (flat_targets - vocab_start_index).clamp(0, max(width - 1, 0))
+        in_vocab = flat_targets.clamp(0, vocab.vocab_size - 1) if not values_on_host or may_pad_positions else None
     else:  # one device holds the whole vocabulary (checked): every valid target is its own
         owned, local_targets = valid, flat_targets.clamp(0, max(width - 1, 0))
+        in_vocab = local_targets
+    if not values_on_host:
+        checks.assert_targets_in_range(flat_targets, in_vocab, valid, vocab.vocab_size, loss.ignore_index)
     # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
     if may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard):
         # (the numeric positions are the whole vocabulary's: the global target ids, clamped into it)
-        positions, numeric_targets, live = padded_numeric_positions(
-            vocab, flat_targets.clamp(0, vocab.vocab_size - 1) if tensor_parallel else local_targets, valid)
+        positions, numeric_targets, live = padded_numeric_positions(vocab, in_vocab, valid)
     else:
         (positions, numeric_targets), live = numeric_positions(flat_targets, token_ids, loss.ignore_index), None
     lo, hi = vocab.count_below(vocab_start_index), vocab.count_below(vocab_start_index + width)
-    local_numeric_columns = token_ids[lo:hi] if vocab_start_index == 0 else token_ids[lo:hi] - vocab_start_index
+    shard_ids = token_ids if (lo, hi) == (0, token_ids.numel()) else token_ids[lo:hi]  # (all of them: no slice op)
+    local_numeric_columns = shard_ids if vocab_start_index == 0 else shard_ids - vocab_start_index
     return CallPlan(loss=loss, spec=spec, token_ids=token_ids, values=values, targets=flat_targets, valid=valid,
                     owned=owned, local_targets=local_targets, positions=positions, numeric_targets=numeric_targets,
                     numeric_columns=(lo, hi), local_numeric_columns=local_numeric_columns,
                     vocab_start_index=vocab_start_index, tp_group=tp_group,
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
                     compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard,
-                    live=live, live_count=None if live is None else live.sum())
+                    live=live, live_count=None if live is None else live.sum(),
+                    live_weight=None if live is None else live.to(torch.float64),
+                    valid_count=valid.sum() if may_pad_positions else None)

@@ -137,6 +137,18 @@ def _device_code(device: torch.device) -> tuple:
     return type_code, -1 if device.index is None else device.index
 
 
+def assert_targets_in_range(flat: torch.Tensor, clamped: torch.Tensor, valid: torch.Tensor, vocab_size: int,
+                            ignore_index: int) -> None:
+    """The targets' range on an accelerator's plan, as a device-side assert (no host read), from what
+    the call's plan makes anyway: ``flat`` the targets ``[T]``, ``clamped`` them clamped into
+    ``[0, vocab_size)``, ``valid`` where they are not ``ignore_index``. A valid target must be its own
+    clamp (``eq >= valid``: False only where a valid target moved); the message cannot say where."""
+    compat.device_assert(((clamped == flat) >= valid).all(),
+                         f"targets hold an id outside the vocabulary [0, {vocab_size}) that is not "
+                         f"ignore_index={ignore_index} (checked on the device, which cannot say where: run the "
+                         "batch on the CPU to find the position)")
+
+
 def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_index: int,
                  tensor_parallel: bool, ignore_index: int, num_items_in_batch=None,
                  num_numeric_in_batch=None, weight: Optional[float] = None, options=None,
@@ -148,7 +160,8 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
     Only cheap checks. The data-dependent ones (targets in range; counts given as tensors) read a value
     back to the host where ``values_on_host`` (the CPU's plan); on an accelerator's plan they are
     device-side asserts instead (no host sync; the message cannot name the position, and under tensor
-    parallelism every rank, holding the same targets, fails alike).
+    parallelism every rank, holding the same targets, fails alike); the targets' range is then the
+    plan's to assert (:func:`assert_targets_in_range`), from the clamped targets it makes anyway.
     """
     if not logits.dtype.is_floating_point:
         return FailedCheck(LOGITS_DTYPE, (_dtype_code(logits.dtype), ))
@@ -176,13 +189,9 @@ def check_inputs(logits, targets: torch.Tensor, *, vocab_size: int, vocab_start_
         failed = check_cross_entropy_options(options)
         if failed is not None:
             return failed
-    flat = targets.reshape(-1)
-    if not values_on_host:
-        in_range = (flat.clamp(0, vocab_size - 1) == flat) | (flat == ignore_index)
-        compat.device_assert(in_range.all(), f"targets hold an id outside the vocabulary [0, {vocab_size}) "
-                             f"that is not ignore_index={ignore_index} (checked on the device, which cannot say "
-                             "where: run the batch on the CPU to find the position)")
+    if not values_on_host:  # the targets' range: asserted by the plan (assert_targets_in_range)
         return None
+    flat = targets.reshape(-1)
     out_of_range = (flat.clamp(0, vocab_size - 1) != flat) & (flat != ignore_index)
     if out_of_range.any():
         position = int(out_of_range.nonzero()[0, 0])

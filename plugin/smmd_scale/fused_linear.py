@@ -103,6 +103,22 @@ def product_dtype(hidden: torch.Tensor, head_weight: torch.Tensor,
     return None
 
 
+def one_block_on_one_device(accelerator: bool, plan: CallPlan, chunk_size: int, head_weight: torch.Tensor) -> bool:
+    """Whether the backward makes d hidden as the one block's product in hidden's dtype, instead of
+    adding each block's product into zeros in the compute dtype and converting back (the same bits
+    with one block: adding to 0 and a widening round trip are exact): one block, one device, the
+    accelerator's plan."""
+    return accelerator and not plan.tensor_parallel and chunk_size >= head_weight.shape[0]
+
+
+def _rows(tensor: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.Tensor]:
+    """``tensor[start:end]``, or the tensor itself when the block is all of it (one block: no slice
+    op to dispatch)."""
+    if tensor is None or (start == 0 and end == tensor.shape[0]):
+        return tensor
+    return tensor[start:end]
+
+
 def _blocks(rows: int, chunk_size: int):
     return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
 
@@ -118,8 +134,12 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             hidden = hidden.to(plan.spec.dtype)  # the product dtype (a copy only for mixed dtypes)
             compute_dtype = plan.compute_dtype
             options = plan.options
-            sweep = _forward_sweep_accelerator if accelerator else _forward_sweep_cpu
-            local_lse, target_logits, logit_sum = sweep(hidden, head_weight, bias, plan, chunk_size)
+            if accelerator:  # (each row's target block and column, found once for both passes)
+                ctx.where = _TargetBlocks(plan, chunk_size, len(_blocks(head_weight.shape[0], chunk_size)))
+                local_lse, target_logits, logit_sum = _forward_sweep_accelerator(hidden, head_weight, bias, plan,
+                                                                                 chunk_size, ctx.where)
+            else:
+                local_lse, target_logits, logit_sum = _forward_sweep_cpu(hidden, head_weight, bias, plan, chunk_size)
 
             # The numeric and target logits as the materialized op reads them: in the logits' (product)
             # dtype. One device: the target logits stay in the compute dtype they were picked in (a
@@ -163,14 +183,20 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, upstream, compute_dtype, lse, grad_z)
             offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
             target_coefficient = target_coefficients(plan, grad_ce, ctx.target_slope, compute_dtype)
-            grad_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if needs_hidden else None
+            direct = needs_hidden and one_block_on_one_device(ctx.accelerator, plan, ctx.chunk_size, head_weight)
+            grad_hidden = (torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
+                           if needs_hidden and not direct else None)
             grad_weight = torch.empty_like(head_weight) if needs_weight else None
             grad_bias = torch.empty_like(bias) if needs_bias else None  # from the compute-dtype block
             lo, hi = plan.numeric_columns
-            numeric_grad = live_rows(plan, ctx.numeric_grad[:, lo:hi] * upstream[:, None])
+            shard_grad = ctx.numeric_grad if (lo, hi) == (0, ctx.numeric_grad.shape[1]) else ctx.numeric_grad[:, lo:hi]
+            numeric_grad = live_rows(plan, shard_grad * upstream[:, None])
             if ctx.accelerator:
-                _backward_sweep_accelerator(hidden, head_weight, bias, plan, ctx.chunk_size, lse, multiplier, offsets,
-                                            target_coefficient, numeric_grad, grad_hidden, grad_weight, grad_bias)
+                block_hidden = _backward_sweep_accelerator(hidden, head_weight, bias, plan, ctx.chunk_size, lse,
+                                                           multiplier, offsets, target_coefficient, numeric_grad,
+                                                           grad_hidden, grad_weight, grad_bias, ctx.where, direct)
+                if direct:
+                    return block_hidden.to(hidden_dtype), grad_weight, grad_bias, None, None, None
             else:
                 _backward_sweep_cpu(hidden, head_weight, bias, plan, ctx.chunk_size, lse, multiplier, offsets,
                                     target_coefficient, numeric_grad, grad_hidden, grad_weight, grad_bias)
@@ -192,7 +218,7 @@ def _forward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: in
     target_logits = torch.zeros(tokens, dtype=compute_dtype, device=hidden.device)
     logit_sum = torch.zeros_like(target_logits) if options.label_smoothing else None
     for start, end in _blocks(head_weight.shape[0], chunk_size):
-        logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
+        logits = block_logits(hidden, _rows(head_weight, start, end), _rows(bias, start, end), compute_dtype)
         in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
         picked = logits.gather(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None]).squeeze(1)
         target_logits = torch.where(in_block, picked, target_logits)  # the raw logit, as exchanged
@@ -236,8 +262,8 @@ class _TargetBlocks:
     def picked(self, picks: list) -> torch.Tensor:
         """``[T]`` the target logit from each block's ``[T, 1]`` pick at :meth:`columns`: the owning
         block's, 0 where this shard does not own the target."""
-        if self.single:
-            return torch.where(self.plan.owned, picks[0].squeeze(1), 0.0)
+        if self.single:  # (where, not times owned: a negative logit times False is -0.0, whose bits the
+            return torch.where(self.plan.owned, picks[0].squeeze(1), 0.0)  # exchange's integer sum would add)
         chosen = torch.cat(picks, dim=1).gather(1, self.block.clamp(min=0)[:, None]).squeeze(1)
         return torch.where(self.plan.owned, chosen, 0.0)
 
@@ -245,23 +271,23 @@ class _TargetBlocks:
         """``[T, blocks]``: ``coefficient [T]`` in each row's target block's column, 0 elsewhere (and
         in every column where this shard does not own the target); block ``i`` reads column ``i``."""
         if self.single:
-            return torch.where(self.plan.owned, coefficient, 0.0)[:, None]
+            return (coefficient * self.plan.owned)[:, None]
         blocks = torch.arange(self.count, device=coefficient.device)
         return torch.where(self.block[:, None] == blocks, coefficient[:, None], 0.0)
 
 
-def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
+def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int,
+                               where: _TargetBlocks) -> tuple:
     """:func:`_forward_sweep_cpu` on an accelerator's plan, in fewer and larger ops: each block's own
     (max, sum of exp) kept, merged once after the pass (with one block: nothing to merge); the target
     logit picked from every block at the row's column and chosen once after the pass
     (:class:`_TargetBlocks`)."""
     compute_dtype, options = plan.compute_dtype, plan.options
     blocks = _blocks(head_weight.shape[0], chunk_size)
-    where = _TargetBlocks(plan, chunk_size, len(blocks))
     logit_sum = None
     picks, shifts, sums = [], [], []
     for start, end in blocks:
-        logits = block_logits(hidden, head_weight[start:end], None if bias is None else bias[start:end], compute_dtype)
+        logits = block_logits(hidden, _rows(head_weight, start, end), _rows(bias, start, end), compute_dtype)
         picks.append(logits.gather(1, where.columns(start, end)))  # the raw logit, as exchanged
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
@@ -312,7 +338,7 @@ def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: i
 
 def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int, lse: ShiftedLogSumExp,
                                 multiplier, offsets, target_coefficient, numeric_grad, grad_hidden, grad_weight,
-                                grad_bias) -> None:
+                                grad_bias, where: _TargetBlocks, direct: bool = False) -> Optional[torch.Tensor]:
     """:func:`_backward_sweep_cpu` on an accelerator's plan: the target column found once
     (:class:`_TargetBlocks`), the log-sum-exp subtracted as one number (``shift + log_sum``, formed
     once), and where the product runs in the compute dtype without a logit transform, inside the
@@ -320,13 +346,12 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
     ``shift + log_sum`` in the compute dtype: a relative 6e-8 of it in fp32, ~2e-5 of a probability at
     logits ~300, below a bf16 product's own rounding of the logits."""
     blocks = _blocks(head_weight.shape[0], chunk_size)
-    where = _TargetBlocks(plan, chunk_size, len(blocks))
     coefficients = where.per_block(target_coefficient)  # [T, blocks]
     options, compute_dtype = plan.options, plan.compute_dtype
     softcapped = options.logit_softcap is not None
     folded = hidden.dtype == compute_dtype and not options.transforms_logits
-    # The row vectors every block reads, shaped once: -lse, the multipliers, the smoothing offsets.
-    negative_lse = (lse.shift + lse.log_sum).neg_()[:, None]
+    # The row vectors every block reads, shaped once: lse, the multipliers, the smoothing offsets.
+    lse_column = (lse.shift + lse.log_sum)[:, None]
     multiplier_column = multiplier[:, None]
     offsets_column = None if offsets is None else offsets[:, None]
     for index, (start, end) in enumerate(blocks):
@@ -334,14 +359,14 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
             grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier,
                                                      offsets)
         else:
-            head_rows = head_weight[start:end].to(hidden.dtype)
-            bias_rows = None if bias is None else bias[start:end]
-            if folded:  # logits - lse straight out of the GEMM
-                offset = negative_lse if bias_rows is None else negative_lse + bias_rows.to(hidden.dtype)
-                grad_logits = torch.addmm(offset, hidden, head_rows.T)
+            head_rows = _rows(head_weight, start, end).to(hidden.dtype)
+            bias_rows = _rows(bias, start, end)
+            if folded:  # logits - lse straight out of the GEMM (beta = -1: -(lse - bias) + hidden @ rows.T)
+                offset = lse_column if bias_rows is None else lse_column - bias_rows.to(hidden.dtype)
+                grad_logits = torch.addmm(offset, hidden, head_rows.T, beta=-1)
             else:  # a half product, or scaled logits: the block in the compute dtype first
                 grad_logits = transform_logits_(block_logits(hidden, head_rows, bias_rows, compute_dtype), options)
-                grad_logits.add_(negative_lse)
+                grad_logits.sub_(lse_column)
             grad_logits.exp_().mul_(multiplier_column)
             if offsets_column is not None:
                 grad_logits.sub_(offsets_column)
@@ -350,8 +375,10 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
         grad_logits.scatter_add_(1, where.columns(start, end),
                                  coefficients if where.single else coefficients[:, index:index + 1])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
-        _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
-                               grad_bias)
+        product_grad = _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden,
+                                              grad_weight, grad_bias)
+    # ``direct`` (one block, one device): d hidden is returned, made in hidden's dtype, not accumulated.
+    return product_grad @ head_rows if direct else None
 
 
 def _block_gradient(hidden, head_weight, bias, plan: CallPlan, start: int, end: int, lse: ShiftedLogSumExp,
@@ -360,8 +387,8 @@ def _block_gradient(hidden, head_weight, bias, plan: CallPlan, start: int, end: 
     gradient (softmax times the row multipliers, minus the smoothing offsets, through the transform):
     (that ``[T, B]`` block in the compute dtype, the head rows in the product dtype)."""
     options = plan.options
-    head_rows = head_weight[start:end].to(hidden.dtype)
-    logits = block_logits(hidden, head_rows, None if bias is None else bias[start:end], plan.compute_dtype)
+    head_rows = _rows(head_weight, start, end).to(hidden.dtype)
+    logits = block_logits(hidden, head_rows, _rows(bias, start, end), plan.compute_dtype)
     if options.logit_softcap is not None:
         return softcap_dense_gradient_(capped_sigmoid_(logits, options), lse, multiplier, offsets, options), head_rows
     return dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets, options), head_rows
@@ -375,22 +402,23 @@ def _add_numeric_columns_(grad_logits, plan: CallPlan, start: int, end: int, num
         plan.loss.vocab.count_below(plan.vocab_start_index + end) - lo
     first, last = max(first, 0), min(last, hi - lo)
     if last > first and plan.positions.numel():
-        columns = plan.local_numeric_columns[first:last]
+        columns = _rows(plan.local_numeric_columns, first, last)
         columns = columns - start if start else columns
-        grad_logits.index_put_((plan.positions[:, None], columns[None, :]), numeric_grad[:, first:last],
-                               accumulate=True)
+        block_grad = numeric_grad if (first, last) == (0, numeric_grad.shape[1]) else numeric_grad[:, first:last]
+        grad_logits.index_put_((plan.positions[:, None], columns[None, :]), block_grad, accumulate=True)
 
 
 def _write_block_gradients(grad_logits, hidden, head_rows, start: int, end: int, compute_dtype, grad_hidden,
-                           grad_weight, grad_bias) -> None:
+                           grad_weight, grad_bias) -> torch.Tensor:
     """From a block's gradient ``[T, B]`` (compute dtype): write ``d bias`` and ``d head_weight`` for its
-    rows, and add its share of ``d hidden`` (products in hidden's dtype, as the forward's)."""
+    rows, and add its share of ``d hidden`` (products in hidden's dtype, as the forward's); returns the
+    block's gradient in hidden's dtype."""
     if grad_bias is not None:
         grad_bias[start:end] = grad_logits.sum(dim=0)
     grad_logits = grad_logits.to(hidden.dtype)
     if grad_weight is not None:
         if grad_weight.dtype == hidden.dtype:
-            torch.mm(grad_logits.T, hidden, out=grad_weight[start:end])
+            torch.mm(grad_logits.T, hidden, out=_rows(grad_weight, start, end))
         else:
             grad_weight[start:end] = grad_logits.T @ hidden
     if grad_hidden is not None:
@@ -398,6 +426,7 @@ def _write_block_gradients(grad_logits, hidden, head_rows, start: int, end: int,
             grad_hidden.addmm_(grad_logits, head_rows)
         else:
             grad_hidden += (grad_logits @ head_rows).to(compute_dtype)
+    return grad_logits
 
 
 def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
@@ -429,7 +458,7 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
                      failed_check=failed_check, options=options, sequence_shard=sequence_shard,
                      may_pad_positions=True)
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    hidden_2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     chunk_size = fused_head_plan(hidden_2d.shape[0], hidden_2d.shape[1], width, spec.dtype, plan.compute_dtype,
                                  DeviceProperties.of(hidden.device), block_budget_bytes, chunk_size).chunk_size
     device = DeviceProperties.of(hidden.device)

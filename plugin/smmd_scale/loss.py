@@ -251,7 +251,7 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
     if reduction == "sum":
         ce, numeric, z = losses.ce.sum(), losses.numeric.sum(), z_per_token.sum()
         return NumericOutput(total=ce + z + weight * numeric, ce=ce, numeric=numeric, stats=losses.stats(), z=z)
-    valid_tokens = plan.valid.sum()
+    valid_tokens = plan.valid_count
     numeric_sum = losses.numeric.sum()
     items = valid_tokens.clamp_min(1) if num_items_in_batch is None else _count(num_items_in_batch, losses.ce)
     ce = losses.ce.sum() / items
@@ -263,7 +263,7 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
         numeric_term = numeric_sum / (max(count, 1) if isinstance(count, int) else count.clamp_min(1))
         if num_items_in_batch is not None:
             numeric_term = numeric_term * valid_tokens / _count(num_items_in_batch, losses.ce)
-    total = ce + weight * numeric_term if z is None else ce + z + weight * numeric_term
+    total = torch.add(ce, numeric_term, alpha=weight) if z is None else ce + z + weight * numeric_term
     return NumericOutput(total=total, ce=ce, numeric=numeric_term, stats=losses.stats(),
                          z=torch.zeros_like(ce) if z is None else z)
 

@@ -290,17 +290,17 @@ def cross_entropy_per_token(lse: ShiftedLogSumExp, target_logits: torch.Tensor, 
                             label_smoothing: float = 0.0, logit_sum: Optional[torch.Tensor] = None,
                             vocab_size: int = 1) -> torch.Tensor:
     """``lse - logits[t, y_t]``, as ``(shift - target logit) + log_sum``, at valid positions; 0 at
-    ignored ones unless their logits are not finite (``x * 0`` is NaN there: both ops hand in a target
-    logit of 0 where the target is not theirs, so only the row's shift and sum can make it so), so a
-    NaN anywhere in the logits never becomes a finite loss. With label smoothing eps (``F.cross_entropy``'s
-    definition): ``(1 - eps) * (lse - z_y) + eps * (lse - logit_sum / V)``."""
+    ignored ones unless their logits are not finite (times ``valid``, one op: ``x * 0`` is NaN there;
+    both ops hand in a target logit of 0 where the target is not theirs, so only the row's shift and
+    sum can make it so), so a NaN anywhere in the logits never becomes a finite loss. With label
+    smoothing eps (``F.cross_entropy``'s definition): ``(1 - eps) * (lse - z_y) + eps * (lse - logit_sum / V)``."""
     if label_smoothing:
         mean_logit = logit_sum / vocab_size
         loss = ((1 - label_smoothing) * (lse.shift - target_logits) + label_smoothing * (lse.shift - mean_logit)
                 + lse.log_sum)
     else:
         loss = (lse.shift - target_logits) + lse.log_sum
-    return torch.where(valid, loss, loss * 0.0)
+    return loss * valid
 
 
 def z_loss_per_token(lse: ShiftedLogSumExp, valid: torch.Tensor, coefficient: float) -> torch.Tensor:
@@ -343,7 +343,8 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     values = plan.loss.vocab.on(logits.device, torch.float64)[1]  # (cached per device: no copy per call)
     value = terms.value
     if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
-        value = torch.where(plan.live, value, 0.0)  # the statistics' are dropped where they are used)
+        value = value * plan.live_weight  # the statistics' are dropped where they are used; a spare row
+        # repeats position 0, so it is not finite only where that row's own losses are not either)
     return NumericGradient(value=value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
                            abs_error=(q @ values - values[plan.numeric_targets]).abs(),
@@ -358,7 +359,7 @@ def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optio
     logits with the mass held fixed ``[P, N]``, d value / d log(mass) ``[P]`` or None); how the mass's
     part reaches the logits is the caller's (it differs with how the mass was formed)."""
     q = torch.softmax(logits, dim=-1)
-    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, torch.log_softmax(logits, dim=-1), mass, log_mass))
+    terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, None, mass, log_mass))
     return terms, q, chain_through_softmax(terms, q), log_mass_gradient(terms, mass)
 
 
@@ -368,8 +369,8 @@ def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:
     plus ``grad_logits``."""
     grad = None
     if terms.grad_q is not None:
-        grad_q = terms.grad_q.double()
-        grad = q * (grad_q - (q * grad_q).sum(dim=-1, keepdim=True))
+        weighted = q * terms.grad_q  # q_k g_k (float64: the product promotes g exactly), then - q_k sum_j q_j g_j
+        grad = torch.addcmul(weighted, q, weighted.sum(dim=-1, keepdim=True), value=-1)
     if terms.grad_logits is not None:
         grad = terms.grad_logits.double() if grad is None else grad + terms.grad_logits.double()
     return torch.zeros_like(q) if grad is None else grad
@@ -407,16 +408,18 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
     # (stack and cat promote to the widest dtype in one op each: no conversion op per statistic)
     per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names),
                                 numeric.correct, numeric.abs_error.detach()])
-    if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing
-        per_position = torch.where(plan.live, per_position, 0.0)
+    if plan.live is None:
+        sums = per_position.sum(dim=1, dtype=double)
+    else:  # a fixed-capacity plan's spare rows count for nothing: one product sums the numeric rows
+        sums = per_position @ plan.live_weight
     count = plan.numeric_count
-    device_counts = [plan.valid.sum()]
+    device_counts = [plan.valid_count]
     host_counts = [comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes]
     if isinstance(count, int):
         host_counts.insert(0, count)
     else:
         device_counts.append(count)
-    return torch.cat([per_position.sum(dim=1, dtype=double), torch.stack(device_counts),
+    return torch.cat([sums, torch.stack(device_counts),
                       torch.tensor(host_counts, dtype=double, device=plan.valid.device)])
 
 

@@ -228,3 +228,32 @@ def test_vocab_parallel_on_the_accelerators_plan_equals_one_device(world_size):
         for op, (forward, backward) in sites.items():
             assert backward == [], (op, backward)
             assert [f"{site.split(':')[0]}: {site.split(': ')[-1]}" for site in forward] == known, (op, forward)
+
+
+@pytest.mark.parametrize("dtypes", ["bf16", "fp32", "fp32 head, bf16 autocast", "bf16 with a bias"])
+def test_one_blocks_hidden_gradient_is_the_accumulated_one_bit_for_bit(generator, monkeypatch, dtypes):
+    """One block on one device: d hidden is the block's product in hidden's dtype, not added into fp32
+    zeros and converted back; both give the same bits (adding to 0 and widening are exact), in each
+    dtype the head runs in."""
+    vocab, targets = problem(generator)
+    hidden, head = (tensor.float() for tensor in inputs_for("fused", generator))
+    bias = torch.randn(VOCAB, generator=generator) if "bias" in dtypes else None
+    if dtypes.startswith("bf16"):
+        hidden, head = hidden.bfloat16(), head.bfloat16()
+        bias = None if bias is None else bias.bfloat16()
+    loss = build_numeric_loss(vocab, [("smmd", 1.0), ("ntl-was", 0.5)])
+    from smmd_scale import fused_linear
+
+    def gradients():
+        inputs = [hidden.clone().requires_grad_(), head.clone().requires_grad_()]
+        with plan_as(H200), torch.autocast("cpu", dtype=torch.bfloat16, enabled="autocast" in dtypes):
+            output = linear_numeric_cross_entropy(*inputs, targets, loss, bias=bias)
+        output.total.backward()
+        return [tensor.grad for tensor in inputs]
+
+    direct = gradients()
+    monkeypatch.setattr(fused_linear, "one_block_on_one_device", lambda *args: False)
+    accumulated = gradients()
+    assert direct[0].dtype == hidden.dtype
+    for got, expected in zip(direct, accumulated):
+        assert torch.equal(got, expected)
