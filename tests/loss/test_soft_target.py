@@ -1,14 +1,17 @@
-"""DIST2, Gaussian label smoothing on number tokens and DEL: against float64 references written from
-the papers' math (plain loops, independent of ours) on full logits, alone, through the fused linear
-head and summed with SMMD/NTL; the hand-written soft-target gradient against autograd's;
-vocabulary-parallel on real gloo groups of 2 and 4 ranks with uneven shards and the one collective;
-through the Hugging Face hook (logits and fused head) and Megatron's entry point on 2 ranks."""
+"""DIST2 and Gaussian label smoothing on number tokens (the soft-target losses, smmd_scale/soft_target.py)
+and DEL, together: against float64 references written from the papers' math (plain loops, independent
+of ours) on full logits, alone, through the fused linear head and summed with SMMD/NTL; the hand-written
+soft-target gradient against autograd's; the registry's options and the refused ones; vocabulary-parallel
+on real gloo groups of 2 and 4 ranks with uneven shards and the one collective; through the Hugging Face
+hook (logits and fused head), Megatron's entry point on 2 ranks and train.py's command line. DEL's place
+weights and sequence-first targets alone: tests/loss/test_del.py."""
 
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.digit_problems import IGNORE, digit_problem
 from helpers.distributed import CollectiveSpy, run_ranks, values_or_raise
 from helpers.reference import relative_error
 
@@ -25,9 +28,6 @@ from smmd_scale import (
     numeric_cross_entropy,
 )
 from smmd_scale.registry import NUMERIC_LOSSES, build_numeric_loss
-
-IGNORE = -100
-
 
 # ------------------------------------------------------------------------------------------------
 # References from the math: one position at a time
@@ -113,24 +113,6 @@ def reference_del(logits, targets, token_ids, dot_ids, base=1.02, scale=0.01):
     return total / max(len(positions), 1)
 
 
-def digit_problem(generator, batch=3, length=24, vocab_size=40, duplicate=False):
-    """Digit targets in runs with dots (some at a run's start or end), other ids and ignore_index."""
-    ids = torch.randperm(vocab_size, generator=generator)
-    token_ids, dot = ids[:10 + 3 * duplicate], int(ids[13])
-    values = list(range(10)) + ([1, 5, 9] if duplicate else [])
-    order = torch.argsort(token_ids)
-    token_ids, values = token_ids[order], torch.tensor(values, dtype=torch.float64)[order]
-    vocab = NumericVocab(token_ids.tolist(), values.tolist(), vocab_size)
-    choice = torch.rand(batch, length, generator=generator)
-    targets = torch.randint(0, vocab_size, (batch, length), generator=generator)
-    digits = token_ids[torch.randint(0, len(token_ids), (batch, length), generator=generator)]
-    targets = torch.where(choice < 0.6, digits, targets)
-    targets = torch.where((choice >= 0.6) & (choice < 0.7), torch.full_like(targets, dot), targets)
-    targets = torch.where(choice >= 0.93, torch.full_like(targets, IGNORE), targets)
-    logits = 3 * torch.randn(batch, length, vocab_size, generator=generator, dtype=torch.float64)
-    return vocab, dot, logits, targets
-
-
 def losses_and_references(vocab, dot, generator):
     tau = 0.3 + 3 * torch.rand(1, generator=generator).item()
     sigma = 0.3 + 2 * torch.rand(1, generator=generator).item()
@@ -177,31 +159,6 @@ def test_each_loss_matches_its_float64_reference(generator, duplicate):
             assert relative_error(value.detach(), expected.detach()) <= 1e-10, loss
             assert relative_error(alone.grad, expected_alone.grad) <= 1e-10, loss
 
-
-def test_del_place_weights_read_the_paper_s_examples():
-    """12.05 -> units 2, tens 4, decimals base^-2, base^-3; .5 and 7. and 305 (no dot inside)."""
-    vocab = NumericVocab(list(range(10)), list(range(10)), 16)
-    dot = 12
-    loss = DigitEntropyLoss(vocab, dot_token_ids=[dot])
-    targets = torch.tensor([[1, 2, dot, 0, 5, 13, dot, 5, 13, 7, dot, 13, 3, 0, 5]])
-    plan = smmd_scale.call_plan.plan_call(loss, smmd_scale.call_plan.LogitsSpec((1, 15, 16), torch.float64,
-                                                                               torch.device("cpu")),
-                                          targets, None, 0, with_ce=False)
-    expected = [4, 2, 1.02 ** -2, 1.02 ** -3, 2, 2, 6, 4, 2]
-    # Integers exact, the powers of 1.02 within an ulp (2.2e-16) in float64; allclose's default atol=1e-8 applies too.
-    assert torch.allclose(loss.place_weights(plan), torch.tensor(expected, dtype=torch.float64), rtol=1e-15)
-
-
-def test_del_reads_megatron_s_sequence_first_targets(generator):
-    vocab, dot, logits, targets = digit_problem(generator)
-    batch_first = DigitEntropyLoss(vocab, dot_token_ids=[dot])
-    sequence_first = DigitEntropyLoss(vocab, dot_token_ids=[dot], sequence_dim=0)
-    expected = batch_first(logits, targets, reduction="none")
-    found = sequence_first(logits.transpose(0, 1), targets.transpose(0, 1), reduction="none")
-    # float64, the same math on the transposed layout: a reduction may add in another order there, a few ulp
-    # of its terms (~1e-2, ulp 1.7e-18) whatever the sum (measured over 3,000 seeds: 2% differ, by at most
-    # 1.8e-18, once on a value of 1.2e-5; torch.equal failed on those, e.g. generator seed 51).
-    torch.testing.assert_close(found.transpose(0, 1), expected, rtol=1e-13, atol=1e-16)
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
