@@ -28,7 +28,6 @@ so an arm that answers less often cannot look better for it.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -36,17 +35,23 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from scipy import optimize, stats
 from smmd_cli.options import option, parse_options
 from smmd_cli.tables import markdown_table
 
-from benchmarks.numeracy.analyze import ALPHA, describe, holm, paired_power, paired_test, strict_json
+from benchmarks.numeracy.stats import (
+    BASELINE,
+    PREREGISTRATION,
+    compare,
+    decide,
+    describe,
+    load_rule,
+    strict_json,
+    study_holm,
+)
+from benchmarks.numeracy.tiers import TIERS
 from smmd_train.monitor.metrics_file import read_metrics
 
 HERE = Path(__file__).resolve().parent
-BASELINE = "ce"
-BOOTSTRAP_RESAMPLES = 10_000
-POWER = 0.8
 # name -> (header, higher is better, display scale, unit, columns tested)
 METRICS = {
     "exact_match": ("exact match", True, 100.0, "%", ("test", "oor")),
@@ -64,107 +69,6 @@ POST_HOC_METRICS = {f"{metric}_first_token": (f"{METRICS[metric][0]}, first gene
                                               *METRICS[metric][1:])
                     for metric in ("exact_match", "mae", "mae_capped", "within_1")}
 TIER_A_METRICS = {**METRICS, **POST_HOC_METRICS}  # what Tier A's analysis tests; tables print each set apart
-
-
-# ----------------------------------------------------------------------------------------------
-# Statistics (pure functions of numbers; tests/numeracy/test_tier_a.py checks them)
-# ----------------------------------------------------------------------------------------------
-
-def bootstrap_interval(differences, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
-                       level: float = 0.95) -> tuple:
-    """Percentile bootstrap interval of the mean of ``differences`` (resampling them with
-    replacement). Fewer than 2 values: (nan, nan). With few seeds the percentile interval is
-    narrower than it should be (it ignores the t correction); the report says so."""
-    values = np.asarray([value for value in differences if value is not None and math.isfinite(value)], dtype=float)
-    if len(values) < 2:
-        return math.nan, math.nan
-    generator = np.random.default_rng(seed)
-    means = values[generator.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
-    tail = (1 - level) / 2
-    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
-
-
-def t_interval(differences, level: float = 0.95) -> tuple:
-    """The paired Student-t interval of the mean of ``differences``: mean +- t(1 - (1 - level) / 2, n - 1)
-    x sd / sqrt(n). Fewer than 2 values: (nan, nan); no spread: (mean, mean)."""
-    values = np.asarray([value for value in differences if value is not None and math.isfinite(value)], dtype=float)
-    if len(values) < 2:
-        return math.nan, math.nan
-    half = float(stats.t.ppf(1 - (1 - level) / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
-    return float(values.mean()) - half, float(values.mean()) + half
-
-
-PREREGISTRATION = HERE / "preregistration.json"
-
-
-def load_rule(tier: str, path: Path = PREREGISTRATION) -> dict:
-    """The pre-registered decision rule of ``tier`` (``preregistration.json``: the primary metric and
-    split, the interval, the MDE, the words of each outcome), committed before the tier's grid ran."""
-    rules = json.loads(Path(path).read_text())
-    if tier not in rules["tiers"]:
-        raise KeyError(f"{path} has no pre-registered rule for tier {tier!r}; it has {sorted(rules['tiers'])}")
-    return {**rules["rule"], **rules["tiers"][tier]}
-
-
-def decide(row: dict, higher_is_better: bool, rule: dict) -> str:
-    """The pre-registered outcome of one comparison (``row`` from ``compare``): its t-interval, turned so
-    that positive is better, above 0 -> ``rule["above"]`` (recommend); below 0 -> ``rule["below"]``
-    (warn); inside +-MDE (the row's minimal detectable effect in the metric's units) ->
-    ``rule["within_mde"]``; otherwise (it straddles 0 and reaches past the MDE) ``rule["otherwise"]``."""
-    low, high, mde = row["t95_low"], row["t95_high"], row["mde"]
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return rule["untestable"]
-    if not higher_is_better:
-        low, high = -high, -low
-    if low > 0:
-        return rule["above"]
-    if high < 0:
-        return rule["below"]
-    if math.isfinite(mde) and -mde <= low and high <= mde:
-        return rule["within_mde"]
-    return rule["otherwise"]
-
-
-@functools.lru_cache(maxsize=None)
-def minimal_detectable_effect(n: int, alpha: float = ALPHA, power: float = POWER) -> float:
-    """The true mean difference, in SDs of the per-seed differences, that a two-sided paired t-test
-    with ``n`` pairs detects with probability ``power`` at level ``alpha`` (a root search over the
-    noncentral t, about a second: remembered per ``n``, since a report asks it for every metric)."""
-    if n < 2:
-        return math.nan
-    return float(optimize.brentq(lambda effect: paired_power(n, effect, alpha) - power, 1e-3, 100.0))
-
-
-def compare(values: dict, seeds: list) -> dict:
-    """Tests of every arm against ``ce`` for one metric: ``values`` is {column: {arm: [value per seed]}}
-    (None where missing). Returns {"rows": [...], "mde_sd": ..., "mde_holm_sd": ...}; each row has
-    arm, column, n, mean_difference, t95_low/high (paired Student t: the primary interval), ci95_low/high
-    (percentile bootstrap), sd_difference, p_value, p_holm (within this metric), mde (in the metric's
-    units, from the observed SD). ``analyze`` adds p_holm_study (over every pre-registered test)."""
-    rows = []
-    for column, by_arm in values.items():
-        baseline = by_arm[BASELINE]
-        for arm, arm_values in by_arm.items():
-            if arm == BASELINE:
-                continue
-            test = paired_test(arm_values, baseline)
-            differences = [a - b for a, b in zip(arm_values, baseline)
-                           if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-            low, high = bootstrap_interval(differences)
-            t_low, t_high = t_interval(differences)
-            rows.append({"arm": arm, "column": column, **test, "t95_low": t_low, "t95_high": t_high,
-                         "ci95_low": low, "ci95_high": high,
-                         "sd_difference": float(np.std(differences, ddof=1)) if len(differences) > 1 else math.nan,
-                         "differences": differences})
-    for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
-        row["p_holm"] = adjusted
-    pairs = max((row["n"] for row in rows), default=0)  # the complete comparisons; a short one has its own MDE
-    tests = sum(math.isfinite(row["p_value"]) for row in rows)
-    mde_sd = minimal_detectable_effect(pairs)
-    mde_holm_sd = minimal_detectable_effect(pairs, ALPHA / max(tests, 1))
-    for row in rows:  # a row with fewer pairs (a grid cut short) has its own, larger MDE
-        row["mde"] = minimal_detectable_effect(row["n"]) * row["sd_difference"]
-    return {"rows": rows, "pairs": pairs, "tests": tests, "mde_sd": mde_sd, "mde_holm_sd": mde_holm_sd}
 
 
 def curve_auc(curve: list) -> float:
@@ -283,20 +187,6 @@ def analyze(runs: list, metrics: dict = TIER_A_METRICS) -> dict:
     return {"arms": arms, "seeds": seeds, "values": values, "cells": cells, "tests": tests}
 
 
-def study_holm(tests: dict, family: list) -> None:
-    """Holm's correction over every test of the metrics in ``family`` at once (the study-wide family, beside
-    the within-metric one): sets each row's ``p_holm_study`` (NaN for rows outside the family)."""
-    rows = [row for metric in family for row in tests[metric]["rows"]]
-    for row, adjusted in zip(rows, holm([row["p_value"] for row in rows])):
-        row["p_holm_study"] = adjusted
-    for metric, result in tests.items():
-        if metric not in family:
-            for row in result["rows"]:
-                row["p_holm_study"] = math.nan
-    for result in tests.values():
-        result["tests_study"] = sum(math.isfinite(row["p_value"]) for row in rows)
-
-
 def decisions(analysis: dict, metrics: dict, rule: dict) -> list:
     """The pre-registered outcome of every arm on the rule's primary metric and split (rows: arm,
     difference, t-interval, MDE, decision)."""
@@ -380,9 +270,6 @@ INTERVALS_NOTE = ("The paired Student-t interval is the primary one; the percent
                   "on every seed or too few seeds.")
 
 
-TITLES = {"a": "Tier A: one-token arithmetic", "aprime": "Tier A': SMMD on raw value distances, one-token arithmetic"}
-
-
 def load_selections(work_dir: Path) -> list:
     """The validation selections of a work dir (``study_a.select_on_validation``'s selection-*.json)."""
     return [json.loads(path.read_text()) for path in sorted(Path(work_dir).glob("selection-*.json"))]
@@ -414,15 +301,20 @@ RESCORED_BY = {"a": "Tier A' (study_aprime) trains this setting again with every
                     "and capped MAE"}
 
 
+def regenerated_note(regenerated_from: str = None) -> list:
+    """The summary's lines saying it was regenerated from a results JSON (``regenerated_from``), or none."""
+    if not regenerated_from:
+        return []
+    return [f"Regenerated from {regenerated_from} (the runs' work directory is gone): the statistics are "
+            "recomputed from what it recorded of each run (scores, learning curve, timings).", ""]
+
+
 def scoring_note(study: dict, runs: list, tier: str, regenerated_from: str = None) -> list:
     """The summary's lines on what its numbers cannot show: where it was regenerated from a results JSON
     (``regenerated_from``), and in one sentence the runs scored before the capped MAE existed whose per-item
     answers are gone (it cannot be recomputed for them: ``tables`` leaves a metric no run has out) and the
     share of the pre-registered split each run scored where it is a sample; nothing when neither holds."""
-    lines = []
-    if regenerated_from:
-        lines += [f"Regenerated from {regenerated_from} (the runs' work directory is gone): the statistics are "
-                  "recomputed from what it recorded of each run (scores, learning curve, timings).", ""]
+    lines = regenerated_note(regenerated_from)
     limits = []
     uncapped = sum(any("mae" in scores and "mae_capped" not in scores
                        for key, scores in run["eval"].items() if "/" not in key) for run in runs)
@@ -464,7 +356,7 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selection: dict = 
                 row[f"{split}/{op}"] = scaled(float(np.mean(values)) if values else math.nan, 100.0)
         by_op.append(row)
     lines = [
-        f"# {TITLES[tier]} (generated by analyze_a.py; do not edit)", "",
+        f"# {TIERS[tier].title} (generated by analyze_a.py; do not edit)", "",
         f"Arms {', '.join(analysis['arms'])}; seeds {analysis['seeds']}; finished runs per arm: "
         + ", ".join(f"{arm} {sum(run['arm'] == arm for run in runs)}" for arm in analysis["arms"]) + "; "
         f"{len(runs)} runs reported. Model `{settings['model']}` ({study.get('parameters', 0) / 1e6:.2f}M "
@@ -522,7 +414,7 @@ def write_report(work_dir, results_dir, tier: str = "a") -> dict:
     work_dir = Path(work_dir)
     study, runs = load_runs(work_dir)
     if not runs:
-        raise ValueError(f"{work_dir} holds no finished {TITLES[tier].split(':')[0]} run")
+        raise ValueError(f"{work_dir} holds no finished {TIERS[tier].title.split(':')[0]} run")
     selection_path = work_dir / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
     return report(study, runs, selection, load_selections(work_dir), results_dir, tier)
@@ -539,14 +431,19 @@ def rewrite_report(results_path, results_dir, tier: str = "a") -> dict:
 def report(study: dict, runs: list, selection, selections: list, results_dir, tier: str,
            regenerated_from: str = None) -> dict:
     """``analyze`` the runs and write ``results_dir``/tier_<tier>.json and tier_<tier>_summary.md."""
-    results_dir = Path(results_dir)
     analysis = analyze(runs)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    results = {"study": study, "selection": selection, "selections": selections, "runs": runs,
-               **statistics_record(analysis)}
-    (results_dir / f"tier_{tier}.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False)
-                                                  + "\n")
     summary = summary_markdown(study, runs, analysis, selection, tier, selections, regenerated_from)
+    return write_files(tier, {"study": study, "selection": selection, "selections": selections, "runs": runs},
+                       analysis, summary, results_dir)
+
+
+def write_files(tier: str, results: dict, analysis: dict, summary: str, results_dir) -> dict:
+    """Every tier's report files: ``results_dir``/tier_<tier>.json (``results``, then ``analysis``'s
+    statistics) and tier_<tier>_summary.md (``summary``); returns ``analysis`` with the summary as ``text``."""
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"tier_{tier}.json").write_text(
+        json.dumps(strict_json({**results, **statistics_record(analysis)}), indent=1, allow_nan=False) + "\n")
     (results_dir / f"tier_{tier}_summary.md").write_text(summary)
     analysis["text"] = summary
     return analysis

@@ -1,5 +1,5 @@
-"""How the numeracy study runs its children (train.py, evaluate.py), shared by ``run_study`` and the
-tier studies: their environment, a run measured by its own rusage, the lock of in-process evaluations,
+"""How the numeracy study's tiers run their children (train.py, evaluate.py): their environment, a run
+measured by its own rusage, the lock of in-process evaluations,
 and JSON records written whole."""
 
 from __future__ import annotations

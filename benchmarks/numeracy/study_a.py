@@ -432,16 +432,23 @@ def run_grid(tier: str, options, settings: dict, prepare_data, flags_for_arm, ev
                          + "\n\n".join(failures))
 
 
+def report_and_check(tier: str, options, began: float, write_report, check_pipeline) -> None:
+    """What every tier does after its grid: ``write_report(work_dir, results_dir)``'s report, printed, and
+    under ``--quick`` the check of its own output (``check_pipeline(results_dir, arms, seeds)``: problems)."""
+    analysis = write_report(options.work_dir, options.results_dir)
+    print(analysis["text"])
+    print(f"[tier {tier}] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
+    if options.quick:
+        problems = check_pipeline(options.results_dir, options.arms, options.seeds)
+        if problems:
+            raise SystemExit(f"[tier {tier}] pipeline check FAILED:\n" + "\n".join(problems))
+        print(f"[tier {tier}] pipeline check passed: every run reported, metrics in range, tests for every arm",
+              flush=True)
+
+
 def main(argv=None) -> None:
     options = parse_args(argv)
     settings = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
     run_grid("a", options, settings, prepare, flags_for, evaluate_a, "test", backfill=add_first_token_scores)
-    analysis = analyze_a.write_report(options.work_dir, options.results_dir)
-    print(analysis["text"])
-    print(f"[tier a] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
-    if options.quick:
-        problems = check_pipeline(options.results_dir, options.arms, options.seeds)
-        if problems:
-            raise SystemExit("[tier a] pipeline check FAILED:\n" + "\n".join(problems))
-        print("[tier a] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)
+    report_and_check("a", options, began, analyze_a.write_report, check_pipeline)

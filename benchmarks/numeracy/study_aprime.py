@@ -24,6 +24,7 @@ kernel is flat". Arms (``tier_a.PRIME_ARMS``):
 
 from __future__ import annotations
 
+import functools
 import time
 
 from benchmarks.numeracy import analyze_a, study_a
@@ -72,12 +73,5 @@ def main(argv=None) -> None:
     began = time.monotonic()
     study_a.run_grid("aprime", options, settings, study_a.prepare,
                      lambda arm, grid: flags_for(arm, grid, options.quick), study_a.evaluate_a, "test")
-    analysis = analyze_a.write_report(options.work_dir, options.results_dir, tier="aprime")
-    print(analysis["text"])
-    print(f"[tier aprime] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
-    if options.quick:
-        problems = study_a.check_pipeline(options.results_dir, options.arms, options.seeds, report="tier_aprime")
-        if problems:
-            raise SystemExit("[tier aprime] pipeline check FAILED:\n" + "\n".join(problems))
-        print("[tier aprime] pipeline check passed: every run reported, metrics in range, tests for every arm",
-              flush=True)
+    study_a.report_and_check("aprime", options, began, functools.partial(analyze_a.write_report, tier="aprime"),
+                             functools.partial(study_a.check_pipeline, report="tier_aprime"))

@@ -22,6 +22,7 @@ refuses other settings.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -62,12 +63,5 @@ def main(argv=None) -> None:
     settings = QUICK_SETTINGS if options.quick else SETTINGS
     began = time.monotonic()
     study_a.run_grid("b", options, settings, prepare, flags_for, tier_b.evaluate_model, "interpolate")
-    analysis = analyze_b.write_report(options.work_dir, options.results_dir)
-    print(analysis["text"])
-    print(f"[tier b] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
-    if options.quick:
-        problems = study_a.check_pipeline(options.results_dir, options.arms, options.seeds, report="tier_b",
-                                             splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS)
-        if problems:
-            raise SystemExit("[tier b] pipeline check FAILED:\n" + "\n".join(problems))
-        print("[tier b] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)
+    study_a.report_and_check("b", options, began, analyze_b.write_report, functools.partial(
+        study_a.check_pipeline, report="tier_b", splits=tuple(tier_b.TEST_SPLITS), tested_metrics=analyze_b.METRICS))

@@ -38,7 +38,7 @@ from typing import Optional
 
 from smmd_cli.options import option, parse_options
 
-from benchmarks.numeracy import analyze_a, analyze_c, study_a
+from benchmarks.numeracy import analyze_c, stats, study_a
 from benchmarks.numeracy.runner import REPO, RunFailed, child_environment, run_watched, write_json
 from smmd_numeracy import tier_c
 from smmd_train.config.arguments import train_command
@@ -56,7 +56,7 @@ QUICK_MICRO_BATCH_SIZE, QUICK_STEPS = 8, 8
 QUICK_WEIGHTS = (1.0, )
 
 
-def registered_pilot(path: Path = analyze_a.PREREGISTRATION) -> dict:
+def registered_pilot(path: Path = stats.PREREGISTRATION) -> dict:
     """The pilot as pre-registered (``preregistration.json``, tiers.c.pilot): the micro-batch, the band,
     the per-run CPU cap, the tasks in order, the training lengths and the learning rates."""
     return json.loads(Path(path).read_text())["tiers"]["c"]["pilot"]
@@ -395,11 +395,4 @@ def main(argv=None) -> None:
     weights = QUICK_WEIGHTS if options.quick else tier_c.WEIGHTS
     study_a.run_grid("c", options, settings, prepare, lambda arm, grid: flags_for(arm, grid, weights),
                      evaluator(settings, data), "test", train=train_c)
-    analysis = analyze_c.write_report(options.work_dir, options.results_dir)
-    print(analysis["text"])
-    print(f"[tier c] {time.monotonic() - began:.0f} s wall; report in {options.results_dir}", flush=True)
-    if options.quick:
-        problems = analyze_c.check_pipeline(options.results_dir, options.arms, options.seeds)
-        if problems:
-            raise SystemExit("[tier c] pipeline check FAILED:\n" + "\n".join(problems))
-        print("[tier c] pipeline check passed: every run reported, metrics in range, tests for every arm", flush=True)
+    study_a.report_and_check("c", options, began, analyze_c.write_report, analyze_c.check_pipeline)

@@ -1,5 +1,7 @@
-"""The numeracy suite: numeric word problems with held-out operands, the corpus built from them, a
-Llama-3-style tokenizer trained locally, and the numeric evaluation of a trained model.
+"""Numeracy data and scoring: the study's tiers (``tier_a``, ``tier_b``, ``tier_c``); the retired task
+suite's generators, which the training benchmarks use as data (numeric word problems with held-out
+operands and the corpus built from them); a Llama-3-style tokenizer trained locally; and the numeric
+evaluation of a trained model.
 
     from smmd_numeracy import build_corpus, evaluate_qa, load_qa, train_numeric_tokenizer
     paths = build_corpus("data/", train_per_task=4000, test_per_task=60)

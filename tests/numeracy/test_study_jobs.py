@@ -41,18 +41,6 @@ def test_a_failed_run_raises_with_its_log_tail(tmp_path):
                      dict(os.environ))
 
 
-def test_a_failed_in_process_evaluation_raises_run_failed_with_its_log(tmp_path):
-    """The suite's evaluation runs in the study's process: evaluate.py's refusal (here, a folder that is
-    not a model) is the run's failure, named in its log, not an exit of the whole study."""
-    from benchmarks.numeracy.run_study import evaluate_in_process
-
-    log = tmp_path / "eval.log"
-    (tmp_path / "qa.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
-    with pytest.raises(RunFailed, match="evaluate.py .* failed"):
-        evaluate_in_process([str(tmp_path / "nothing"), "--data", str(tmp_path / "qa.jsonl")], log)
-    assert "SystemExit" in log.read_text() and str(tmp_path / "nothing") in log.read_text()
-
-
 def test_in_parallel_keeps_order_runs_every_task_and_raises_the_first_error():
     ran = []
     lock = threading.Lock()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.numeracy import analyze, analyze_a, study_a  # scipy comes with the test extras
+from benchmarks.numeracy import analyze_a, stats, study_a  # scipy comes with the test extras
 from smmd_numeracy import tier_a
 
 
@@ -138,21 +138,21 @@ def test_evaluate_model_scores_the_first_generated_token_beside_the_first_number
 
 def test_bootstrap_interval_matches_the_normal_approximation_for_many_values(rng):
     values = rng.normal(2.0, 1.0, size=400)
-    low, high = analyze_a.bootstrap_interval(values, resamples=4000, seed=1)
+    low, high = stats.bootstrap_interval(values, resamples=4000, seed=1)
     half = 1.96 * values.std(ddof=1) / math.sqrt(len(values))
     assert low == pytest.approx(values.mean() - half, abs=0.25 * half)
     assert high == pytest.approx(values.mean() + half, abs=0.25 * half)
-    assert analyze_a.bootstrap_interval([3.0, 3.0, 3.0]) == (3.0, 3.0)
-    assert all(math.isnan(bound) for bound in analyze_a.bootstrap_interval([1.0, None]))
+    assert stats.bootstrap_interval([3.0, 3.0, 3.0]) == (3.0, 3.0)
+    assert all(math.isnan(bound) for bound in stats.bootstrap_interval([1.0, None]))
 
 
 def test_minimal_detectable_effect_has_the_stated_power():
     for n in (5, 10):
-        effect = analyze_a.minimal_detectable_effect(n)
-        assert analyze.paired_power(n, effect) == pytest.approx(0.8, abs=1e-4)
-    assert analyze_a.minimal_detectable_effect(10) < analyze_a.minimal_detectable_effect(5)
-    assert analyze_a.minimal_detectable_effect(5, alpha=0.005) > analyze_a.minimal_detectable_effect(5)
-    assert math.isnan(analyze_a.minimal_detectable_effect(1))
+        effect = stats.minimal_detectable_effect(n)
+        assert stats.paired_power(n, effect) == pytest.approx(0.8, abs=1e-4)
+    assert stats.minimal_detectable_effect(10) < stats.minimal_detectable_effect(5)
+    assert stats.minimal_detectable_effect(5, alpha=0.005) > stats.minimal_detectable_effect(5)
+    assert math.isnan(stats.minimal_detectable_effect(1))
 
 
 def test_compare_finds_a_real_effect_and_not_a_null_one(rng):
@@ -160,7 +160,7 @@ def test_compare_finds_a_real_effect_and_not_a_null_one(rng):
     ce = list(rng.uniform(0.3, 0.6, size=8))
     better = [value + 0.10 + rng.normal(0, 0.01) for value in ce]
     null = [value + rng.normal(0, 0.01) for value in ce]
-    result = analyze_a.compare({"test": {"ce": ce, "better": better, "null": null}}, seeds)
+    result = stats.compare({"test": {"ce": ce, "better": better, "null": null}}, seeds)
     rows = {row["arm"]: row for row in result["rows"]}
     assert rows["better"]["ci95_low"] > 0.05 and rows["better"]["p_holm"] < 0.01
     assert rows["better"]["mean_difference"] == pytest.approx(np.mean(np.subtract(better, ce)))
@@ -171,7 +171,7 @@ def test_compare_finds_a_real_effect_and_not_a_null_one(rng):
     assert rows["null"]["mde"] == pytest.approx(result["mde_sd"] * rows["null"]["sd_difference"])
     # A missing seed drops that pair only.
     null_missing = [None] + null[1:]
-    row = analyze_a.compare({"test": {"ce": ce, "null": null_missing}}, seeds)["rows"][0]
+    row = stats.compare({"test": {"ce": ce, "null": null_missing}}, seeds)["rows"][0]
     assert row["n"] == 7
 
 
@@ -301,31 +301,31 @@ def test_run_order_puts_the_headline_pair_first_and_ntl_mse_last():
 
 def test_t_interval_is_the_paired_student_interval_and_wider_than_the_bootstrap():
     differences = [-0.14, -0.02, 0.01, -0.09, -0.06]
-    low, high = analyze_a.t_interval(differences)
+    low, high = stats.t_interval(differences)
     mean, sd = np.mean(differences), np.std(differences, ddof=1)
     half = 2.7764451051977987 * sd / math.sqrt(5)  # t(0.975, 4)
     assert (low, high) == pytest.approx((mean - half, mean + half), abs=1e-12)
-    boot_low, boot_high = analyze_a.bootstrap_interval(differences)
+    boot_low, boot_high = stats.bootstrap_interval(differences)
     assert low < boot_low and high > boot_high  # 5 seeds: the percentile bootstrap is too narrow
-    assert analyze_a.t_interval([0.2, 0.2]) == pytest.approx((0.2, 0.2))
-    assert all(math.isnan(bound) for bound in analyze_a.t_interval([0.1, None]))
+    assert stats.t_interval([0.2, 0.2]) == pytest.approx((0.2, 0.2))
+    assert all(math.isnan(bound) for bound in stats.t_interval([0.1, None]))
 
 
 def test_decision_rule_reads_the_preregistered_words_and_turns_lower_is_better():
-    rule = analyze_a.load_rule("c")
+    rule = stats.load_rule("c")
     assert rule["metric"] == "exact_match" and rule["split"] == "test" and "before" in rule["written"]
 
     def row(low, high, mde=0.05):
         return {"t95_low": low, "t95_high": high, "mde": mde}
 
-    assert analyze_a.decide(row(0.01, 0.09), True, rule) == "recommend"
-    assert analyze_a.decide(row(-0.09, -0.01), True, rule) == "warn"
-    assert analyze_a.decide(row(-0.03, 0.04), True, rule) == "no effect of MDE or more"
-    assert analyze_a.decide(row(-0.03, 0.08), True, rule) == "inconclusive"
-    assert analyze_a.decide(row(-2.0, -1.0), False, rule) == "recommend"  # MAE lower: better
-    assert analyze_a.decide(row(math.nan, math.nan), True, rule).startswith("untestable")
+    assert stats.decide(row(0.01, 0.09), True, rule) == "recommend"
+    assert stats.decide(row(-0.09, -0.01), True, rule) == "warn"
+    assert stats.decide(row(-0.03, 0.04), True, rule) == "no effect of MDE or more"
+    assert stats.decide(row(-0.03, 0.08), True, rule) == "inconclusive"
+    assert stats.decide(row(-2.0, -1.0), False, rule) == "recommend"  # MAE lower: better
+    assert stats.decide(row(math.nan, math.nan), True, rule).startswith("untestable")
     with pytest.raises(KeyError, match="no pre-registered rule for tier 'z'"):
-        analyze_a.load_rule("z")
+        stats.load_rule("z")
 
 
 def test_study_wide_holm_counts_every_preregistered_test_and_leaves_post_hoc_out(tmp_path, rng):

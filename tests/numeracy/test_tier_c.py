@@ -254,6 +254,15 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path):
     assert any("missing" in problem for problem in analyze_c.check_pipeline(results, ["ce", "smmd"], list(range(6))))
     assert math.isfinite(analysis["tests"]["answer_nll"]["rows"][0]["p_holm_study"]) or \
         analysis["tests"]["answer_nll"]["rows"][0]["constant"]
+    # The work dir gone, the same report from tier_c.json alone (its throughput and pilot records kept there),
+    # but for the line that says so.
+    again = tmp_path / "again"
+    analyze_c.main(["--from_results", str(results / "tier_c.json"), "--results_dir", str(again)])
+    assert json.loads((again / "tier_c.json").read_text()) == json.loads((results / "tier_c.json").read_text())
+    provenance = ("Regenerated from tier_c.json (the runs' work directory is gone): the statistics are recomputed "
+                  "from what it recorded of each run (scores, learning curve, timings).\n\n")
+    regenerated = (again / "tier_c_summary.md").read_text()
+    assert provenance in regenerated and regenerated.replace(provenance, "") == summary
 
 
 @pytest.mark.slow
