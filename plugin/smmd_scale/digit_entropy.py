@@ -117,7 +117,7 @@ class DigitEntropyLoss(NumericLoss):
         value = (factor * expected).squeeze(1)
         slope = torch.sigmoid(logits).scatter_add(1, target, torch.full_like(picked, -1.0))  # sigmoid(z_k) - [k = y]
         grad = factor * q * (entropy - expected + slope)
-        return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={self.name: value}, grad_logits=grad)
+        return NumericTerms(value=value, grad_logits=grad, parts={self.name: value})
 
     def numeric_value(self, plan, numeric: NumericSlice) -> torch.Tensor:
         logits = numeric.logits

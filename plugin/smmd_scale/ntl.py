@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms, terms_from_q
 from .refusal import NONE, Named, Refusal, digits_vocabulary, literal
 from .value_kernel import squash_distances
 from .vocab import NumericVocab
@@ -145,4 +145,4 @@ class NTLoss(NumericLoss):
             grad_mass = value - REWEIGH_MARGIN * self.max_distance
             value = value * mass + REWEIGH_MARGIN * self.max_distance * (1.0 - mass)
             grad_q = grad_q * mass[:, None]
-        return NumericTerms(value=value, grad_q=grad_q, grad_mass=grad_mass, parts={self.name: value})
+        return terms_from_q(q, value, grad_q, {self.name: value}, grad_mass, mass)

@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms, terms_from_q
 from .parallel import sum_across
 from .refusal import Refusal, digits_vocabulary, literal
 from .sequence_shard import marked_cells, run_context
@@ -313,5 +313,5 @@ class NumberLevelNTLoss(NumericLoss):
             grad_mass = mass.new_zeros(rows + 1).index_put_((owners, ), loss - REWEIGH_MARGIN)[:rows]
             loss = loss * first_mass + REWEIGH_MARGIN * (1.0 - first_mass)
         value = torch.zeros(rows + 1, dtype=torch.float64, device=q.device).index_put_((owners, ), loss)[:rows]
-        return NumericTerms(value=value, grad_q=row_factor[:, None] * values[None, :], grad_mass=grad_mass,
-                            parts={self.name: value}, comm_calls=comm_calls, comm_bytes=comm_bytes)
+        return terms_from_q(q, value, row_factor[:, None] * values[None, :], {self.name: value}, grad_mass, mass,
+                            comm_calls=comm_calls, comm_bytes=comm_bytes)

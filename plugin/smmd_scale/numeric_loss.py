@@ -44,29 +44,40 @@ def options_fingerprint(*parts) -> int:
 
 @dataclass
 class NumericTerms:
-    """What a numeric loss returns for the P numeric-target positions of a call.
+    """What a numeric loss returns for the P numeric-target positions of a call, its gradient in one
+    coordinate system, the numeric logits (a loss whose gradient is simplest in ``q``, the softmax over
+    the numeric tokens, converts it with :func:`terms_from_q`).
 
     value:         ``[P]`` the loss at each position (>= 0)
-    grad_q:        ``[P, N]`` d value / d q, q = softmax over the numeric tokens, or None
-    grad_mass:     ``[P]`` d value / d mass (the full softmax's mass on the numeric tokens), or None
-                   when the loss does not depend on it
+    grad_logits:   ``[P, N]`` d value / d numeric logits with the mass held fixed (float64), or None
+    grad_log_mass: ``[P]`` d value / d log(mass), mass the full softmax's probability on the numeric
+                   tokens, or None when the loss does not depend on it (the ops add the log-mass's own
+                   dependence on every logit)
     parts:         named ``[P]`` statistics, one per name in the loss's ``stat_names`` (the loss's own
                    value under its ``name`` first, then e.g. SMMD's ``mmd`` and ``smooth``)
-    grad_logits:   ``[P, N]`` d value / d numeric logits beyond what ``grad_q`` carries (q and the
-                   mass held fixed), or None
-    grad_log_mass: ``[P]`` d value / d log(mass), or None (a loss gives it or ``grad_mass``)
     comm_calls, comm_bytes: collectives the loss ran itself and their payload bytes (number-level
                    NTL on a sequence shard, ``smmd_scale.sequence_shard``); 0 for the others
     """
 
     value: torch.Tensor
-    grad_q: Optional[torch.Tensor]
-    grad_mass: Optional[torch.Tensor]
-    parts: dict = field(default_factory=dict)
     grad_logits: Optional[torch.Tensor] = None
     grad_log_mass: Optional[torch.Tensor] = None
+    parts: dict = field(default_factory=dict)
     comm_calls: int = 0
     comm_bytes: int = 0
+
+
+def terms_from_q(q: torch.Tensor, value: torch.Tensor, grad_q: torch.Tensor, parts: dict,
+                 grad_mass: Optional[torch.Tensor] = None, mass: Optional[torch.Tensor] = None,
+                 **counts) -> NumericTerms:
+    """:class:`NumericTerms` of a loss whose gradient is ``grad_q = d value / d q`` (q ``[P, N]`` float64,
+    the softmax over the numeric tokens) and ``grad_mass = d value / d mass``: chained through the
+    softmax into the numeric logits, ``q_k (g_k - sum_j q_j g_j)`` in float64 (it subtracts nearly equal
+    numbers), and ``d / d log(mass) = grad_mass * mass``. ``counts``: ``comm_calls``, ``comm_bytes``."""
+    weighted = q * grad_q  # q_k g_k (float64: the product promotes g exactly)
+    grad_logits = torch.addcmul(weighted, q, weighted.sum(dim=-1, keepdim=True), value=-1)
+    grad_log_mass = None if grad_mass is None else grad_mass.double() * mass
+    return NumericTerms(value=value, grad_logits=grad_logits, grad_log_mass=grad_log_mass, parts=parts, **counts)
 
 
 class NumericLoss:
@@ -137,7 +148,8 @@ class NumericLoss:
         """A hand-written gradient: the loss at P positions from ``q [P, N]`` and (if
         :attr:`needs_mass`) ``mass [P]``, both float64, and ``numeric_targets [P]``; work that is
         O(P N) can stay in float64, heavier work runs in ``compute_dtype`` (the logits' precision, at
-        least float32). A loss that defines only :meth:`numeric_value` leaves this to autograd."""
+        least float32). A loss whose gradient is simplest in q returns :func:`terms_from_q`'s terms. A
+        loss that defines only :meth:`numeric_value` leaves this to autograd."""
         raise NotImplementedError
 
     def terms_for_call(self, plan, numeric: NumericSlice) -> NumericTerms:
@@ -288,9 +300,8 @@ class WeightedNumericLosses(NumericLoss):
         parts = {}
         for terms in all_terms:
             parts.update(terms.parts)
-        return NumericTerms(value=weighted_sum("value"), grad_q=weighted_sum("grad_q"),
-                            grad_mass=weighted_sum("grad_mass"), parts=parts, grad_logits=weighted_sum("grad_logits"),
-                            grad_log_mass=weighted_sum("grad_log_mass"),
+        return NumericTerms(value=weighted_sum("value"), grad_logits=weighted_sum("grad_logits"),
+                            grad_log_mass=weighted_sum("grad_log_mass"), parts=parts,
                             comm_calls=sum(terms.comm_calls for terms in all_terms),
                             comm_bytes=sum(terms.comm_bytes for terms in all_terms))
 
@@ -312,5 +323,5 @@ def autograd_terms(loss: NumericLoss, plan, numeric: NumericSlice) -> NumericTer
     if log_mass is not None:
         grad_log_mass = torch.zeros_like(log_mass) if grads[1] is None else grads[1]
     value = value.detach()
-    return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={loss.name: value},
-                        grad_logits=grad_logits.detach(), grad_log_mass=grad_log_mass)
+    return NumericTerms(value=value, grad_logits=grad_logits.detach(), grad_log_mass=grad_log_mass,
+                        parts={loss.name: value})

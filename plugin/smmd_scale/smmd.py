@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms
+from .numeric_loss import IGNORE_INDEX, NumericLoss, NumericTerms, terms_from_q
 from .value_kernel import build_kernel
 from .vocab import NumericVocab
 
@@ -87,15 +87,16 @@ class SMMDLoss(NumericLoss):
 
     def numeric_terms(self, q: torch.Tensor, numeric_targets: torch.Tensor, mass: Optional[torch.Tensor],
                       compute_dtype: torch.dtype) -> NumericTerms:
-        """The paper's objective at P positions, with its gradient w.r.t. q.
+        """The paper's objective at P positions, with its gradient w.r.t. q (chained into the numeric
+        logits by :func:`~smmd_scale.numeric_loss.terms_from_q`).
 
         ``r = q - onehot(target)``. One ``[P, N] x [N, N]`` product gives everything: ``Kr``;
         ``r^T K r``; ``r^T L r = sum(deg * r^2) - r^T K r`` (L = D - K); and ``d/dq = 2 M r`` with
         ``M r = Kr`` (mmd), ``alpha (deg*r - Kr)`` (smooth) or their sum (smmd).
         """
-        q = q.to(compute_dtype)  # the [P, N] x [N, N] product runs in the logits' precision
-        kernel, degree = self._kernel_and_degree(q.device, q.dtype)
-        residual = q.scatter(1, numeric_targets[:, None], -1.0, reduce="add")  # q - onehot(target), one op
+        kernel, degree = self._kernel_and_degree(q.device, compute_dtype)
+        # (the [P, N] x [N, N] product runs in the logits' precision; q - onehot(target) in one op)
+        residual = q.to(compute_dtype).scatter(1, numeric_targets[:, None], -1.0, reduce="add")
         with torch.autocast(q.device.type, enabled=False):  # in compute_dtype under autocast too, not bf16
             kernel_residual = residual @ kernel
         mmd = (residual * kernel_residual).sum(dim=-1)
@@ -111,5 +112,4 @@ class SMMDLoss(NumericLoss):
         # factor keeps the residual's dtype).
         grad_q = (metric_residual * (value > 0)[:, None]) * 2.0
         value = torch.relu(value)
-        return NumericTerms(value=value, grad_q=grad_q, grad_mass=None,
-                            parts={self.name: value, "mmd": mmd, "smooth": smooth})
+        return terms_from_q(q, value, grad_q, {self.name: value, "mmd": mmd, "smooth": smooth})

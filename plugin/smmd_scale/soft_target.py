@@ -99,8 +99,8 @@ class SoftTargetLoss(NumericLoss):
         if weights is not None:
             value, grad_logits = value * weights, grad_logits * weights[:, None]
             grad_log_mass = None if grad_log_mass is None else grad_log_mass * weights
-        return NumericTerms(value=value, grad_q=None, grad_mass=None, parts={self.name: value},
-                            grad_logits=grad_logits, grad_log_mass=grad_log_mass)
+        return NumericTerms(value=value, grad_logits=grad_logits, grad_log_mass=grad_log_mass,
+                            parts={self.name: value})
 
 
 # The losses that lived here until 0.3.0, each now in a module of its own.

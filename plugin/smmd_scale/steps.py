@@ -316,8 +316,9 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
                               lse: Optional[ShiftedLogSumExp] = None) -> NumericGradient:
     """The plan's numeric loss on the full numeric slice ``[P, N]`` and its gradient.
 
-    ``q = softmax(numeric logits)``; the loss gives d/dq (chained here through the softmax over the
-    numeric tokens), d/d numeric logits, or both, and d/dmass or d/dlog(mass). ``mass``, the full
+    ``q = softmax(numeric logits)``; the loss gives d/d numeric logits (a loss of q chains its d/dq
+    through the softmax over the numeric tokens itself, ``numeric_loss.terms_from_q``) and, if it
+    reads the mass, d/dlog(mass). ``mass``, the full
     softmax's probability on the numeric tokens, is ``exp(logsumexp(numeric logits) - lse)`` at the
     numeric positions (needs ``lse``), and its gradient reaches every column: ``d mass / d z_k = p_k
     [k numeric] - mass p_k``.
@@ -356,36 +357,13 @@ def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optio
     """The plan's loss on the numeric slice, shared by the ops and the loss alone: ``logits [P, N]``
     (float64, transformed), with ``mass`` / ``log_mass`` ``[P]`` where the loss reads them (else None).
     Returns (its :class:`~smmd_scale.numeric_loss.NumericTerms`, ``q [P, N]``, d value / d numeric
-    logits with the mass held fixed ``[P, N]``, d value / d log(mass) ``[P]`` or None); how the mass's
-    part reaches the logits is the caller's (it differs with how the mass was formed)."""
+    logits with the mass held fixed ``[P, N]``, d value / d log(mass) ``[P]`` or None): every loss
+    gives its gradient in the numeric logits' coordinates; how the mass's part reaches the logits is
+    the caller's (it differs with how the mass was formed)."""
     q = torch.softmax(logits, dim=-1)
     terms = plan.loss.terms_for_call(plan, NumericSlice(logits, q, None, mass, log_mass))
-    return terms, q, chain_through_softmax(terms, q), log_mass_gradient(terms, mass)
-
-
-def chain_through_softmax(terms, q: torch.Tensor) -> torch.Tensor:
-    """A loss's :class:`~smmd_scale.numeric_loss.NumericTerms` -> d value / d numeric logits ``[P, N]``
-    (float64) with the mass held fixed: ``grad_q`` chained through the softmax over the numeric tokens,
-    plus ``grad_logits``."""
-    grad = None
-    if terms.grad_q is not None:
-        weighted = q * terms.grad_q  # q_k g_k (float64: the product promotes g exactly), then - q_k sum_j q_j g_j
-        grad = torch.addcmul(weighted, q, weighted.sum(dim=-1, keepdim=True), value=-1)
-    if terms.grad_logits is not None:
-        grad = terms.grad_logits.double() if grad is None else grad + terms.grad_logits.double()
-    return torch.zeros_like(q) if grad is None else grad
-
-
-def log_mass_gradient(terms, mass: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """d value / d log(mass) ``[P]`` (float64) from a loss's ``grad_mass`` and ``grad_log_mass``, or
-    None when it reads no mass. Through ``log mass = lse(numeric logits) - lse(all logits)`` it adds
-    ``g q_k`` to the numeric columns and ``-g p_k`` to every column."""
-    found = None
-    if terms.grad_mass is not None:
-        found = terms.grad_mass.double() * mass
-    if terms.grad_log_mass is not None:
-        found = terms.grad_log_mass.double() if found is None else found + terms.grad_log_mass.double()
-    return found
+    grad = torch.zeros_like(q) if terms.grad_logits is None else terms.grad_logits.double()
+    return terms, q, grad, None if terms.grad_log_mass is None else terms.grad_log_mass.double()
 
 
 def numeric_per_token(plan: CallPlan, numeric: NumericGradient, like: torch.Tensor) -> torch.Tensor:
