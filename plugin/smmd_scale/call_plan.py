@@ -179,10 +179,10 @@ class CallPlan:
     live: None when ``positions`` are exactly the numeric positions (P of them, a size read from the
         data); else ``[T]`` bool: the plan holds a fixed capacity of T rows (the call's tokens), the
         numeric positions first, and ``live`` says which rows are numeric (:func:`fixed_capacity`);
-        ``live_count`` their number and ``live_weight`` ``live`` as float64 (what masks the rows' values
-        and sums the statistics over the numeric rows, made once)
+        ``live_count`` their number
     valid_count: the valid (not ignored) targets, a 0-dim tensor counted on the device once for the CE
-        + numeric ops (the mean's divisor and the statistics); None for the loss alone
+        + numeric ops (the mean's divisor and the statistics); None for the loss alone (a caller that
+        wants it counts ``valid`` itself)
     """
 
     loss: NumericLossLike
@@ -206,7 +206,6 @@ class CallPlan:
     sequence_shard: Optional[SequenceShard] = None
     live: Optional[torch.Tensor] = None
     live_count: Optional[torch.Tensor] = None
-    live_weight: Optional[torch.Tensor] = None
     valid_count: Optional[torch.Tensor] = None
 
     @property
@@ -378,5 +377,4 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
                     compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard,
                     live=live, live_count=None if live is None else live.sum(),
-                    live_weight=None if live is None else live.to(torch.float64),
                     valid_count=valid.sum() if may_pad_positions else None)

@@ -24,7 +24,7 @@ import copy
 import functools
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
 import torch
@@ -60,6 +60,9 @@ class NumericTerms:
     """
 
     value: torch.Tensor
+    # (keywords only after the value: a loss written for the fields of 0.2, ``NumericTerms(value, grad_q,
+    # grad_mass, parts)``, fails here instead of landing its d/dq in the logits' place)
+    _: KW_ONLY
     grad_logits: Optional[torch.Tensor] = None
     grad_log_mass: Optional[torch.Tensor] = None
     parts: dict = field(default_factory=dict)

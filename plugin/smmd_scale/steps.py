@@ -344,8 +344,10 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     values = plan.loss.vocab.on(logits.device, torch.float64)[1]  # (cached per device: no copy per call)
     value = terms.value
     if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
-        value = value * plan.live_weight  # the statistics' are dropped where they are used; a spare row
-        # repeats position 0, so it is not finite only where that row's own losses are not either)
+        # the statistics' are dropped where they are used). ``where``, not times live: a spare row scores
+        # position 0's numeric logits against a made-up target, so it can be inf or NaN (a -inf logit there)
+        # while position 0's own losses are finite, and NaN * 0 would carry it into the loss.
+        value = torch.where(plan.live, value, 0.0)
     return NumericGradient(value=value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
                            row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
                            abs_error=(q @ values - values[plan.numeric_targets]).abs(),
@@ -386,12 +388,11 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
     # (stack and cat promote to the widest dtype in one op each: no conversion op per statistic)
     per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names),
                                 numeric.correct, numeric.abs_error.detach()])
-    if plan.live is None:
-        sums = per_position.sum(dim=1, dtype=double)
-    else:  # a fixed-capacity plan's spare rows count for nothing: one product sums the numeric rows
-        sums = per_position @ plan.live_weight
+    if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing (``where``: they may be
+        per_position = torch.where(plan.live, per_position, 0.0)  # NaN, as in numeric_loss_and_gradient)
+    sums = per_position.sum(dim=1, dtype=double)
     count = plan.numeric_count
-    device_counts = [plan.valid_count]
+    device_counts = [plan.valid.sum() if plan.valid_count is None else plan.valid_count]
     host_counts = [comm.calls + numeric.comm.calls, comm.bytes + numeric.comm.bytes]
     if isinstance(count, int):
         host_counts.insert(0, count)

@@ -132,6 +132,29 @@ def test_the_padded_rows_never_reach_position_zero(generator):
         check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}, reduction="none"))
 
 
+@pytest.mark.parametrize("name", ["dist2", "gauss-ls", "del", "smmd", "ntl-was"])
+def test_spare_rows_on_a_masked_position_zero_stay_out_of_the_loss(generator, name):
+    """A spare row scores position 0's numeric logits against a made-up target: with a -inf there (a
+    masked token) its value is inf or NaN while position 0's own losses are finite (ignored, or a word).
+    The loss, per-token values, statistics and gradients stay the CPU plan's, also compiled (the
+    accelerator's plan inside ``torch.compile`` on the CPU). Until the spare rows were masked with
+    ``where`` again, ``value * live`` turned these totals into NaN."""
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [(name, 1.0)], options_from(lambda option: option.default))
+    logits = torch.randn(2, TOKENS // 2, VOCAB, generator=generator, dtype=torch.float64) * 3
+    # one digit masked suffices for the losses that read log q; SMMD and NTL need all of them masked
+    logits[0, 0, DIGITS[:3] if name in ("dist2", "gauss-ls", "del") else DIGITS] = float("-inf")
+    for first in (50, -100):
+        targets.view(-1)[0] = first
+        for reduction in ("none", "mean"):
+            accelerator = run(H200, "materialized", loss, [logits], targets, {}, reduction)
+            assert torch.isfinite(accelerator[0].total).all(), (first, reduction)
+            check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}, reduction))
+        compiled = torch.compile(lambda x, y: numeric_cross_entropy(x, y, loss).total, fullgraph=True,
+                                 backend="eager")(logits, targets)
+        assert torch.isfinite(compiled) and compiled == numeric_cross_entropy(logits, targets, loss).total
+
+
 def test_digit_runs_at_a_fixed_capacity(generator):
     """The losses that join digits into numbers find their runs at the fixed capacity (spare rows in a
     bin, numbers at P + 1 slots): the same numbers, values and gradients as from the exact positions,

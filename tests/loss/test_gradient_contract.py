@@ -85,3 +85,21 @@ def test_a_hand_written_gradient_equals_autograd_through_its_reference(generator
         assert relative(grad, reference_grad) <= RELATIVE, (name, options)
         assert value.abs().sum() > 0  # numbers were there to compare
     assert len(seen) == len(VARIANTS.get(name, [{}]))  # each variant a loss of its own
+
+
+def test_terms_take_their_gradients_by_keyword_in_the_logits_coordinates():
+    """``NumericTerms`` holds d value / d numeric logits and d value / d log(mass), by keyword only: a loss
+    written for 0.2's fields (``NumericTerms(value, grad_q, grad_mass, parts)``) fails instead of landing its
+    d/dq where the logits' gradient goes."""
+    from smmd_scale.numeric_loss import NumericTerms, terms_from_q
+
+    value, grad_q = torch.zeros(2, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="positional"):
+        NumericTerms(value, grad_q, None, {})
+    q = torch.softmax(torch.randn(2, 3, dtype=torch.float64), dim=-1)
+    terms = terms_from_q(q, value, grad_q, {"x": value}, grad_mass=torch.ones(2), mass=torch.full((2, ), 0.5))
+    # the chain through the softmax, by its Jacobian: d q_j / d z_k = q_j ([j = k] - q_k)
+    jacobian = torch.diag_embed(q) - q[:, :, None] * q[:, None, :]
+    # (float64: the two forms differ by the rounding of sums of 3 terms of order 1)
+    torch.testing.assert_close(terms.grad_logits, torch.einsum("pj,pjk->pk", grad_q, jacobian), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(terms.grad_log_mass, torch.full((2, ), 0.5, dtype=torch.float64))  # d/dlog m = m d/dm

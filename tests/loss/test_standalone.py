@@ -144,3 +144,20 @@ def test_vocab_parallel_standalone_equals_one_device_and_bad_weights_raise_on_ev
     assert all(outcome.ok for outcome in outcomes), [outcome.traceback for outcome in outcomes]
     for outcome in outcomes:
         assert outcome.value.startswith("tensor-parallel rank 1 of the group: loss_weights[4] = -2.0 must be"), outcome
+
+
+@pytest.mark.parametrize("family", ["smmd", "ntl-was"])
+def test_the_benchmarks_before_contender_computes_the_loss_alone(generator, family):
+    """``benchmarks.contenders.standalone_before`` (bench_ntl_standalone's "before" row: the numeric slice
+    alone, no full-softmax pass) still runs on today's plan and gives the loss alone's mean, for a loss
+    without the mass (SMMD) and one with it (NTL-WAS, reweighed)."""
+    from benchmarks.contenders.standalone_before import numeric_loss_mean
+
+    vocab = NumericVocab(list(range(10, 20)), [float(value) for value in range(10)], 40)
+    loss = SMMDLoss(vocab) if family == "smmd" else NTLoss(vocab)
+    logits = torch.randn(12, 40, generator=generator, dtype=torch.float64)
+    targets = torch.randint(10, 20, (12, ), generator=generator)
+    targets[::3] = torch.randint(0, 10, (4, ), generator=generator)
+    targets[1] = -100
+    # float64, the same terms summed in another order: a few ulp of values of order 1
+    torch.testing.assert_close(numeric_loss_mean(loss, logits, targets), loss(logits, targets), rtol=1e-12, atol=1e-14)
