@@ -125,6 +125,8 @@ def rewrite_report(results_path, results_dir) -> dict:
 
 def report(study: dict, runs: list, selections: list, throughput: dict, pilot: dict, results_dir,
            regenerated_from: str = None) -> dict:
+    # the model folder by its name only: a machine's path does not belong in committed results
+    study = {**study, "settings": {**study["settings"], "model": Path(study["settings"]["model"]).name}}
     analysis = analyze_a.analyze(runs, METRICS)
     summary = summary_markdown(study, runs, analysis, selections, throughput, pilot, regenerated_from)
     return analyze_a.write_files("c", {"study": study, "weights": WEIGHTS_NOTE, "selections": selections,

@@ -254,6 +254,7 @@ def test_report_and_pipeline_check_on_synthetic_runs(tmp_path):
     assert any("missing" in problem for problem in analyze_c.check_pipeline(results, ["ce", "smmd"], list(range(6))))
     assert math.isfinite(analysis["tests"]["answer_nll"]["rows"][0]["p_holm_study"]) or \
         analysis["tests"]["answer_nll"]["rows"][0]["constant"]
+    assert json.loads((results / "tier_c.json").read_text())["study"]["settings"]["model"] == "smollm2"  # no path
     # The work dir gone, the same report from tier_c.json alone (its throughput and pilot records kept there),
     # but for the line that says so.
     again = tmp_path / "again"
