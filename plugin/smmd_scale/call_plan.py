@@ -183,6 +183,8 @@ class CallPlan:
     valid_count: the valid (not ignored) targets, a 0-dim tensor counted on the device once for the CE
         + numeric ops (the mean's divisor and the statistics); None for the loss alone (a caller that
         wants it counts ``valid`` itself)
+    numeric_capacity: under tensor parallelism on a fixed-capacity plan, the numeric rows the exchange
+        carries whatever the count (:func:`exchange_capacity`), so that it reads nothing back; else None
     """
 
     loss: NumericLossLike
@@ -207,6 +209,7 @@ class CallPlan:
     live: Optional[torch.Tensor] = None
     live_count: Optional[torch.Tensor] = None
     valid_count: Optional[torch.Tensor] = None
+    numeric_capacity: Optional[int] = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -230,6 +233,23 @@ def padded_numeric_positions(vocab: NumericVocab, targets: torch.Tensor, valid: 
     live = found >= 0
     positions = found.clamp_min(0)
     return positions, index[positions].clamp_min(0), live
+
+
+def exchange_capacity(numeric_capacity, tokens: int) -> Optional[int]:
+    """The numeric rows a vocabulary-parallel exchange carries on a fixed-capacity plan: ``None`` (the
+    default) the group's own capacity, grown from the counts it reads back (one host read per call);
+    ``"tokens"`` the call's tokens (never exceeded: nothing read back, the numeric rows' bytes T x N instead
+    of about 1.1 x the numeric positions x N); an int, a bound the caller knows for the call's numeric
+    positions (e.g. counted when the batch was made), at most the tokens, checked on the device. It must be
+    the same on every rank of the group."""
+    if numeric_capacity is None:
+        return None
+    if numeric_capacity == "tokens":
+        return max(tokens, 1)
+    if isinstance(numeric_capacity, bool) or not isinstance(numeric_capacity, int) or numeric_capacity < 1:
+        raise ValueError(f"numeric_capacity={numeric_capacity!r} must be None, 'tokens' or an int >= 1 (a bound on "
+                         "the call's numeric-target positions)")
+    return min(numeric_capacity, max(tokens, 1))
 
 
 def fixed_capacity(loss: NumericLossLike, device: torch.device, tensor_parallel: bool, sequence_shard) -> bool:
@@ -289,7 +309,7 @@ def rank_contribution(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=No
                                       numeric_positions=plan.numeric_count,
                                       numeric_columns=plan.numeric_columns),
                             numeric_logits=numeric_logits, local_lse=local_lse, target_logits=target_logits,
-                            local_logit_sum=local_logit_sum)
+                            local_logit_sum=local_logit_sum, numeric_capacity=plan.numeric_capacity)
 
 
 def run_exchange(plan: CallPlan, numeric_logits: torch.Tensor, local_lse=None,
@@ -304,7 +324,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
               num_items_in_batch=None, weight: Optional[float] = None, num_numeric_in_batch=None,
               failed_check: Optional[checks.FailedCheck] = None,
               options: CrossEntropyOptions = DEFAULT_OPTIONS,
-              sequence_shard: Optional[SequenceShard] = None, may_pad_positions: bool = False) -> CallPlan:
+              sequence_shard: Optional[SequenceShard] = None, may_pad_positions: bool = False,
+              numeric_capacity=None) -> CallPlan:
     """Validate (all ranks reach the same verdict) and plan one call.
 
     No collective runs unless the input is bad under tensor parallelism: then this rank joins the
@@ -314,6 +335,7 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     slice (an error on the rank whose slice differs, as for the inputs on one device).
     ``may_pad_positions``: the caller handles a fixed-capacity plan (``CallPlan.live``), taken where
     :func:`fixed_capacity` says so (the CE + numeric ops; the loss alone keeps the exact positions).
+    ``numeric_capacity``: see :func:`exchange_capacity`.
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
@@ -328,6 +350,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
         raise TypeError(f"vocab_start_index={vocab_start_index!r} must be an int")
     vocab = loss.vocab
     values_on_host = not (DeviceProperties.of(spec.device).accelerator or torch.compiler.is_compiling())
+    padded = may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard)
+    capacity = exchange_capacity(numeric_capacity, spec.tokens) if tensor_parallel and padded else None
     if failed_check is None:
         failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,
@@ -338,7 +362,7 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
         if not tensor_parallel:
             raise failed_check.error()
         contribution = RankContribution(**_header(loss, spec, targets, vocab_start_index, with_ce, options,
-                                                  failed_check))
+                                                  failed_check), numeric_capacity=capacity)
         exchange(contribution, tp_group, exchange_state(tp_group, loss))
         raise AssertionError("unreachable: the exchange raises the shared verdict")
     if sequence_shard is not None:
@@ -362,7 +386,7 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     if not values_on_host:
         checks.assert_targets_in_range(flat_targets, in_vocab, valid, vocab.vocab_size, loss.ignore_index)
     # An ignored position contributes nothing, also when ignore_index is a numeric token's id.
-    if may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard):
+    if padded:
         # (the numeric positions are the whole vocabulary's: the global target ids, clamped into it)
         positions, numeric_targets, live = padded_numeric_positions(vocab, in_vocab, valid)
     else:
@@ -377,4 +401,4 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
                     exchange_state=exchange_state(tp_group, loss) if tensor_parallel else None,
                     compute_dtype=compute_dtype, with_ce=with_ce, options=options, sequence_shard=sequence_shard,
                     live=live, live_count=None if live is None else live.sum(),
-                    valid_count=valid.sum() if may_pad_positions else None)
+                    valid_count=valid.sum() if may_pad_positions else None, numeric_capacity=capacity)

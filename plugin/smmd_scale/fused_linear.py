@@ -436,7 +436,7 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
                             num_numeric_in_batch=None,
                             options: CrossEntropyOptions = DEFAULT_OPTIONS,
                             sequence_shard: Optional[SequenceShard] = None,
-                            block_budget_bytes: Optional[int] = None) -> PerTokenLosses:
+                            block_budget_bytes: Optional[int] = None, numeric_capacity=None) -> PerTokenLosses:
     """CE and the numeric loss per position of ``hidden @ head_weight.T (+ bias)``, unreduced; see
     :func:`linear_numeric_cross_entropy`."""
     check_numeric_loss(numeric_loss)
@@ -457,7 +457,7 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
                      failed_check=failed_check, options=options, sequence_shard=sequence_shard,
-                     may_pad_positions=True)
+                     may_pad_positions=True, numeric_capacity=numeric_capacity)
     hidden_2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     chunk_size = fused_head_plan(hidden_2d.shape[0], hidden_2d.shape[1], width, spec.dtype, plan.compute_dtype,
                                  DeviceProperties.of(hidden.device), block_budget_bytes, chunk_size).chunk_size
@@ -476,7 +476,7 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                                  z_loss: float = 0.0, label_smoothing: float = 0.0,
                                  accum_dtype: Optional[torch.dtype] = None,
                                  sequence_shard: Optional[SequenceShard] = None,
-                                 block_budget_bytes: Optional[int] = None) -> NumericOutput:
+                                 block_budget_bytes: Optional[int] = None, numeric_capacity=None) -> NumericOutput:
     """CE + weight * a numeric loss of the logits ``hidden @ head_weight.T (+ bias)``, without ever
     making them: the same :class:`NumericOutput` as ``numeric_cross_entropy`` on those logits.
 
@@ -489,7 +489,8 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                  of the free memory, at most 4 GiB); the CPU's plan ignores it
     num_items_in_batch, num_numeric_in_batch: the optimizer step's counts (see
                  :func:`smmd_scale.loss.reduce_losses`)
-    reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype, sequence_shard: as in
+    reduction, logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype, sequence_shard,
+    numeric_capacity: as in
                  :func:`smmd_scale.numeric_cross_entropy`, applied to each block of logits (soft-capping
                  and scaling in both passes; their derivative from the recomputed block)
 
@@ -504,7 +505,7 @@ def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor
                                      vocab_start_index=vocab_start_index, num_items_in_batch=num_items_in_batch,
                                      weight=weight, chunk_size=chunk_size, num_numeric_in_batch=num_numeric_in_batch,
                                      options=options, sequence_shard=sequence_shard,
-                                     block_budget_bytes=block_budget_bytes)
+                                     block_budget_bytes=block_budget_bytes, numeric_capacity=numeric_capacity)
     output = reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
     reduces_gradient = losses.plan.tensor_parallel and hidden.requires_grad
     output.stats["backward_comm_calls"] = int(reduces_gradient)

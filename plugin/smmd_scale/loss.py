@@ -203,7 +203,7 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
                      vocab_start_index: Optional[int] = 0, num_items_in_batch=None,
                      weight: Optional[float] = None, num_numeric_in_batch=None,
                      options: CrossEntropyOptions = DEFAULT_OPTIONS,
-                     sequence_shard: Optional[SequenceShard] = None) -> PerTokenLosses:
+                     sequence_shard: Optional[SequenceShard] = None, numeric_capacity=None) -> PerTokenLosses:
     """CE, the numeric loss and the z-loss per position of ``logits [..., V_local]``, unreduced (the
     building block of :func:`numeric_cross_entropy` and of the Megatron entry point, which applies its
     own mask)."""
@@ -211,7 +211,8 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
     spec = logits_spec(logits, targets)
     plan = plan_call(numeric_loss, spec, targets, tp_group, vocab_start_index, with_ce=True,
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
-                     options=options, sequence_shard=sequence_shard, may_pad_positions=True)
+                     options=options, sequence_shard=sequence_shard, may_pad_positions=True,
+                     numeric_capacity=numeric_capacity)
     ce, numeric, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
     return PerTokenLosses(ce, numeric, plan, sums, z)
 
@@ -274,7 +275,7 @@ def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_l
                           logit_scale: Optional[float] = None, logit_softcap: Optional[float] = None,
                           z_loss: float = 0.0, label_smoothing: float = 0.0,
                           accum_dtype: Optional[torch.dtype] = None,
-                          sequence_shard: Optional[SequenceShard] = None) -> NumericOutput:
+                          sequence_shard: Optional[SequenceShard] = None, numeric_capacity=None) -> NumericOutput:
     """CE + weight * a numeric loss (SMMD, NTL or a weighted sum) in one pass over ``logits [..., V]``
     or a vocab-parallel shard (``tp_group``, ``vocab_start_index``). ``targets [...]`` are aligned
     with the logits (no shift). The reductions are :func:`reduce_losses`': given the optimizer
@@ -293,12 +294,15 @@ def numeric_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, numeric_l
         (:class:`smmd_scale.sequence_shard.SequenceShard`), so that the losses that read whole
         numbers (DEL, DIST2's place weights, number-level NTL) see the numbers that cross the slice's
         ends; the others ignore it
+    numeric_capacity: vocabulary-parallel on an accelerator, the numeric rows the one exchange carries:
+        None (one host read per call, the capacity grown from the counts read), ``"tokens"`` or a bound on
+        the call's numeric positions (no host read; :func:`smmd_scale.call_plan.exchange_capacity`)
     """
     weight = check_weight(weight)
     reduction = check_reduction(reduction, num_items_in_batch, num_numeric_in_batch)
     options = CrossEntropyOptions.checked(logit_scale, logit_softcap, z_loss, label_smoothing, accum_dtype)
     losses = per_token_losses(logits, targets, numeric_loss, tp_group, vocab_start_index, num_items_in_batch, weight,
-                              num_numeric_in_batch, options, sequence_shard)
+                              num_numeric_in_batch, options, sequence_shard, numeric_capacity)
     return reduce_losses(losses, weight, num_items_in_batch, num_numeric_in_batch, reduction)
 
 

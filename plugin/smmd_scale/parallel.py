@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .checks import FailedCheck
 
 # Header fields, one int64 row per rank.
@@ -109,6 +110,9 @@ class RankContribution:
     logit_sum_slot:    whether the lse slots have the third (logit sum) element: the call's label
                        smoothing is on. It sets the buffer's length, so a rank whose input failed a
                        check still sets it from its options (like N, it must agree across the group)
+    numeric_capacity:  on a fixed-capacity plan, the numeric rows the exchange carries whatever the count
+                       (the call's bound, at most ``tokens``), checked on the device: the exchange then
+                       reads nothing back (:func:`exchange`); None: the group's grown capacity, read back
     """
 
     failed_check: Optional[FailedCheck]
@@ -130,6 +134,7 @@ class RankContribution:
     logits_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     with_ce: bool = True
+    numeric_capacity: Optional[int] = None
 
 
 @dataclass
@@ -220,6 +225,43 @@ def _raise_on_disagreement(header: list) -> None:
                          "rank of a tensor-parallel group must receive the same batch")
 
 
+# The header fields every rank of a group must hold alike once its input passed its checks.
+AGREEING_FIELDS = [NUMERIC_SIZE, VOCAB_SIZE, LOSS_FINGERPRINT, TARGETS_FINGERPRINT, NUMERIC_POSITIONS]
+
+
+def _checked_on_device(views: dict, contribution: RankContribution, tp_rank: int, capacity: int) -> torch.Tensor:
+    """:func:`_raise_on_disagreement`'s checks without reading the header back, for an exchange at a fixed
+    ``numeric_capacity``: a rank whose own input failed a check raises its own error (it knows it without
+    a read); every rank asserts on the device that no rank failed, that the ranks agree (vocabulary, loss
+    options, targets, their count) and tile the vocabulary, and that the count fits the capacity (on a
+    GPU the assert stops the process at its next sync; on the CPU it raises at once). Returns the received
+    numeric rows at the plan's capacity, the rows past the count zeros (as the read-back exchange gives)."""
+    if contribution.failed_check is not None:
+        raise contribution.failed_check.error(prefix=f"tensor-parallel rank {tp_rank} of the group: ")
+    header = views["header"]
+    compat.device_assert((header[:, CODE] == 0).all(), "a tensor-parallel rank of the group failed an input check "
+                         "(that rank raised the error that names it)")
+    agreeing = header[:, AGREEING_FIELDS]
+    compat.device_assert((agreeing == agreeing[:1]).all(), "the tensor-parallel ranks of the group hold different "
+                         "numeric vocabularies, numeric-loss options or targets (checked on the device, which cannot "
+                         "say which: run one call with numeric_capacity=None to have them named); build them "
+                         "identically on every rank and give every rank the same batch")
+    starts = header[:, VOCAB_START]
+    order = starts.argsort()
+    starts, ends = starts[order], (header[:, VOCAB_START] + header[:, WIDTH])[order]
+    tiles = ((starts[0] == 0) & (ends[-1] == header[0, VOCAB_SIZE]) & (starts[1:] == ends[:-1]).all()
+             & (header[:, WIDTH] > 0).all())
+    compat.device_assert(tiles, "the logits shards do not tile the vocabulary exactly once; each rank must pass its "
+                         "own contiguous shard and its vocab_start_index")
+    count = header[tp_rank, NUMERIC_POSITIONS]
+    compat.device_assert(count <= capacity, f"the call holds more numeric-target positions than its "
+                         f"numeric_capacity={capacity}: raise it (at most the call's tokens), or pass None")
+    rows = torch.arange(capacity, device=count.device)[:, None] < count
+    numeric = torch.where(rows, views["numeric"], 0.0)
+    spare = contribution.numeric_logits.shape[0] - capacity
+    return numeric if spare == 0 else torch.cat([numeric, numeric.new_zeros((spare, numeric.shape[1]))])
+
+
 def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> ExchangeResult:
     """Run the packed all-reduce for one call; raise on every rank if any rank's input is bad."""
     tp_size, tp_rank = group_size_and_rank(tp_group)
@@ -230,7 +272,10 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
         slots = 3 if contribution.logit_sum_slot else 2
         layout.reserve("lse", (tokens, tp_size, slots), contribution.compute_dtype)
         layout.reserve("target", (tokens, ), contribution.logits_dtype)
-    layout.reserve("numeric", (state.capacity, numeric_size), contribution.logits_dtype)
+    counted_on_device = isinstance(contribution.numeric_positions, torch.Tensor)  # a fixed-capacity plan
+    on_device = contribution.numeric_capacity is not None  # nothing read back (set on fixed-capacity plans only)
+    capacity = min(contribution.numeric_capacity, tokens) if on_device else state.capacity
+    layout.reserve("numeric", (capacity, numeric_size), contribution.logits_dtype)
     buffer, views = layout.allocate(contribution.device)
 
     row = [0] * HEADER_FIELDS
@@ -240,7 +285,6 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
     row[VOCAB_START], row[WIDTH] = contribution.vocab_start, contribution.width
     row[VOCAB_SIZE] = contribution.vocab_size
     row[NUMERIC_SIZE], row[LOSS_FINGERPRINT] = numeric_size, contribution.loss_fingerprint
-    counted_on_device = isinstance(contribution.numeric_positions, torch.Tensor)  # a fixed-capacity plan
     row[NUMERIC_POSITIONS] = 0 if counted_on_device else contribution.numeric_positions
     own_header = views["header"][tp_rank]
     own_header.copy_(torch.tensor(row, dtype=torch.int64))
@@ -256,13 +300,17 @@ def exchange(contribution: RankContribution, tp_group, state: ExchangeState) -> 
                 views["lse"][:, tp_rank, 2] = contribution.local_logit_sum
             views["target"].copy_(contribution.target_logits)
         if counted_on_device:  # the numeric positions come first: the capacity's rows hold them when they fit
-            rows = min(state.capacity, contribution.numeric_logits.shape[0])
+            rows = min(capacity, contribution.numeric_logits.shape[0])
             views["numeric"][:rows, lo:hi] = contribution.numeric_logits[:rows]
-        elif contribution.numeric_positions <= state.capacity:
+        elif contribution.numeric_positions <= capacity:
             views["numeric"][:contribution.numeric_positions, lo:hi] = contribution.numeric_logits
 
     _all_reduce(buffer, tp_group)
     comm_calls, comm_bytes = 1, buffer.numel() * WORD_BYTES
+    if on_device:
+        return ExchangeResult(lse_slots=views.get("lse"), target_logits=views.get("target"),
+                              numeric_logits=_checked_on_device(views, contribution, tp_rank, capacity),
+                              comm_calls=comm_calls, comm_bytes=comm_bytes)
     header = views["header"].tolist()  # the call's one host read: every rank's verdict and counts
     _raise_on_disagreement(header)
 

@@ -185,7 +185,7 @@ def test_digit_runs_at_a_fixed_capacity(generator):
 # ------------------------------------------------------------------------------------------------
 
 
-def _vocab_parallel_on_the_accelerators_plan(rank, world_size, seed):
+def _vocab_parallel_on_the_accelerators_plan(rank, world_size, seed, numeric_capacity=None):
     """Each op, vocabulary-parallel on the accelerator's plan (the fused head in several blocks, some
     rows' targets on other shards), against the whole vocabulary on one device on the CPU's plan;
     returns the host-sync sites of each call."""
@@ -212,10 +212,11 @@ def _vocab_parallel_on_the_accelerators_plan(rank, world_size, seed):
             with count_ops() as forward:
                 if op == "materialized":
                     output = numeric_cross_entropy(local, targets, loss, tp_group=dist.group.WORLD,
-                                                   vocab_start_index=start)
+                                                   vocab_start_index=start, numeric_capacity=numeric_capacity)
                 else:
                     output = linear_numeric_cross_entropy(shard[0], local, targets, loss, tp_group=dist.group.WORLD,
-                                                          vocab_start_index=start, block_budget_bytes=TOKENS * 8 * 23)
+                                                          vocab_start_index=start, block_budget_bytes=TOKENS * 8 * 23,
+                                                          numeric_capacity=numeric_capacity)
             with count_ops() as backward:
                 output.total.backward()
             stats = dict(output.stats)
@@ -251,6 +252,83 @@ def test_vocab_parallel_on_the_accelerators_plan_equals_one_device(world_size):
         for op, (forward, backward) in sites.items():
             assert backward == [], (op, backward)
             assert [f"{site.split(':')[0]}: {site.split(': ')[-1]}" for site in forward] == known, (op, forward)
+
+
+def numeric_count(targets) -> int:
+    flat = targets.reshape(-1)
+    return int(((flat >= DIGITS[0]) & (flat <= DIGITS[-1])).sum())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_at_a_fixed_numeric_capacity_reads_nothing_back(world_size):
+    """``numeric_capacity="tokens"`` or a bound the caller knows: the exchange carries that many numeric rows
+    whatever the count, and its checks are device-side asserts, so the forward and backward of both ops
+    read nothing back to the host; the values, gradients and statistics are one device's as before."""
+    from helpers.distributed import run_ranks, values_or_raise
+
+    seed = int(torch.randint(0, 2**31, (1, )))
+    bound = numeric_count(problem(torch.Generator().manual_seed(seed))[1])  # the exact count: tight
+    for capacity in ("tokens", bound):
+        for sites in values_or_raise(run_ranks(_vocab_parallel_on_the_accelerators_plan, world_size, seed,
+                                               capacity)):
+            for op, (forward, backward) in sites.items():
+                assert forward == [] and backward == [], (capacity, op, forward, backward)
+
+
+def _too_small_or_failed(rank, world_size, seed, case):
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    logits = torch.randn(TOKENS, VOCAB, generator=generator, dtype=torch.float64)
+    bounds = [VOCAB * part // world_size for part in range(world_size + 1)]
+    local = logits[:, bounds[rank]:bounds[rank + 1]]
+    flat = targets.reshape(-1)
+    capacity = numeric_count(targets) - 1 if case == "too small" else "tokens"
+    # a check on the host that fails on this rank alone (a bad count: the others do not see it)
+    count = -1 if case == "one rank's input fails" and rank == world_size - 1 else None
+    with plan_as(H200):
+        try:
+            numeric_cross_entropy(local, flat, loss, tp_group=dist.group.WORLD, vocab_start_index=bounds[rank],
+                                  num_items_in_batch=count, numeric_capacity=capacity)
+        except (RuntimeError, ValueError) as error:
+            return str(error)
+    return "no error"
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["too small", "one rank's input fails"])
+def test_a_fixed_numeric_capacity_fails_on_every_rank_when_it_cannot_hold(case):
+    """A bound below the count, or one rank's bad input, fails on every rank (checked on the device: no
+    rank waits in a collective that others left)."""
+    from helpers.distributed import run_ranks, values_or_raise
+
+    messages = values_or_raise(run_ranks(_too_small_or_failed, 2, int(torch.randint(0, 2**31, (1, ))), case))
+    assert "no error" not in messages, messages
+    if case == "too small":
+        assert all("more numeric-target positions than its numeric_capacity" in message for message in messages)
+    else:  # the failing rank names its input; the other says a rank of the group failed
+        assert "tensor-parallel rank 1 of the group: num_items_in_batch=-1 must be >= 0" in messages[1], messages
+        assert "a tensor-parallel rank of the group failed an input check" in messages[0], messages
+
+
+def test_numeric_capacity_is_checked_before_any_collective():
+    vocab, targets = problem(torch.Generator().manual_seed(0))
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    from smmd_scale.call_plan import exchange_capacity
+
+    assert exchange_capacity(None, 48) is None and exchange_capacity("tokens", 48) == 48
+    assert exchange_capacity(10, 48) == 10 and exchange_capacity(100, 48) == 48  # at most the tokens
+    for bad in (0, -3, 2.5, True, "all"):
+        with pytest.raises(ValueError, match=r"numeric_capacity=.* must be None, 'tokens' or an int >= 1"):
+            exchange_capacity(bad, 48)
+    # one device: the option has nothing to carry and changes nothing
+    logits = torch.randn(TOKENS, VOCAB, dtype=torch.float64)
+    with plan_as(H200):
+        torch.testing.assert_close(numeric_cross_entropy(logits, targets.reshape(-1), loss, numeric_capacity=5).total,
+                                   numeric_cross_entropy(logits, targets.reshape(-1), loss).total, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtypes", ["bf16", "fp32", "fp32 head, bf16 autocast", "bf16 with a bias"])

@@ -185,6 +185,13 @@ def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir
     assert hparams["z_loss"] == 1e-4 and hparams["label_smoothing"] == 0.1
     args, _ = prepared(argv(tokenizer_dir, corpus, tmp_path / "run"), until="plan")
     assert ce_options(RunConfig.from_args(args).loss) == {}
+    # --tp_exchange_capacity tokens: the exchange's rows passed to every call (no host read under TP on a GPU;
+    # tests/loss/test_accelerator_plan.py counts that); not the objective, so not an HParams column
+    args = parse_args([*argv(tokenizer_dir, corpus, tmp_path / "run"), "--tp_exchange_capacity", "tokens"])
+    assert ce_options(RunConfig.from_args(args).loss) == {"numeric_capacity": "tokens"}
+    assert "tp_exchange_capacity" not in run_hparams(RunConfig.from_args(args), plan, "single")
+    with pytest.raises(SystemExit):
+        parse_args([*argv(tokenizer_dir, corpus, tmp_path / "run"), "--tp_exchange_capacity", "all"])
 
 
 def test_help_shows_each_option_s_default(capsys):

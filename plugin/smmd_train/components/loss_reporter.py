@@ -175,11 +175,12 @@ class ModelLossReporter(LossReporter):
 
 
 def ce_options(settings) -> dict:
-    """The CE options of ``settings`` (a ``smmd_train.config.run_config.Loss``: ``--z_loss``, ``--label_smoothing``),
-    those that are on. Soft-capping and a logit scale are the model's own (its config), which the installed
-    loss reads."""
-    return {name: value for name, value in (("z_loss", settings.z_loss), ("label_smoothing", settings.label_smoothing))
-            if value}
+    """The op options of ``settings`` (a ``smmd_train.config.run_config.Loss``: ``--z_loss``, ``--label_smoothing``,
+    ``--tp_exchange_capacity``), those that are on. Soft-capping and a logit scale are the model's own (its
+    config), which the installed loss reads."""
+    return {name: value for name, value in (("z_loss", settings.z_loss), ("label_smoothing", settings.label_smoothing),
+                                            ("numeric_capacity", "tokens" if settings.tp_exchange_capacity == "tokens"
+                                             else None)) if value}
 
 
 def numeric_loss(settings, vocab, dot_token_ids=()):

@@ -109,6 +109,7 @@ class Loss:
     fused_linear: bool = setting("--fused_linear", hparam="fused_linear")
     z_loss: float = setting("--z_loss", hparam="z_loss")
     label_smoothing: float = setting("--label_smoothing", hparam="label_smoothing")
+    tp_exchange_capacity: str = setting("--tp_exchange_capacity")  # not the objective: how the exchange is sized
     framework_loss: bool = setting("--framework_loss")
 
 
