@@ -1,4 +1,4 @@
-"""Statistics and report of Tier A (``study_a``): every arm against ``ce``, paired by seed.
+"""The report of Tier A (``study_a``) and Tier A': every arm against ``ce``, paired by seed.
 
     python -m benchmarks.numeracy.analyze_a [--work_dir runs/tier_a] [--results_dir results]
     python -m benchmarks.numeracy.analyze_a --from_results results/tier_a.json   # the work dir is gone
@@ -9,15 +9,10 @@ share of answers within +-1; sample efficiency is the mean held-out teacher-forc
 accuracy over train.py's periodic evaluations (the area under the learning curve; higher = learns
 sooner), on the test pairs' documents.
 
-For each arm, metric and column: the per-seed differences arm - ce on the seeds both finished; their
-mean with the paired Student-t 95% interval (the primary interval: with fewer than 10 seeds a percentile
-bootstrap is too narrow) and, beside it, a 95% percentile bootstrap interval (``BOOTSTRAP_RESAMPLES``
-resamples of the seeds, a fixed generator); the paired t-test's p; Holm's correction over the tests of
-one metric (arms x columns) and, beside it, over every pre-registered test of the report (study-wide).
-The minimal detectable effect is the true mean difference a paired t-test at the seeds used detects
-with 80% power at alpha = 0.05 (and at Holm's strictest level), in SDs of the differences and, with
-the observed SD, in the metric's units. The primary comparison of each arm gets the decision of the
-pre-registered rule (``preregistration.json``, ``decide``), written before the grid ran.
+For each arm, metric and column, ``stats.compare``: the paired differences against ce with their t-interval
+(primary) and bootstrap, Holm within the metric and study-wide, the MDE, and the pre-registered rule's
+decision (``stats``' docstring says each). This module holds the tables and sections every tier's report
+shares (``tables``, ``decisions_section``, ``selections_section``, ``write_files``).
 
 MAE appears twice: over the answers that parse (``mae``, with the unparseable share beside it) and
 capped (``mae_capped``, ``tier_a.score``): every item counts, an unparseable answer and any error

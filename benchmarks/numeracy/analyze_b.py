@@ -1,6 +1,5 @@
-"""Statistics and report of Tier B (``study_b``): every arm against ``ce``, paired by seed, with
-Tier A's statistics (``analyze_a``: paired t-intervals first, bootstrap beside them, Holm within a metric
-and study-wide, the minimal detectable effect, the pre-registered decision rule).
+"""The report of Tier B (``study_b``): every arm against ``ce``, paired by seed (``stats``; the tables of
+``analyze_a``).
 
     python -m benchmarks.numeracy.analyze_b [--work_dir runs/tier_b] [--results_dir results]
     python -m benchmarks.numeracy.analyze_b --from_results results/tier_b.json   # the work dir is gone

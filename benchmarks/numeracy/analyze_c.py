@@ -1,7 +1,6 @@
-"""Statistics and report of Tier C (``study_c``): fine-tuning pretrained SmolLM2-135M-Instruct
-(Q4_1-dequantized weights, not the bf16 release), every arm against ``ce``, paired by seed, with Tier
-A's statistics (``analyze_a``: paired t-intervals first, bootstrap beside them, Holm within a metric and
-study-wide, the MDE, the pre-registered decision rule of ``preregistration.json``).
+"""The report of Tier C (``study_c``): fine-tuning pretrained SmolLM2-135M-Instruct (Q4_1-dequantized
+weights, not the bf16 release), every arm against ``ce``, paired by seed (``stats``; the tables of
+``analyze_a``).
 
     python -m benchmarks.numeracy.analyze_c [--work_dir runs/tier_c] [--results_dir results]
     python -m benchmarks.numeracy.analyze_c --from_results results/tier_c.json   # the work dir is gone

@@ -12,9 +12,7 @@ digit tokens (``smmd_numeracy.tier_b``), three pre-registered arms x seeds.
    through ``launch/train.py`` (ZeRO-3, the installed loss, one process, one thread, ``nice``), a
    periodic held-out evaluation for the learning curve, then greedy answers on interpolate and
    extrapolate.
-3. ``analyze_b.write_report``: paired per-seed differences against ``ce`` with bootstrap intervals,
-   Holm within each metric, the minimal detectable effect (``analyze_a``'s statistics);
-   ``results/tier_b.json`` and ``results/tier_b_summary.md``.
+3. ``analyze_b.write_report`` (``stats``): ``results/tier_b.json`` and ``results/tier_b_summary.md``.
 
 Resumable like Tier A: a run whose ``run.json`` records its evaluation is kept, and ``study.json``
 refuses other settings.
