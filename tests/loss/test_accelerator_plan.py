@@ -358,3 +358,39 @@ def test_one_blocks_hidden_gradient_is_the_accumulated_one_bit_for_bit(generator
     assert direct[0].dtype == hidden.dtype
     for got, expected in zip(direct, accumulated):
         assert torch.equal(got, expected)
+
+
+def _hook_at_a_fixed_capacity(rank, world_size, seed):
+    """The installed loss's hook (what train.py's --tp_exchange_capacity tokens reaches: its ce_options) on
+    this rank's vocabulary shard of a model's logits, under the accelerator's plan: its host syncs, and its
+    loss against the whole vocabulary's on one device."""
+    import torch.distributed as dist
+
+    from smmd_scale.integrations import NumericCausalLMLoss
+    from smmd_scale.op_count import count_ops
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0), ("ntl-was", 0.5)])
+    logits = torch.randn(2, TOKENS // 2, VOCAB, generator=generator, dtype=torch.float64)
+    labels = targets.clone()
+    bounds = [VOCAB * part // world_size for part in range(world_size + 1)]
+    shard = logits[..., bounds[rank]:bounds[rank + 1]].clone().requires_grad_()
+    hook = NumericCausalLMLoss(loss, 0.5, tp_group=dist.group.WORLD, vocab_start_index=bounds[rank],
+                               ce_options={"numeric_capacity": "tokens"})
+    whole = NumericCausalLMLoss(loss, 0.5)(logits, labels)
+    with plan_as(H200):
+        with count_ops() as forward:
+            total = hook(shard, labels)
+        with count_ops() as backward:
+            total.backward()
+    torch.testing.assert_close(total, whole, **TOLERANCE)
+    return forward.sync_sites + backward.sync_sites
+
+
+@pytest.mark.gloo
+def test_the_installed_hook_at_a_fixed_capacity_reads_nothing_back():
+    from helpers.distributed import run_ranks, values_or_raise
+
+    sites = values_or_raise(run_ranks(_hook_at_a_fixed_capacity, 2, int(torch.randint(0, 2**31, (1, )))))
+    assert sites == [[], []], sites
