@@ -351,7 +351,8 @@ def plan_call(loss: NumericLossLike, spec: LogitsSpec, targets, tp_group, vocab_
     vocab = loss.vocab
     values_on_host = not (DeviceProperties.of(spec.device).accelerator or torch.compiler.is_compiling())
     padded = may_pad_positions and fixed_capacity(loss, spec.device, tensor_parallel, sequence_shard)
-    capacity = exchange_capacity(numeric_capacity, spec.tokens) if tensor_parallel and padded else None
+    capacity = exchange_capacity(numeric_capacity, spec.tokens)  # (checked on every plan, used under TP)
+    capacity = capacity if tensor_parallel and padded else None
     if failed_check is None:
         failed_check = checks.check_inputs(spec, targets, vocab_size=vocab.vocab_size,
                                            vocab_start_index=vocab_start_index, tensor_parallel=tensor_parallel,

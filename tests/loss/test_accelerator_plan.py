@@ -324,8 +324,10 @@ def test_numeric_capacity_is_checked_before_any_collective():
     for bad in (0, -3, 2.5, True, "all"):
         with pytest.raises(ValueError, match=r"numeric_capacity=.* must be None, 'tokens' or an int >= 1"):
             exchange_capacity(bad, 48)
-    # one device: the option has nothing to carry and changes nothing
+    # one device: the option has nothing to carry and changes nothing, but a bad value is still named
     logits = torch.randn(TOKENS, VOCAB, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"numeric_capacity=0 must be None, 'tokens' or an int >= 1"):
+        numeric_cross_entropy(logits, targets.reshape(-1), loss, numeric_capacity=0)
     with plan_as(H200):
         torch.testing.assert_close(numeric_cross_entropy(logits, targets.reshape(-1), loss, numeric_capacity=5).total,
                                    numeric_cross_entropy(logits, targets.reshape(-1), loss).total, rtol=0, atol=0)
