@@ -58,7 +58,6 @@ from .steps import (
     live_rows,
     merge_block_logsumexp,
     numeric_loss_and_gradient,
-    numeric_per_token,
     numeric_upstream,
     row_multipliers,
     smoothing_offsets,
@@ -136,20 +135,25 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             options = plan.options
             if accelerator:  # (each row's target block and column, found once for both passes)
                 ctx.where = _TargetBlocks(plan, chunk_size, len(_blocks(head_weight.shape[0], chunk_size)))
-                local_lse, target_logits, logit_sum = _forward_sweep_accelerator(hidden, head_weight, bias, plan,
-                                                                                 chunk_size, ctx.where)
+                local_lse, target_logits, logit_sum, numeric_logits = _forward_sweep_accelerator(
+                    hidden, head_weight, bias, plan, chunk_size, ctx.where)
             else:
                 local_lse, target_logits, logit_sum = _forward_sweep_cpu(hidden, head_weight, bias, plan, chunk_size)
+                numeric_logits = None
 
             # The numeric and target logits as the materialized op reads them: in the logits' (product)
             # dtype. One device: the target logits stay in the compute dtype they were picked in (a
             # product-dtype value, so converting there and back would change nothing) and are this
             # call's own tensor; under tensor parallelism the exchange carries them in the logits' dtype.
-            numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
-            numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns], numeric_bias,
-                                          plan.spec.dtype)
+            # (One block on the accelerator's plan: the numeric logits were read from it, product-dtype
+            # values held in the compute dtype, so converting them for the exchange is exact.)
+            if numeric_logits is None:
+                numeric_bias = None if bias is None else bias[plan.local_numeric_columns]
+                numeric_logits = block_logits(hidden[plan.positions], head_weight[plan.local_numeric_columns],
+                                              numeric_bias, plan.spec.dtype)
             if plan.tensor_parallel:
                 target_logits = target_logits.to(plan.spec.dtype)
+                numeric_logits = numeric_logits.to(plan.spec.dtype)
             pieces = exchange_or_keep_local(plan, numeric_logits, local_lse, target_logits, logit_sum)
             target_logits = pieces.target_logits
             if plan.tensor_parallel:
@@ -166,7 +170,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             ctx.plan, ctx.chunk_size, ctx.accelerator = plan, chunk_size, accelerator
             ctx.lse, ctx.numeric_grad, ctx.row_coefficient = pieces.lse, numeric.grad, numeric.row_coefficient
             ctx.target_slope = transform_slope(target_logits, options)
-            return ce, numeric_per_token(plan, numeric, ce), z, sums
+            return ce, numeric.value.to(ce.dtype), z, sums
 
     @staticmethod
     def backward(ctx, grad_ce, grad_numeric, grad_z, _grad_stats):
@@ -178,16 +182,17 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             plan, lse = ctx.plan, ctx.lse
             compute_dtype = plan.compute_dtype
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-            grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, lse.shift)
-            upstream = numeric_upstream(plan, grad_numeric, compute_dtype)
+            grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, lse.shift, ctx.numeric_grad.shape[0])
+            upstream = numeric_upstream(grad_numeric, compute_dtype)
             multiplier = row_multipliers(plan, ctx.row_coefficient, grad_ce, upstream, compute_dtype, lse, grad_z)
             offsets = smoothing_offsets(plan, grad_ce, compute_dtype)
             target_coefficient = target_coefficients(plan, grad_ce, ctx.target_slope, compute_dtype)
             direct = needs_hidden and one_block_on_one_device(ctx.accelerator, plan, ctx.chunk_size, head_weight)
             grad_hidden = (torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
                            if needs_hidden and not direct else None)
-            grad_weight = torch.empty_like(head_weight) if needs_weight else None
-            grad_bias = torch.empty_like(bias) if needs_bias else None  # from the compute-dtype block
+            whole = len(_blocks(head_weight.shape[0], ctx.chunk_size)) == 1  # (its products are the gradients)
+            grad_weight = (_Whole() if whole else torch.empty_like(head_weight)) if needs_weight else None
+            grad_bias = (_Whole() if whole else torch.empty_like(bias)) if needs_bias else None  # (compute dtype)
             lo, hi = plan.numeric_columns
             shard_grad = ctx.numeric_grad if (lo, hi) == (0, ctx.numeric_grad.shape[1]) else ctx.numeric_grad[:, lo:hi]
             numeric_grad = live_rows(plan, shard_grad * upstream[:, None])
@@ -196,7 +201,8 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                                                            multiplier, offsets, target_coefficient, numeric_grad,
                                                            grad_hidden, grad_weight, grad_bias, ctx.where, direct)
                 if direct:
-                    return block_hidden.to(hidden_dtype), grad_weight, grad_bias, None, None, None
+                    return (block_hidden.to(hidden_dtype), _Whole.tensor_of(grad_weight, head_weight),
+                            _Whole.tensor_of(grad_bias, bias), None, None, None)
             else:
                 _backward_sweep_cpu(hidden, head_weight, bias, plan, ctx.chunk_size, lse, multiplier, offsets,
                                     target_coefficient, numeric_grad, grad_hidden, grad_weight, grad_bias)
@@ -204,7 +210,8 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                 if plan.tensor_parallel:
                     reduce_input_gradient(grad_hidden, plan.tp_group)
                 grad_hidden = grad_hidden.to(hidden_dtype)
-            return grad_hidden, grad_weight, grad_bias, None, None, None
+            return (grad_hidden, _Whole.tensor_of(grad_weight, head_weight), _Whole.tensor_of(grad_bias, bias), None,
+                    None, None)
 
 
 def _forward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: int) -> tuple:
@@ -250,6 +257,15 @@ class _TargetBlocks:
             self.block = torch.where(plan.owned, plan.local_targets // chunk_size, -1)
             self.column = (plan.local_targets % chunk_size)[:, None]
         self._last_column = None
+        self._numeric_index = None
+
+    @property
+    def numeric_index(self) -> tuple:
+        """(rows ``[P, 1]``, columns ``[1, N]``): the numeric positions' numeric columns, indices into
+        the one block (the whole shard), shaped once for both passes."""
+        if self._numeric_index is None:
+            self._numeric_index = (self.plan.positions[:, None], self.plan.local_numeric_columns[None, :])
+        return self._numeric_index
 
     def columns(self, start: int, end: int) -> torch.Tensor:
         """``[T, 1]`` each row's target column in the block ``[start, end)`` (clamped into it)."""
@@ -281,14 +297,17 @@ def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_
     """:func:`_forward_sweep_cpu` on an accelerator's plan, in fewer and larger ops: each block's own
     (max, sum of exp) kept, merged once after the pass (with one block: nothing to merge); the target
     logit picked from every block at the row's column and chosen once after the pass
-    (:class:`_TargetBlocks`)."""
+    (:class:`_TargetBlocks`). Also returns, with one block, the numeric logits ``[P, N]`` read from it
+    (no product of their own), else None."""
     compute_dtype, options = plan.compute_dtype, plan.options
     blocks = _blocks(head_weight.shape[0], chunk_size)
-    logit_sum = None
+    logit_sum = numeric_logits = None
     picks, shifts, sums = [], [], []
     for start, end in blocks:
         logits = block_logits(hidden, _rows(head_weight, start, end), _rows(bias, start, end), compute_dtype)
         picks.append(logits.gather(1, where.columns(start, end)))  # the raw logit, as exchanged
+        if where.single:  # (raw, before the block is transformed and exponentiated in place)
+            numeric_logits = logits[where.numeric_index]
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
             capped_sigmoid_(logits, options)
@@ -309,11 +328,12 @@ def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_
         sums.append(total)
     target_logits = where.picked(picks)
     if len(blocks) == 1:
-        return ShiftedLogSumExp(shifts[0].squeeze(1), sums[0].squeeze(1).log()), target_logits, logit_sum
+        return (ShiftedLogSumExp(shifts[0].squeeze(1), sums[0].squeeze(1).log()), target_logits, logit_sum,
+                numeric_logits)
     shifts, sums = torch.cat(shifts, dim=1), torch.cat(sums, dim=1)
     shift = shifts.amax(dim=1, keepdim=True)
     return (ShiftedLogSumExp(shift.squeeze(1), (sums * (shifts - shift).exp()).sum(dim=1).log()), target_logits,
-            logit_sum)
+            logit_sum, None)
 
 
 def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: int, lse: ShiftedLogSumExp,
@@ -374,7 +394,8 @@ def _backward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk
                 grad_logits.mul_(options.scale)
         grad_logits.scatter_add_(1, where.columns(start, end),
                                  coefficients if where.single else coefficients[:, index:index + 1])
-        _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
+        _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad,
+                              where.numeric_index if where.single else None)
         product_grad = _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden,
                                               grad_weight, grad_bias)
     # ``direct`` (one block, one device): d hidden is returned, made in hidden's dtype, not accumulated.
@@ -394,9 +415,14 @@ def _block_gradient(hidden, head_weight, bias, plan: CallPlan, start: int, end: 
     return dense_gradient_(transform_logits_(logits, options), lse, multiplier, offsets, options), head_rows
 
 
-def _add_numeric_columns_(grad_logits, plan: CallPlan, start: int, end: int, numeric_grad) -> None:
+def _add_numeric_columns_(grad_logits, plan: CallPlan, start: int, end: int, numeric_grad,
+                          whole_index: Optional[tuple] = None) -> None:
     """Add the numeric loss's ``[P, hi - lo]`` gradient at its columns that fall in the block (the
-    numeric columns come from the vocabulary's host list, so the block's share needs no device read)."""
+    numeric columns come from the vocabulary's host list, so the block's share needs no device read).
+    ``whole_index``: with one block, :attr:`_TargetBlocks.numeric_index` (the forward's, reused)."""
+    if whole_index is not None:
+        grad_logits.index_put_(whole_index, numeric_grad, accumulate=True)
+        return
     lo, hi = plan.numeric_columns
     first, last = plan.loss.vocab.count_below(plan.vocab_start_index + start) - lo, \
         plan.loss.vocab.count_below(plan.vocab_start_index + end) - lo
@@ -408,15 +434,31 @@ def _add_numeric_columns_(grad_logits, plan: CallPlan, start: int, end: int, num
         grad_logits.index_put_((plan.positions[:, None], columns[None, :]), block_grad, accumulate=True)
 
 
+class _Whole:
+    """A parameter's gradient when one block covers the whole head: that block's product itself
+    (``tensor``), instead of a buffer allocated and written into (one op less, no copy)."""
+
+    tensor: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def tensor_of(gradient, parameter: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The gradient to return for ``parameter``: a buffer as it is; a product in its dtype."""
+        return gradient.tensor.to(parameter.dtype) if isinstance(gradient, _Whole) else gradient
+
+
 def _write_block_gradients(grad_logits, hidden, head_rows, start: int, end: int, compute_dtype, grad_hidden,
                            grad_weight, grad_bias) -> torch.Tensor:
     """From a block's gradient ``[T, B]`` (compute dtype): write ``d bias`` and ``d head_weight`` for its
     rows, and add its share of ``d hidden`` (products in hidden's dtype, as the forward's); returns the
     block's gradient in hidden's dtype."""
-    if grad_bias is not None:
+    if isinstance(grad_bias, _Whole):
+        grad_bias.tensor = grad_logits.sum(dim=0)
+    elif grad_bias is not None:
         grad_bias[start:end] = grad_logits.sum(dim=0)
     grad_logits = grad_logits.to(hidden.dtype)
-    if grad_weight is not None:
+    if isinstance(grad_weight, _Whole):
+        grad_weight.tensor = grad_logits.T @ hidden
+    elif grad_weight is not None:
         if grad_weight.dtype == hidden.dtype:
             torch.mm(grad_logits.T, hidden, out=_rows(grad_weight, start, end))
         else:
@@ -462,9 +504,9 @@ def linear_per_token_losses(hidden: torch.Tensor, head_weight: torch.Tensor, tar
     chunk_size = fused_head_plan(hidden_2d.shape[0], hidden_2d.shape[1], width, spec.dtype, plan.compute_dtype,
                                  DeviceProperties.of(hidden.device), block_budget_bytes, chunk_size).chunk_size
     device = DeviceProperties.of(hidden.device)
-    ce, numeric, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size,
+    ce, numeric_rows, z, sums = _FusedLinearCrossEntropyNumeric.apply(hidden_2d, head_weight, bias, plan, chunk_size,
                                                                 device.accelerator)
-    return PerTokenLosses(ce, numeric, plan, sums, z)
+    return PerTokenLosses(ce, numeric_rows, plan, sums, z)
 
 
 def linear_numeric_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,

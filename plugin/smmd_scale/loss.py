@@ -91,15 +91,23 @@ class NumericOutput:
 
 
 class PerTokenLosses(NamedTuple):
-    """CE, the numeric loss and the z-loss per position, unreduced, ``[T]`` each (T = targets.numel());
-    CE and z are 0 at ignored positions, the numeric loss 0 where the target is not numeric.
-    ``plan``: the call's plan; ``stat_sums``: its statistics (``steps.stat_sums``), detached."""
+    """CE, the numeric loss and the z-loss per position, unreduced: ``ce`` and ``z`` ``[T]`` (T =
+    targets.numel(), 0 at ignored positions); ``numeric_rows`` ``[P]``, the numeric loss at the plan's
+    numeric positions (``plan.positions``; 0 on a fixed-capacity plan's spare rows), and
+    :attr:`numeric`, the same scattered to ``[T]`` (0 where the target is not numeric; made when asked
+    for: the mean and the sum read the rows). ``plan``: the call's plan; ``stat_sums``: its statistics
+    (``steps.stat_sums``), detached."""
 
     ce: torch.Tensor
-    numeric: torch.Tensor
+    numeric_rows: torch.Tensor
     plan: CallPlan
     stat_sums: torch.Tensor
     z: Optional[torch.Tensor] = None
+
+    @property
+    def numeric(self) -> torch.Tensor:
+        """``[T]`` the numeric loss per position (differentiable)."""
+        return numeric_per_token(self.plan, self.numeric_rows, self.ce)
 
     def stats(self) -> dict:
         return call_stats(self.plan.loss.stat_names, self.stat_sums, self.plan.spec.device)
@@ -154,7 +162,7 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 saved = tuple(None if tensor is None else tensor.clone() for tensor in saved)
             ctx.save_for_backward(*saved)
-        return ce, numeric_per_token(plan, numeric, ce), z, sums
+        return ce, numeric.value.to(ce.dtype), z, sums
 
     @staticmethod
     def backward(ctx, grad_ce, grad_numeric, grad_z, _grad_stats):
@@ -164,8 +172,8 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         # the working buffer becomes the gradient
         grad, row_scale, shift, log_sum, numeric_grad, row_coefficient, target_slope = ctx.saved_tensors
         lse = ShiftedLogSumExp(shift, log_sum)
-        grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, shift)
-        upstream = numeric_upstream(plan, grad_numeric, grad.dtype)
+        grad_ce, grad_numeric = upstream_gradients(grad_ce, grad_numeric, shift, numeric_grad.shape[0])
+        upstream = numeric_upstream(grad_numeric, grad.dtype)
         multiplier = row_multipliers(plan, row_coefficient, grad_ce, upstream, grad.dtype, lse, grad_z)
         offsets = smoothing_offsets(plan, grad_ce, grad.dtype)
         if options.logit_softcap is not None:
@@ -213,8 +221,8 @@ def per_token_losses(logits: torch.Tensor, targets: torch.Tensor, numeric_loss: 
                      num_items_in_batch=num_items_in_batch, weight=weight, num_numeric_in_batch=num_numeric_in_batch,
                      options=options, sequence_shard=sequence_shard, may_pad_positions=True,
                      numeric_capacity=numeric_capacity)
-    ce, numeric, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
-    return PerTokenLosses(ce, numeric, plan, sums, z)
+    ce, numeric_rows, z, sums = _CrossEntropyAndNumeric.apply(logits.reshape(-1, spec.width), plan)
+    return PerTokenLosses(ce, numeric_rows, plan, sums, z)
 
 
 def _count(count, like: torch.Tensor) -> torch.Tensor:
@@ -250,15 +258,15 @@ def reduce_losses(losses: PerTokenLosses, weight: float, num_items_in_batch=None
         ce, numeric, z = (value.view(shape) for value in (losses.ce, losses.numeric, z_per_token))
         return NumericOutput(total=ce + z + weight * numeric, ce=ce, numeric=numeric, stats=losses.stats(), z=z)
     if reduction == "sum":
-        ce, numeric, z = losses.ce.sum(), losses.numeric.sum(), z_per_token.sum()
+        ce, numeric, z = losses.ce.sum(), losses.numeric_rows.sum(), z_per_token.sum()
         return NumericOutput(total=ce + z + weight * numeric, ce=ce, numeric=numeric, stats=losses.stats(), z=z)
     valid_tokens = plan.valid_count
-    numeric_sum = losses.numeric.sum()
+    numeric_sum = losses.numeric_rows.sum()
     items = valid_tokens.clamp_min(1) if num_items_in_batch is None else _count(num_items_in_batch, losses.ce)
     ce = losses.ce.sum() / items
     z = losses.z.sum() / items if losses.z is not None else None
     if num_numeric_in_batch is not None:
-        numeric_term = numeric_sum / _count(num_numeric_in_batch, losses.numeric)
+        numeric_term = numeric_sum / _count(num_numeric_in_batch, numeric_sum)
     else:
         count = plan.numeric_count
         numeric_term = numeric_sum / (max(count, 1) if isinstance(count, int) else count.clamp_min(1))

@@ -368,11 +368,12 @@ def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optio
     return terms, q, grad, None if terms.grad_log_mass is None else terms.grad_log_mass.double()
 
 
-def numeric_per_token(plan: CallPlan, numeric: NumericGradient, like: torch.Tensor) -> torch.Tensor:
-    """The numeric loss scattered to ``[T]`` (0 where the target is not numeric), ``like``'s dtype (a
-    fixed-capacity plan's spare rows all point at position 0 and add their 0 there)."""
-    return torch.zeros_like(like).index_put_((plan.positions, ), numeric.value.to(like.dtype),
-                                             accumulate=plan.live is not None)
+def numeric_per_token(plan: CallPlan, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The numeric loss per numeric position ``rows [P]`` scattered to ``[T]`` (0 where the target is not
+    numeric), ``like``'s dtype; differentiable (a fixed-capacity plan's spare rows all point at position
+    0 and add their 0 there). Made only where a caller asks for the per-token loss: the ops and their
+    mean and sum read the rows."""
+    return torch.zeros_like(like).index_put((plan.positions, ), rows.to(like.dtype), accumulate=plan.live is not None)
 
 
 # The statistics every call reports after the numeric loss's own parts, in stat_sums' order.
@@ -461,9 +462,11 @@ def stats_dict(stat_names: tuple, sums: torch.Tensor) -> dict:
             "tokens": int(tokens)}
 
 
-def numeric_upstream(plan: CallPlan, grad_numeric: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[P]`` d loss / d (numeric loss at each of the plan's numeric positions), in ``dtype``."""
-    return grad_numeric[plan.positions].to(dtype)
+def numeric_upstream(grad_numeric: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[P]`` d loss / d (numeric loss at each of the plan's numeric positions), in ``dtype`` (the ops
+    return the numeric loss per numeric position, :class:`~smmd_scale.loss.PerTokenLosses`' ``numeric_rows``,
+    so the gradient arrives in those rows: no gather from ``[T]``)."""
+    return grad_numeric.to(dtype)
 
 
 def live_rows(plan: CallPlan, rows: torch.Tensor) -> torch.Tensor:
@@ -507,11 +510,13 @@ def target_coefficients(plan: CallPlan, grad_ce: torch.Tensor, target_slope: Opt
     return coefficient if target_slope is None else coefficient * target_slope.to(dtype)
 
 
-def upstream_gradients(grad_ce, grad_numeric, like: torch.Tensor) -> tuple:
+def upstream_gradients(grad_ce, grad_numeric, like: torch.Tensor, numeric_rows: int) -> tuple:
     """The ops' backward gets no gradient for an output nothing used (``ctx.set_materialize_grads(False)``
-    in their forward: autograd then fills no zeros for the z-loss or the statistics): (d loss / d CE, d
-    loss / d numeric loss), zeros ``like`` where one of them was not used."""
-    return tuple(torch.zeros_like(like) if grad is None else grad for grad in (grad_ce, grad_numeric))
+    in their forward: autograd then fills no zeros for the z-loss or the statistics): (d loss / d CE
+    ``[T]``, d loss / d numeric loss ``[P]``), zeros (``like``'s dtype and device) where one of them was
+    not used."""
+    return (torch.zeros_like(like) if grad_ce is None else grad_ce,
+            like.new_zeros(numeric_rows) if grad_numeric is None else grad_numeric)
 
 
 def claim_single_backward(ctx) -> None:

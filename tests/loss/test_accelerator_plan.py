@@ -152,7 +152,10 @@ def test_spare_rows_on_a_masked_position_zero_stay_out_of_the_loss(generator, na
             check_same(accelerator, run(CPU, "materialized", loss, [logits], targets, {}, reduction))
         compiled = torch.compile(lambda x, y: numeric_cross_entropy(x, y, loss).total, fullgraph=True,
                                  backend="eager")(logits, targets)
-        assert torch.isfinite(compiled) and compiled == numeric_cross_entropy(logits, targets, loss).total
+        # (within TOLERANCE, not equal: compiled, the numeric loss is summed over the fixed capacity's rows,
+        # spare zeros included; the CPU's plan sums its exact positions: the same terms, another order)
+        assert torch.isfinite(compiled)
+        torch.testing.assert_close(compiled, numeric_cross_entropy(logits, targets, loss).total, **TOLERANCE)
 
 
 def test_digit_runs_at_a_fixed_capacity(generator):

@@ -62,9 +62,10 @@ def value_and_grads(function, inputs, targets):
     return total.detach(), [tensor.grad for tensor in inputs]
 
 
-def check_against_eager(compiled, eager, inputs, targets, **tolerance) -> None:
+def check_against_eager(compiled, eager, inputs, targets, value_rtol=None, **tolerance) -> None:
     got, expected = value_and_grads(compiled, inputs, targets), value_and_grads(eager, inputs, targets)
-    torch.testing.assert_close(got[0], expected[0], **tolerance)
+    value_tolerance = tolerance if value_rtol is None else dict(rtol=value_rtol, atol=0)
+    torch.testing.assert_close(got[0], expected[0], **value_tolerance)
     for got_grad, expected_grad in zip(got[1], expected[1]):
         torch.testing.assert_close(got_grad, expected_grad, **tolerance)
 
@@ -81,8 +82,11 @@ def test_one_graph_and_no_recompile_when_the_numbers_change(generator, kind, los
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(eager, fullgraph=True, backend=counter)
     for numbers in (20, 7, 0, TOKENS - 3):
-        # Dynamo's graph run by eager kernels: the same ops in the same order, so the same bits.
-        check_against_eager(compiled, eager, inputs, targets_with(numbers, generator), rtol=0, atol=0)
+        # Dynamo's graph run by eager kernels: the same ops in the same order, so the same bits in the
+        # gradients. The total's numeric term is a sum over the rows of a plan: compiled, the fixed
+        # capacity's (TOKENS rows, spare zeros included), eager on the CPU, the exact positions: the same
+        # fp32 terms added in another order, a few ulp (seen: up to 1.8e-7 relative; 1e-6 is ~8 ulp).
+        check_against_eager(compiled, eager, inputs, targets_with(numbers, generator), value_rtol=1e-6, rtol=0, atol=0)
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times for 4 counts of numeric positions"
 
 
