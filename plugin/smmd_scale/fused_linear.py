@@ -51,6 +51,7 @@ from .removed import module_attribute
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
+    call_statistics,
     capped_sigmoid_,
     cross_entropy_per_token,
     dense_gradient_,
@@ -62,12 +63,12 @@ from .steps import (
     row_multipliers,
     smoothing_offsets,
     softcap_dense_gradient_,
-    stat_sums,
     target_coefficients,
     transform_logits_,
     transform_slope,
     upstream_gradients,
     z_loss_per_token,
+    zero,
 )
 
 
@@ -163,8 +164,9 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
                                          pieces.logit_sum, plan.loss.vocab.vocab_size)
             z = z_loss_per_token(pieces.lse, plan.valid, options.z_loss)
             numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
-            sums = stat_sums(plan, numeric, pieces.comm)
-            ctx.mark_non_differentiable(sums)
+            sums = call_statistics(plan, numeric, pieces.comm)
+            if isinstance(sums, torch.Tensor):  # (on an accelerator's plan a function: call_statistics)
+                ctx.mark_non_differentiable(sums)
 
             ctx.set_materialize_grads(False)  # (no zeros made for the outputs nothing used: upstream_gradients)
             ctx.plan, ctx.chunk_size, ctx.accelerator = plan, chunk_size, accelerator
@@ -279,9 +281,10 @@ class _TargetBlocks:
         """``[T]`` the target logit from each block's ``[T, 1]`` pick at :meth:`columns`: the owning
         block's, 0 where this shard does not own the target."""
         if self.single:  # (where, not times owned: a negative logit times False is -0.0, whose bits the
-            return torch.where(self.plan.owned, picks[0].squeeze(1), 0.0)  # exchange's integer sum would add)
+            # exchange's integer sum would add)
+            return torch.where(self.plan.owned, picks[0].squeeze(1), zero(picks[0]))
         chosen = torch.cat(picks, dim=1).gather(1, self.block.clamp(min=0)[:, None]).squeeze(1)
-        return torch.where(self.plan.owned, chosen, 0.0)
+        return torch.where(self.plan.owned, chosen, zero(chosen))
 
     def per_block(self, coefficient: torch.Tensor) -> torch.Tensor:
         """``[T, blocks]``: ``coefficient [T]`` in each row's target block's column, 0 elsewhere (and
@@ -289,7 +292,7 @@ class _TargetBlocks:
         if self.single:
             return (coefficient * self.plan.owned)[:, None]
         blocks = torch.arange(self.count, device=coefficient.device)
-        return torch.where(self.block[:, None] == blocks, coefficient[:, None], 0.0)
+        return torch.where(self.block[:, None] == blocks, coefficient[:, None], zero(coefficient))
 
 
 def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int,
@@ -350,7 +353,7 @@ def _backward_sweep_cpu(hidden, head_weight, bias, plan: CallPlan, chunk_size: i
         grad_logits, head_rows = _block_gradient(hidden, head_weight, bias, plan, start, end, lse, multiplier, offsets)
         in_block = plan.owned & (plan.local_targets >= start) & (plan.local_targets < end)
         grad_logits.scatter_add_(1, (plan.local_targets - start).clamp(0, end - start - 1)[:, None],
-                                 torch.where(in_block, target_coefficient, 0.0)[:, None])
+                                 torch.where(in_block, target_coefficient, zero(target_coefficient))[:, None])
         _add_numeric_columns_(grad_logits, plan, start, end, numeric_grad)
         _write_block_gradients(grad_logits, hidden, head_rows, start, end, compute_dtype, grad_hidden, grad_weight,
                                grad_bias)

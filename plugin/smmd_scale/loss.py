@@ -35,6 +35,7 @@ from .removed import module_attribute, removed_error
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
+    call_statistics,
     call_stats,
     claim_single_backward,
     cross_entropy_per_token,
@@ -51,13 +52,13 @@ from .steps import (
     row_multipliers,
     smoothing_offsets,
     softmax_rescale,
-    stat_sums,
     target_coefficients,
     transform_logits_,
     transform_slope,
     transformed_logits_and_logsumexp,
     upstream_gradients,
     z_loss_per_token,
+    zero,
 )
 
 
@@ -69,8 +70,10 @@ class NumericOutput:
         the call's numeric loss (SMMD, NTL, or a weighted sum of them) and ``z`` the z-loss (0 when
         off). Scalars under ``reduction="mean"`` or ``"sum"``; under ``"none"`` each has the targets'
         shape (CE and z 0 at ignored positions, the numeric loss 0 where the target is not numeric).
-    stats: detached Python floats (a dict; on an accelerator a mapping read from the device when a value
-        is first asked for, so that the op syncs nothing to the host: ``dict(out.stats)`` to keep them) —
+    stats: detached Python floats (a dict; on an accelerator a mapping made on the device and read from
+        it when a value is first asked for, so that the op syncs nothing to the host and a call whose
+        statistics nobody reads launches none of their ops; until then it holds the numeric softmax
+        ``[P, N]`` in float64, so read them, or ``dict(out.stats)``, before keeping many outputs) —
         the numeric loss's parts as means over numeric positions
         (SMMD: ``smmd``, ``mmd`` and ``smooth``; NTL: ``ntl_was`` or ``ntl_mse``), ``numeric_tokens``
         (P), ``numeric_accuracy`` (argmax over the numeric tokens is the target token),
@@ -96,12 +99,13 @@ class PerTokenLosses(NamedTuple):
     numeric positions (``plan.positions``; 0 on a fixed-capacity plan's spare rows), and
     :attr:`numeric`, the same scattered to ``[T]`` (0 where the target is not numeric; made when asked
     for: the mean and the sum read the rows). ``plan``: the call's plan; ``stat_sums``: its statistics
-    (``steps.stat_sums``), detached."""
+    (``steps.stat_sums``), detached, or on an accelerator's plan the function that makes them when they
+    are first read (``steps.call_statistics``)."""
 
     ce: torch.Tensor
     numeric_rows: torch.Tensor
     plan: CallPlan
-    stat_sums: torch.Tensor
+    stat_sums: object
     z: Optional[torch.Tensor] = None
 
     @property
@@ -141,8 +145,9 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
                                      plan.loss.vocab.vocab_size)
         z = z_loss_per_token(pieces.lse, plan.valid, options.z_loss)
         numeric = numeric_loss_and_gradient(plan, pieces.numeric_logits, pieces.lse)
-        sums = stat_sums(plan, numeric, pieces.comm)
-        ctx.mark_non_differentiable(sums)
+        sums = call_statistics(plan, numeric, pieces.comm)
+        if isinstance(sums, torch.Tensor):  # (on an accelerator's plan a function: call_statistics)
+            ctx.mark_non_differentiable(sums)
 
         ctx.set_materialize_grads(False)  # (no zeros made for the outputs nothing used: upstream_gradients)
         ctx.consumed = False
@@ -188,7 +193,8 @@ class _CrossEntropyAndNumeric(torch.autograd.Function):
         # Every row adds its coefficient at its (clamped) target column, 0 where another shard owns the
         # target: no data-dependent row list, so no host sync.
         coefficients = target_coefficients(plan, grad_ce, target_slope, grad.dtype)
-        grad.scatter_add_(1, plan.local_targets[:, None], torch.where(plan.owned, coefficients, 0.0)[:, None])
+        grad.scatter_add_(1, plan.local_targets[:, None],
+                          torch.where(plan.owned, coefficients, zero(coefficients))[:, None])
         lo, hi = plan.numeric_columns
         if hi > lo and plan.positions.numel():
             numeric_rows = live_rows(plan, numeric_grad[:, lo:hi] * upstream[:, None])

@@ -10,7 +10,8 @@ linear head (``fused_linear.py``), on one device or on a vocabulary-parallel sha
     numeric_terms_and_gradient                      -> its softmax chain (also the loss alone's, standalone.py)
     row_multipliers, smoothing_offsets              -> how backward scales and shifts each softmax row
     dense_gradient_                                 -> a block of transformed logits -> its gradient, in place
-    stat_sums / stats_dict                          -> the call's statistics, as an output of the op
+    call_statistics / stat_sums / stats_dict        -> the call's statistics: an output of the op, made
+                                                       when first read on an accelerator's plan
 
 The exchange carries the raw logits (bit-exact, in the logits' dtype); every rank applies the
 call's transform (``CrossEntropyOptions``: scale, then soft-cap) to what it receives, so CE, the
@@ -75,8 +76,8 @@ class NumericGradient:
     row_coefficient: ``[P]`` or None: d value / d full-vocabulary logits also has
                      ``row_coefficient * softmax(full row)`` on every column (losses that weigh by
                      the numeric tokens' probability mass)
-    correct:         ``[P]`` bool, argmax over the numeric tokens is the target
-    abs_error:       ``[P]`` |E_q[value] - target value|
+    q:               ``[P, N]`` float64, the softmax over the numeric tokens (the statistics read it:
+                     the numeric accuracy and MAE)
     comm:            the collectives the loss ran itself (a number-level loss on a sequence shard)
     """
 
@@ -84,9 +85,24 @@ class NumericGradient:
     parts: dict
     grad: torch.Tensor
     row_coefficient: Optional[torch.Tensor]
-    correct: torch.Tensor
-    abs_error: torch.Tensor
+    q: torch.Tensor
     comm: CommCount = CommCount(0, 0)
+
+
+_ZEROS: dict = {}
+
+
+def zero(like: torch.Tensor):
+    """A 0-dim zero in ``like``'s device and dtype, made once per (device, dtype): ``torch.where(mask,
+    x, zero(x))`` dispatches one op, where ``torch.where(mask, x, 0.0)`` makes a scalar tensor for the
+    0.0 first. Inside ``torch.compile`` the number 0.0 (a constant of the graph; a cache filled from a
+    compiled graph would be a guard that fails on the next call)."""
+    if torch.compiler.is_compiling():
+        return 0.0
+    key = (like.device, like.dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return _ZEROS[key]
 
 
 def transform_logits_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
@@ -341,17 +357,14 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     slope = transform_slope(logits, plan.options)
     if slope is not None:
         grad = grad * slope
-    values = plan.loss.vocab.on(logits.device, torch.float64)[1]  # (cached per device: no copy per call)
     value = terms.value
     if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
         # the statistics' are dropped where they are used). ``where``, not times live: a spare row scores
         # position 0's numeric logits against a made-up target, so it can be inf or NaN (a -inf logit there)
         # while position 0's own losses are finite, and NaN * 0 would carry it into the loss.
-        value = torch.where(plan.live, value, 0.0)
+        value = torch.where(plan.live, value, zero(value))
     return NumericGradient(value=value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
-                           row_coefficient=row_coefficient, correct=q.argmax(dim=-1) == plan.numeric_targets,
-                           abs_error=(q @ values - values[plan.numeric_targets]).abs(),
-                           comm=CommCount(terms.comm_calls, terms.comm_bytes))
+                           row_coefficient=row_coefficient, q=q, comm=CommCount(terms.comm_calls, terms.comm_bytes))
 
 
 def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optional[torch.Tensor],
@@ -380,17 +393,34 @@ def numeric_per_token(plan: CallPlan, rows: torch.Tensor, like: torch.Tensor) ->
 STAT_FIELDS = ("correct", "abs_error", "tokens", "numeric_tokens", "comm_calls", "comm_bytes")
 
 
+def call_statistics(plan: CallPlan, numeric: NumericGradient, comm: CommCount):
+    """What an op returns for its statistics: :func:`stat_sums` made now on the CPU's plan (where
+    ``NumericOutput.stats`` is a dict, read at once) and inside ``torch.compile`` (part of the graph);
+    on an accelerator's plan, a function that makes them when they are first read
+    (:class:`CallStats`), so that a call whose statistics nobody reads launches none of their ~12
+    ops. Until then it holds the pieces they are made from: ``q`` ``[P, N]`` (float64) and the
+    loss's ``[P]`` parts; nothing of the gradient."""
+    if torch.compiler.is_compiling() or not block_plan.DeviceProperties.of(plan.spec.device).accelerator:
+        return stat_sums(plan, numeric, comm)
+    pieces = NumericGradient(value=numeric.value, parts={name: numeric.parts[name] for name in plan.loss.stat_names},
+                             grad=None, row_coefficient=None, q=numeric.q, comm=numeric.comm)
+    return lambda: stat_sums(plan, pieces, comm)
+
+
 def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torch.Tensor:
     """The call's statistics as one detached float64 tensor: the sum over the numeric positions of
     each of the loss's ``stat_names``, then :data:`STAT_FIELDS` (read on the host once, by
-    :func:`stats_dict`). It leaves the autograd Function as a non-differentiable output. ``comm``:
-    the call's exchange; the loss's own collectives (``numeric.comm``) are added to it."""
+    :func:`stats_dict`). ``comm``: the call's exchange; the loss's own collectives (``numeric.comm``)
+    are added to it."""
     double = torch.float64
+    q = numeric.q.detach()
+    values = plan.loss.vocab.on(q.device, double)[1]  # (cached per device: no copy per call)
+    correct = q.argmax(dim=-1) == plan.numeric_targets
+    abs_error = (q @ values - values[plan.numeric_targets]).abs()
     # (stack and cat promote to the widest dtype in one op each: no conversion op per statistic)
-    per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names),
-                                numeric.correct, numeric.abs_error.detach()])
+    per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names), correct, abs_error])
     if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing (``where``: they may be
-        per_position = torch.where(plan.live, per_position, 0.0)  # NaN, as in numeric_loss_and_gradient)
+        per_position = torch.where(plan.live, per_position, zero(per_position))  # NaN, as in numeric_loss_and_gradient)
     sums = per_position.sum(dim=1, dtype=double)
     count = plan.numeric_count
     device_counts = [plan.valid.sum() if plan.valid_count is None else plan.valid_count]
@@ -405,18 +435,21 @@ def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torc
 
 class CallStats(MutableMapping):
     """A call's statistics (``NumericOutput.stats``): a mapping of the floats :func:`stats_dict` gives,
-    kept as :func:`stat_sums`' one device tensor until a value is first read, then read on the host
-    once. The op itself never reads them (no host sync in its forward or backward); a trainer reads
-    them where it syncs anyway (at its logging interval). Values set on it need no read."""
+    kept as :func:`stat_sums`' one device tensor (or the function of :func:`call_statistics` that
+    makes it) until a value is first read, then made and read on the host once. The op itself never
+    reads them (no host sync in its forward or backward); a trainer reads them where it syncs anyway
+    (at its logging interval). Values set on it need no read."""
 
-    def __init__(self, stat_names: tuple, sums: torch.Tensor):
+    def __init__(self, stat_names: tuple, sums):
         self._pending = (stat_names, sums)
         self._values: Optional[dict] = None
         self._set: dict = {}
 
     def _read(self) -> dict:
         if self._values is None:
-            self._values = {**stats_dict(*self._pending), **self._set}
+            stat_names, sums = self._pending
+            self._values = {**stats_dict(stat_names, sums() if callable(sums) else sums), **self._set}
+            self._pending = None  # (what they were made from is not kept)
         return self._values
 
     def __getitem__(self, key):
@@ -447,7 +480,7 @@ def call_stats(stat_names: tuple, sums: torch.Tensor, device: torch.device):
     read when first asked for."""
     if block_plan.DeviceProperties.of(device).accelerator or torch.compiler.is_compiling():
         return CallStats(stat_names, sums)
-    return stats_dict(stat_names, sums)
+    return stats_dict(stat_names, sums() if callable(sums) else sums)
 
 
 def stats_dict(stat_names: tuple, sums: torch.Tensor) -> dict:
@@ -474,7 +507,7 @@ def live_rows(plan: CallPlan, rows: torch.Tensor) -> torch.Tensor:
     rows set to 0 (``torch.where``: also where a spare row, a copy of position 0's, is not finite)."""
     if plan.live is None:
         return rows
-    return torch.where(plan.live.view(-1, *([1] * (rows.dim() - 1))), rows, 0.0)
+    return torch.where(plan.live.view(-1, *([1] * (rows.dim() - 1))), rows, zero(rows))
 
 
 def row_multipliers(plan: CallPlan, row_coefficient: Optional[torch.Tensor], grad_ce: torch.Tensor,
