@@ -112,7 +112,8 @@ def run_entry(record: dict, curve: list) -> dict:
             "eval_cpu_seconds": record.get("eval_cpu_seconds")}
 
 
-def load_runs(work_dir: Path) -> tuple:
+def load_runs(work_dir: Path, tier: str) -> tuple:
+    """(study.json, the finished runs as ``run_entry`` makes them); ``ValueError`` when there is none."""
     study = json.loads((work_dir / "study.json").read_text())
     runs = []
     items = qa_items(work_dir)
@@ -130,6 +131,8 @@ def load_runs(work_dir: Path) -> tuple:
         curve = [(entry["step"], entry["eval/numeric_accuracy"]) for entry in metrics
                  if "eval/numeric_accuracy" in entry]
         runs.append(run_entry(record, curve))
+    if not runs:
+        raise ValueError(f"{work_dir} holds no finished {TIERS[tier].title.split(':')[0]} run")
     return study, runs
 
 
@@ -407,9 +410,7 @@ def write_report(work_dir, results_dir, tier: str = "a") -> dict:
     """``results_dir``/tier_<tier>.json and tier_<tier>_summary.md from the runs of ``work_dir`` (Tier A,
     or Tier A' with ``tier="aprime"``)."""
     work_dir = Path(work_dir)
-    study, runs = load_runs(work_dir)
-    if not runs:
-        raise ValueError(f"{work_dir} holds no finished {TIERS[tier].title.split(':')[0]} run")
+    study, runs = load_runs(work_dir, tier)
     selection_path = work_dir / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
     return report(study, runs, selection, load_selections(work_dir), results_dir, tier)
@@ -448,10 +449,6 @@ def write_files(tier: str, results: dict, analysis: dict, summary: str, results_
 class ReportOptions:
     work_dir: Optional[str] = option("--work_dir", at_most_one_of="source")  # default: the tier's runs/tier_<tier>
     results_dir: str = option("--results_dir", default=str(HERE / "results"))
-
-
-@dataclass(frozen=True)
-class RewriteOptions(ReportOptions):
     from_results: Optional[str] = option("--from_results", default=None, at_most_one_of="source",
                                          help="regenerate the report from this results JSON (tier_<tier>.json) "
                                               "instead of the runs' work dir, e.g. once the work dir is gone")
@@ -459,10 +456,10 @@ class RewriteOptions(ReportOptions):
 
 def report_cli(write, tier: str, doc: str, argv=None, rewrite=None) -> None:
     """``python -m benchmarks.numeracy.analyze_<tier>``: ``write(work_dir, results_dir)``'s report again, or
-    with ``rewrite`` (a tier that can) and ``--from_results``, ``rewrite(results_json, results_dir)``'s."""
-    options, parser = parse_options(ReportOptions if rewrite is None else RewriteOptions, argv, description=doc,
+    with ``--from_results``, ``rewrite(results_json, results_dir)``'s."""
+    options, parser = parse_options(ReportOptions, argv, description=doc,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    if getattr(options, "from_results", None):
+    if options.from_results:
         if not Path(options.from_results).is_file():
             parser.error(f"--from_results {options.from_results}: no such file; give the tier_{tier}.json a report "
                          "wrote")

@@ -108,9 +108,7 @@ def write_report(work_dir, results_dir) -> dict:
     """``results_dir``/tier_c.json and tier_c_summary.md from the runs of ``work_dir`` and its throughput and
     pilot records (kept in tier_c.json, so that ``rewrite_report`` can make the report again)."""
     work_dir = Path(work_dir)
-    study, runs = analyze_a.load_runs(work_dir)
-    if not runs:
-        raise ValueError(f"{work_dir} holds no finished Tier C run")
+    study, runs = analyze_a.load_runs(work_dir, "c")
     return report(study, runs, analyze_a.load_selections(work_dir), _read(work_dir / "throughput.json", {"rows": []}),
                   _read(work_dir / "pilot.json", {"runs": []}), results_dir)
 

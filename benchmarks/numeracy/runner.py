@@ -13,7 +13,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO
 
-# One in-process evaluation at a time under --jobs / --parallel: loading a model with transformers is not
+# One in-process evaluation at a time under --jobs: loading a model with transformers is not
 # thread-safe (the empty-weights context a load enters patches torch.nn.Module process-wide, as far as we can
 # tell); seen in Tier C: a second thread's tied lm_head came back unmaterialized and was re-initialized at
 # random ("lm_head.weight | MISSING"), scoring 0%. The training runs stay side by side.
@@ -70,12 +70,7 @@ def run_watched(command: list, log: Path, env: dict, watch=None, poll_seconds: f
             process.wait()
             raise
         process.returncode = os.waitstatus_to_exitcode(status)
-    check_exit(command, process.returncode, log)
-    return time.monotonic() - began, usage
-
-
-def check_exit(command: list, returncode: int, log: Path) -> None:
-    """:class:`RunFailed` with the tail of ``log`` unless the run of ``command`` exited 0."""
-    if returncode != 0:
+    if process.returncode != 0:
         tail = "".join(log.read_text(errors="replace").replace("\r", "\n").splitlines(keepends=True)[-25:])
-        raise RunFailed(f"{' '.join(command[:3])} ... exited {returncode}; {log}:\n{tail}")
+        raise RunFailed(f"{' '.join(command[:3])} ... exited {process.returncode}; {log}:\n{tail}")
+    return time.monotonic() - began, usage

@@ -268,8 +268,7 @@ def predicted_cpu_seconds(throughput: dict, micro_batch_size: int):
 def point_settings(settings: dict, point: dict) -> dict:
     """The run settings at a pilot point: its task, its steps (the examples over the micro-batch, rounded
     up) and its lr."""
-    return dict(settings, task=point["task"], operations=point["operations"], operand_range=point["operand_range"],
-                train_examples=point["train_examples"], lr=point["lr"],
+    return dict(settings, **point_fields(point),
                 steps=math.ceil(point["train_examples"] / settings["micro_batch_size"]))
 
 

@@ -86,10 +86,8 @@ def format_table(report: dict) -> str:
     return markdown_table(rows, _COLUMNS)
 
 
-def evaluate(argv=None) -> tuple:
-    """(the report, the text :func:`main` prints) for evaluate.py's arguments; writes the report's
-    JSON. A caller that evaluates many models in one process (the numeracy study) calls this instead
-    of starting evaluate.py each time."""
+def main(argv=None) -> dict:
+    """evaluate.py: writes the report's JSON, prints the table and returns the report."""
     args = parse_args(argv)
     try:
         qa = load_qa(args.data)
@@ -103,14 +101,8 @@ def evaluate(argv=None) -> tuple:
     output = Path(args.output) if args.output else Path(args.model_dir) / "numeric_eval.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    text = "\n".join((f"{args.model_dir} on {args.data} ({report['count']} items, {model.device}, {args.dtype})",
-                      format_table(report), f"report: {output}"))
-    return report, text
-
-
-def main(argv=None) -> dict:
-    report, text = evaluate(argv)
-    print(text)
+    print("\n".join((f"{args.model_dir} on {args.data} ({report['count']} items, {model.device}, {args.dtype})",
+                     format_table(report), f"report: {output}")))
     return report
 
 

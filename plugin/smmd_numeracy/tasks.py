@@ -166,6 +166,15 @@ def _asker(questions: Sequence[str], fields: Callable[[tuple, random.Random], di
     return ask
 
 
+def _fields(*names: str, person: bool = False, **drawn: Sequence[str]):
+    """A ``fields`` for ``_asker``: the operand values after the kind's name, called ``names``; with
+    ``person``, a person drawn first (``_person``); then one item drawn from each ``drawn`` sequence, in order."""
+    def fields(operands: tuple, rng: random.Random) -> dict:
+        values = {**(_person(rng) if person else {}), **dict(zip(names, operands[1:]))}
+        return {**values, **{key: rng.choice(choices) for key, choices in drawn.items()}}
+    return fields
+
+
 def _plural(count: int, singular: str, plural: str) -> str:
     return f"{count} {singular if count == 1 else plural}"
 
@@ -181,16 +190,12 @@ def _next_hour(hour: int) -> int:
 
 # --- arithmetic: a + b, a - b, a * b with operands and results in 0..999 -------------------------
 
-def _arithmetic_fields(operands: tuple, rng: random.Random) -> dict:
-    return {"a": operands[1], "b": operands[2]}
-
-
 _ARITHMETIC = (
     _Kind("add", "additive",
           rows=lambda: _grid(range(1000), range(1000), keep=lambda ab: ab[:, 0] + ab[:, 1] <= MAX_ANSWER),
           solve=lambda operands: operands[1] + operands[2],
           ask=_asker(("What is {a} + {b}?", "Compute {a} plus {b}.", "{a} + {b} = ?",
-                      "What is the sum of {a} and {b}?", "Add {a} and {b}."), _arithmetic_fields),
+                      "What is the sum of {a} and {b}?", "Add {a} and {b}."), _fields("a", "b")),
           split_key=lambda rows: _sorted_pair(rows[:, 0], rows[:, 1])),
     # The fact of a - b = c is {b, c}, the fact of c + b: a held-out sum is held out as a difference too.
     _Kind("sub", "additive",
@@ -198,13 +203,13 @@ _ARITHMETIC = (
           solve=lambda operands: operands[1] - operands[2],
           ask=_asker(("What is {a} - {b}?", "Compute {a} minus {b}.", "{a} - {b} = ?",
                       "What is {b} subtracted from {a}?", "What is the difference between {a} and {b}?"),
-                     _arithmetic_fields),
+                     _fields("a", "b")),
           split_key=lambda rows: _sorted_pair(rows[:, 0] - rows[:, 1], rows[:, 1])),
     _Kind("mul", "multiplicative",
           rows=lambda: _grid(range(2, 500), range(2, 500), keep=lambda ab: ab[:, 0] * ab[:, 1] <= MAX_ANSWER),
           solve=lambda operands: operands[1] * operands[2],
           ask=_asker(("What is {a} * {b}?", "What is {a} times {b}?", "Compute {a} multiplied by {b}.",
-                      "{a} * {b} = ?", "What is the product of {a} and {b}?"), _arithmetic_fields),
+                      "{a} * {b} = ?", "What is the product of {a} and {b}?"), _fields("a", "b")),
           split_key=lambda rows: _sorted_pair(rows[:, 0], rows[:, 1])),
 )
 
@@ -380,14 +385,13 @@ _COUNTING = (
           decode=lambda row: (_SPELLED[row[0]],),
           solve=lambda operands: len(operands[1]),
           ask=_asker(("How many letters are in the word '{word}'?", "Count the letters in '{word}'.",
-                      "How long is the word '{word}' in letters?"), lambda operands, rng: {"word": operands[1]})),
+                      "How long is the word '{word}' in letters?"), _fields("word"))),
     _Kind("letter_count", "words",
           rows=_letter_rows,
           decode=lambda row: (_SPELLED[row[0]], _LETTERS[row[1]]),
           solve=lambda operands: operands[1].count(operands[2]),
           ask=_asker(("How many times does the letter '{letter}' appear in '{word}'?",
-                      "Count the letter '{letter}' in the word '{word}'."),
-                     lambda operands, rng: {"word": operands[1], "letter": operands[2]}),
+                      "Count the letter '{letter}' in the word '{word}'."), _fields("word", "letter")),
           split_key=lambda rows: rows[:, :1]),
     _Kind("tally", "tally",
           rows=_tally_rows,
@@ -400,14 +404,12 @@ _COUNTING = (
                              keep=lambda ab: (ab[:, 0] <= ab[:, 1]) & (ab[:, 1] - ab[:, 0] < MAX_ANSWER)),
           solve=lambda operands: operands[2] - operands[1] + 1,
           ask=_asker(("How many whole numbers are there from {a} to {b}, inclusive?",
-                      "Counting from {a} to {b}, how many numbers do you say?"),
-                     lambda operands, rng: {"a": operands[1], "b": operands[2]})),
+                      "Counting from {a} to {b}, how many numbers do you say?"), _fields("a", "b"))),
     _Kind("multiples", "multiples",
           rows=lambda: _grid(range(2, 13), range(1, 1000), keep=lambda kn: kn[:, 1] >= kn[:, 0]),
           solve=lambda operands: operands[2] // operands[1],
           ask=_asker(("How many multiples of {k} are there from 1 to {n}?",
-                      "How many numbers from 1 to {n} are divisible by {k}?"),
-                     lambda operands, rng: {"k": operands[1], "n": operands[2]})),
+                      "How many numbers from 1 to {n} are divisible by {k}?"), _fields("k", "n"))),
     _Kind("list_length", "list_length",
           rows=lambda: _grid(range(100), range(1, 21), range(3, 13)),
           decode=lambda row: (_progression(*row),),
@@ -424,20 +426,6 @@ def _person(rng: random.Random) -> dict:
     return {"name": name, "pronoun": pronoun.capitalize(), "possessive": "His" if pronoun == "he" else "Her"}
 
 
-def _give_away_fields(operands: tuple, rng: random.Random) -> dict:
-    return {**_person(rng), "groups": operands[1], "each": operands[2], "given": operands[3],
-            "container": rng.choice(_CONTAINERS), "objects": rng.choice(_OBJECTS)}
-
-
-def _buy_packs_fields(operands: tuple, rng: random.Random) -> dict:
-    return {**_person(rng), "start": operands[1], "packs": operands[2], "each": operands[3],
-            "objects": rng.choice(_OBJECTS)}
-
-
-def _share_fields(operands: tuple, rng: random.Random) -> dict:
-    return {"total": operands[1], "sold": operands[2], "boxes": operands[3], "objects": rng.choice(_BAKED)}
-
-
 def _share_rows() -> np.ndarray:
     """(total, sold, boxes) with total - sold split evenly: built from (per box 1..99, boxes 2..12, sold 1..99)."""
     per_box_boxes_sold = _grid(range(1, 100), range(2, 13), range(1, 100))
@@ -452,16 +440,6 @@ def _shopping_fields(operands: tuple, rng: random.Random) -> dict:
             "first": first, "second": second}
 
 
-def _trip_fields(operands: tuple, rng: random.Random) -> dict:
-    return {"vehicle": rng.choice(_VEHICLES), "s1": operands[1], "t1": operands[2], "s2": operands[3],
-            "t2": operands[4]}
-
-
-def _age_fields(operands: tuple, rng: random.Random) -> dict:
-    return {**_person(rng), "age": operands[1], "times": operands[2], "years": operands[3],
-            "relative": rng.choice(_RELATIVES)}
-
-
 _WORD_PROBLEMS = (
     _Kind("give_away", "give_away",
           rows=lambda: _grid(range(2, 21), range(2, 21), range(1, 400),
@@ -470,7 +448,8 @@ _WORD_PROBLEMS = (
           ask=_asker(("{name} has {groups} {container} with {each} {objects} each. {pronoun} gives away {given} "
                       "{objects}. How many {objects} does {name} have left?",
                       "{name} packs {each} {objects} into each of {groups} {container}, then loses {given} of them. "
-                      "How many {objects} are still packed?"), _give_away_fields)),
+                      "How many {objects} are still packed?"),
+                     _fields("groups", "each", "given", person=True, container=_CONTAINERS, objects=_OBJECTS))),
     _Kind("buy_packs", "buy_packs",
           rows=lambda: _grid(range(1, 1000), range(2, 10), range(2, 21),
                              keep=lambda rows: rows[:, 0] + rows[:, 1] * rows[:, 2] <= MAX_ANSWER),
@@ -478,14 +457,16 @@ _WORD_PROBLEMS = (
           ask=_asker(("{name} had {start} {objects}. {pronoun} bought {packs} packs of {each} {objects}. "
                       "How many {objects} does {name} have now?",
                       "{name} owns {start} {objects} and gets {packs} more bags with {each} {objects} in each. "
-                      "How many {objects} does {name} own in total?"), _buy_packs_fields)),
+                      "How many {objects} does {name} own in total?"),
+                     _fields("start", "packs", "each", person=True, objects=_OBJECTS))),
     _Kind("share", "share",
           rows=_share_rows,
           solve=lambda operands: (operands[1] - operands[2]) // operands[3],
           ask=_asker(("A baker made {total} {objects} and sold {sold} of them. The rest are packed equally into "
                       "{boxes} boxes. How many {objects} are in each box?",
                       "A shop has {total} {objects}. After {sold} are sold, the others are shared equally among "
-                      "{boxes} shelves. How many {objects} go on each shelf?"), _share_fields)),
+                      "{boxes} shelves. How many {objects} go on each shelf?"),
+                     _fields("total", "sold", "boxes", objects=_BAKED))),
     _Kind("shopping", "shopping",
           rows=lambda: _grid(range(2, 21), range(1, 26), range(2, 21), range(1, 26), keep=_two_products_fit),
           solve=lambda operands: operands[1] * operands[2] + operands[3] * operands[4],
@@ -499,14 +480,15 @@ _WORD_PROBLEMS = (
           ask=_asker(("A {vehicle} travels at {s1} miles per hour for {t1} hours, then at {s2} miles per hour for "
                       "{t2} hours. How many miles does it travel in total?",
                       "A {vehicle} goes {s1} miles per hour for {t1} hours and {s2} miles per hour for {t2} more "
-                      "hours. How far does it go, in miles?"), _trip_fields)),
+                      "hours. How far does it go, in miles?"), _fields("s1", "t1", "s2", "t2", vehicle=_VEHICLES))),
     _Kind("age", "age",
           rows=lambda: _grid(range(2, 21), range(2, 10), range(2, 51), keep=lambda rows: rows[:, 0] * rows[:, 1] <= 99),
           solve=lambda operands: operands[1] * operands[2] + operands[3],
           ask=_asker(("{name} is {age} years old. {possessive} {relative} is {times} times as old. How old will "
                       "the {relative} be in {years} years?",
                       "{name} is {age}. {possessive} {relative} is {times} times that age. What age will the "
-                      "{relative} be {years} years from now?"), _age_fields)),
+                      "{relative} be {years} years from now?"),
+                     _fields("age", "times", "years", person=True, relative=_RELATIVES))),
 )
 
 _KINDS = {"arithmetic": _ARITHMETIC, "clock": _CLOCK, "units": _UNITS, "counting": _COUNTING,

@@ -57,7 +57,6 @@ ARMS = {
 # Every validation and test pair is scored; out of range, 200 per operation as in Tier A.
 PRIME_SETTINGS = dict(SETTINGS, eval_per_split=None, oor_per_split=600)
 PRIME_ARMS = ("ce", "smmd_raw", "shuffled_kernel")
-PRIME_ABLATIONS = ("shuffled_kernel",)
 PRIME_SIGMAS = (3.0, 10.0, 30.0)
 PRIME_WEIGHTS = (0.1, 0.3, 1.0)
 
@@ -147,10 +146,16 @@ def _documents(problems: list) -> list:
             for start in range(0, len(problems), PROBLEMS_PER_DOCUMENT)]
 
 
-def write_jsonl(rows: list, path: Path) -> None:
-    with open(path, "w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
+def write_files(out_dir, tables: dict) -> dict:
+    """Each of ``tables`` ({name: rows}) as JSON lines in ``out_dir``/<name>.jsonl, the folder made if
+    missing; returns {name: its path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in tables.items():
+        with open(out_dir / f"{name}.jsonl", "w") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+    return {name: str(out_dir / f"{name}.jsonl") for name in tables}
 
 
 def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split,
@@ -177,14 +182,10 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
     rng = random.Random(f"tier_a/files/{seed}")
     train = list(splits["train"])
     rng.shuffle(train)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "qa_eval": out_dir / "qa_eval.jsonl"}
     documents = _documents(train)
     counting = round(len(documents) * counting_share / (1 - counting_share))
     documents += counting_lines(counting, COUNTING_LENGTH, seed)
     rng.shuffle(documents)
-    write_jsonl([{"text": document} for document in documents], paths["train"])
     qa, eval_problems = [], []
     for split in ("val", "test", "oor"):
         for op in OPERATIONS:
@@ -197,13 +198,13 @@ def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: 
             if split == "test":
                 eval_problems += chosen
     rng.shuffle(eval_problems)
-    write_jsonl([{"text": document} for document in _documents(eval_problems)], paths["eval"])
-    write_jsonl(qa, paths["qa_eval"])
+    paths = write_files(out_dir, {"train": [{"text": document} for document in documents],
+                                  "eval": [{"text": document} for document in _documents(eval_problems)],
+                                  "qa_eval": qa})
     sizes = {f"{split}_pairs": len(problems) for split, problems in splits.items()}
     sizes.update({f"{split}_{op}_pairs": sum(problem[0] == op for problem in problems)
                   for split, problems in splits.items() for op in OPERATIONS})
-    return {**{key: str(path) for key, path in paths.items()}, **sizes, "counting_documents": counting,
-            "qa_items": len(qa)}
+    return {**paths, **sizes, "counting_documents": counting, "qa_items": len(qa)}
 
 
 # ----------------------------------------------------------------------------------------------

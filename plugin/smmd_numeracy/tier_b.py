@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 
 from . import compat, tier_a
 
@@ -128,18 +127,16 @@ def build_data(out_dir, *, train_per_level: int, eval_per_split: int, seed: int 
     for level in TRAIN_LEVELS:
         train += generate_problems(level, train_per_level, seed, exclude=frozenset(taken))
     random.Random(f"tier_b/files/{seed}").shuffle(train)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "qa_eval": out_dir / "qa_eval.jsonl"}
-    tier_a.write_jsonl([{"text": text(*problem)} for problem in train], paths["train"])
-    tier_a.write_jsonl([{"text": text(*problem)} for problem in tests["interpolate"]], paths["eval"])
-    tier_a.write_jsonl([{"prompt": prompt(question), "answer": answer, "task": f"{split}/{TEST_SPLITS[split]}"}
-                  for split, problems in tests.items() for question, answer in problems], paths["qa_eval"])
+    paths = tier_a.write_files(out_dir, {
+        "train": [{"text": text(*problem)} for problem in train],
+        "eval": [{"text": text(*problem)} for problem in tests["interpolate"]],
+        "qa_eval": [{"prompt": prompt(question), "answer": answer, "task": f"{split}/{TEST_SPLITS[split]}"}
+                    for split, problems in tests.items() for question, answer in problems]})
     sizes = {"train_problems": len(train), "train_distinct_questions": len({question for question, _ in train})}
     sizes.update({f"{split}_problems": len(problems) for split, problems in tests.items()})
     sizes.update({f"{split}_max_answer_chars": max(len(str(answer)) for _, answer in problems)
                   for split, problems in tests.items()})
-    return {**{key: str(path) for key, path in paths.items()}, **sizes}
+    return {**paths, **sizes}
 
 
 def max_new_tokens(items: list) -> int:

@@ -27,6 +27,9 @@ import random
 import sys
 from pathlib import Path
 
+from .tier_a import answer, write_files
+from .tier_a import score as score_a
+
 OPERATIONS = ("add", "sub", "dist")
 SPLITS = ("train", "val", "test", "oor")
 # The study's settings (benchmarks/numeracy/README.md, Tier C). The micro-batch, the pilot's ladder and the
@@ -54,10 +57,6 @@ def arm_flags(arm: str, weight=None) -> dict:
         raise ValueError(f"arm {arm} needs the weight chosen on validation")
     flags = {"numeric_loss": [f"{NUMERIC_ARMS[arm]}:{weight:g}"], **_DIGITS}
     return {**flags, "smmd_squash_factor": 0.0} if arm == "smmd" else flags
-
-
-def answer(op: str, a: int, b: int) -> int:
-    return a + b if op == "add" else a - b if op == "sub" else abs(a - b)
 
 
 def prompt(op: str, a: int, b: int) -> str:
@@ -143,28 +142,20 @@ def build_data(out_dir, tokenizer, *, operand_range: int, train_items: int, val_
     ``plain.json``   {"input_ids"}: ``plain_sequences`` rows of ``plain_seq_len`` tokens of ``plain_text``.
     """
     splits = split_problems(operand_range, train_items, val_items, test_items, oor_items, seed, operations)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out_dir / "train.jsonl", "qa_val": out_dir / "qa_val.jsonl",
-             "qa_eval": out_dir / "qa_eval.jsonl", "plain": out_dir / "plain.json"}
-    with open(paths["train"], "w") as handle:
-        for problem in splits["train"]:
-            handle.write(json.dumps({"prompt": prompt(*problem), "completion": str(answer(*problem))}) + "\n")
-    for path, names in ((paths["qa_val"], ("val", )), (paths["qa_eval"], ("test", "oor"))):
-        with open(path, "w") as handle:
-            for split in names:
-                for op, a, b in splits[split]:
-                    handle.write(json.dumps({"prompt": prompt(op, a, b), "answer": answer(op, a, b),
-                                             "task": f"{split}/{op}"}) + "\n")
+    held_out = {name: [{"prompt": prompt(op, a, b), "answer": answer(op, a, b), "task": f"{split}/{op}"}
+                       for split in names for op, a, b in splits[split]]
+                for name, names in (("qa_val", ("val", )), ("qa_eval", ("test", "oor")))}
+    paths = write_files(out_dir, {"train": [{"prompt": prompt(*problem), "completion": str(answer(*problem))}
+                                            for problem in splits["train"]], **held_out})
     longest = max(len(tokenizer(prompt(*problem) + str(answer(*problem)), add_special_tokens=False)["input_ids"]) + 1
                   for problem in splits["train"])
     ids = tokenizer(plain_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < plain_sequences * plain_seq_len:
         raise ValueError(f"the plain text has {len(ids)} tokens, fewer than {plain_sequences} x {plain_seq_len}")
     rows = [ids[start * plain_seq_len:(start + 1) * plain_seq_len] for start in range(plain_sequences)]
-    paths["plain"].write_text(json.dumps({"input_ids": rows, "python": sys.version.split()[0]}))
-    return {**{key: str(path) for key, path in paths.items()}, **{f"{split}_items": len(problems)
-                                                                   for split, problems in splits.items()},
+    plain = Path(out_dir) / "plain.json"
+    plain.write_text(json.dumps({"input_ids": rows, "python": sys.version.split()[0]}))
+    return {**paths, "plain": str(plain), **{f"{split}_items": len(problems) for split, problems in splits.items()},
             "nll_items": min(nll_items, test_items), "seq_len": longest,
             "longest_answer_digits": max(len(str(answer(*problem))) for split in SPLITS for problem in splits[split])}
 
@@ -252,15 +243,11 @@ def digit_accuracy(truth: int, value) -> float:
 
 def score(items: list, parsed: list) -> dict:
     """``tier_a.score`` (exact match, MAE, capped MAE, within +-1, unparseable) plus ``digit_accuracy``."""
-    from .tier_a import score as score_a
-
     report = score_a(items, parsed)
-    groups: dict = {}
-    for item, value in zip(items, parsed):
-        for key in (item["task"], item["task"].split("/")[0]):
-            groups.setdefault(key, []).append(digit_accuracy(item["answer"], value))
-    for key, values in groups.items():
-        report[key]["digit_accuracy"] = sum(values) / len(values)
+    for key, scores in report.items():  # each task ("<split>/<op>") and each split
+        accuracies = [digit_accuracy(item["answer"], value) for item, value in zip(items, parsed)
+                      if key in (item["task"], item["task"].split("/")[0])]
+        scores["digit_accuracy"] = sum(accuracies) / len(accuracies)
     return report
 
 
@@ -301,8 +288,7 @@ def perplexity(model, rows: list) -> float:
     return float(torch.exp(nll))
 
 
-def evaluate_model(model_dir, qa_path, *, tokenizer_dir=None, nll_items: int = 0, plain_path=None,
-                   batch_size: int = 64) -> dict:
+def evaluate_model(model_dir, qa_path, *, nll_items: int = 0, plain_path=None, batch_size: int = 64) -> dict:
     """Greedy answers (at most the longest answer's digits + 1 new tokens: the EOS) of the model in
     ``model_dir`` on ``qa_path``, scored by ``score`` (whole-answer parsing, ``tier_b.parse_answer``);
     ``nll_items`` > 0 adds the teacher-forced ``answer_nll`` of the first that many test items to the
@@ -314,7 +300,7 @@ def evaluate_model(model_dir, qa_path, *, tokenizer_dir=None, nll_items: int = 0
     from .tier_b import parse_answer
 
     items = load_qa(qa_path)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt_ids = tokenizer([item["prompt"] for item in items], add_special_tokens=False)["input_ids"]
     digits = max(len(str(item["answer"])) for item in items)
