@@ -445,6 +445,11 @@ class CallStats(MutableMapping):
         self._values: Optional[dict] = None
         self._set: dict = {}
 
+    @property
+    def read(self) -> bool:
+        """Whether the values were made and read (then nothing they were made from is kept)."""
+        return self._values is not None
+
     def _read(self) -> dict:
         if self._values is None:
             stat_names, sums = self._pending

@@ -218,3 +218,35 @@ def test_the_hf_path_adds_no_sync_of_ours(generator):
     # read after the step, when asked for: the digits among the shifted labels (12 planted, and any of
     # the random ids that fell among the digits; a fixed 12 failed on two seeds in three)
     assert installed.last_stats["numeric_tokens"] == int(((ids[:, 1:] >= 20) & (ids[:, 1:] < 30)).sum())
+
+
+def test_the_hf_hook_drops_unread_statistics_before_its_next_call(generator, monkeypatch):
+    """Unread statistics on an accelerator's plan hold the numeric softmax: the installed loss lets go of
+    the last call's before the next call's forward (not after it, beside that call's own); read ones
+    are plain floats and stay until replaced."""
+    import weakref
+
+    from smmd_scale.integrations import hf
+
+    model = models.tiny_llama(96, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(list(range(20, 30)), list(range(10)), 96)))
+    ids = torch.randint(0, 96, (2, 12), generator=generator)
+    ids[:, 2:8] = torch.randint(20, 30, (2, 6), generator=generator)
+    alive_at_next_call = []
+    plain = hf.numeric_cross_entropy
+
+    def spy(*args, **kwargs):
+        alive_at_next_call.append(previous() is not None)
+        return plain(*args, **kwargs)
+
+    with plan_as(H200):
+        model(input_ids=ids, labels=ids)
+        previous = weakref.ref(installed.last_stats)
+        assert not installed.last_stats.read
+        monkeypatch.setattr(hf, "numeric_cross_entropy", spy)
+        model(input_ids=ids, labels=ids)
+        assert alive_at_next_call == [False]  # (released before the second call's loss ran)
+        read = installed.last_stats
+        positions = read["numeric_tokens"]
+        model(input_ids=ids, labels=ids)
+    assert read.read and read["numeric_tokens"] == positions == installed.last_stats["numeric_tokens"]

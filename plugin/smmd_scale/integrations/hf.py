@@ -18,6 +18,7 @@ from ..fused_linear import linear_numeric_cross_entropy
 from ..loss import NumericOutput, numeric_cross_entropy
 from ..numeric_loss import IGNORE_INDEX, NumericLoss
 from ..removed import module_attribute, removed_error
+from ..steps import CallStats
 
 
 class DetachedLosses(NamedTuple):
@@ -105,6 +106,7 @@ class NumericCausalLMLoss:
     def compute(self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None,
                 num_numeric_in_batch=None, sequence_shard=None) -> NumericOutput:
         """The full :class:`NumericOutput` for already-shifted labels (records ``last_*``)."""
+        self._release_last_stats()
         output = numeric_cross_entropy(logits, shift_labels, self.numeric_loss, weight=self.weight,
                                        tp_group=self.tp_group, vocab_start_index=self.vocab_start_index,
                                        num_items_in_batch=num_items_in_batch,
@@ -125,6 +127,7 @@ class NumericCausalLMLoss:
         targets = self.shifted(labels, shift_labels, ignore_index).to(hidden.device)
         num_numeric_in_batch = self.numeric_count_for(num_items_in_batch, num_numeric_in_batch)
         outputs = []
+        self._release_last_stats()
 
         def head_loss(hidden_states):
             output = linear_numeric_cross_entropy(hidden_states, head.weight, targets, self.numeric_loss, self.weight,
@@ -163,6 +166,13 @@ class NumericCausalLMLoss:
     def smmd(self):
         """Removed in 0.3.0: :attr:`numeric_loss` (refused by name)."""
         raise removed_error("NumericCausalLMLoss.smmd")
+
+    def _release_last_stats(self) -> None:
+        """Before a call: drop the last call's statistics if nobody read them. On an accelerator's plan
+        unread statistics hold what they are made from (the numeric softmax, ``[P, N]`` float64), which
+        would otherwise live through this call's forward beside its own."""
+        if isinstance(self.last_stats, CallStats) and not self.last_stats.read:
+            self.last_stats = None
 
     def _record(self, output: NumericOutput, path: str, counts: tuple) -> None:
         self.last_stats = output.stats
