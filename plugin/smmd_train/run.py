@@ -264,11 +264,15 @@ def train_step(run: PreparedRun, step: int, guard, monitor) -> dict:
                                    time.perf_counter() - counting)
     # DeepSpeed divides by the accumulation steps and averages over the ranks it reduces over.
     unscale = run.accumulation * run.plan.topology.dp_size * run.sp_loss_scale if counts else 1
-    for inputs in micro_batches:
+    bounds = loss_reporter.exchange_bounds(micro_batches, run.plan.topology.tp_size, run.plan.numeric_vocab)
+    monitor.record_exchange_bounds(bounds)
+    for inputs, bound in zip(micro_batches, bounds):
+        loss_reporter.bound_next_exchange(bound)
         loss = engine(**inputs, **counts).loss
         engine.backward(guard.checked(loss) * unscale)
         engine.step()
         loss_reporter.record_micro_batch(monitor, loss)
+    loss_reporter.bound_next_exchange(None)  # (an evaluation's forward is not bounded by a training micro-batch)
     guard.end_step(engine.was_step_applied())
     return monitor.end_step(step, time.perf_counter() - began, run.tokens_per_step, learning_rate,
                             skipped_steps=guard.total_skips)

@@ -38,13 +38,17 @@ def test_autotp_tp2_continued_pretraining_moves_the_weights_and_export_round_tri
     # checkpoint splits unevenly over the 2 ranks: 9 heads over 3 KV heads, and a vocabulary one row
     # larger than the tokenizer's 1,512 (757 + 756 rows).
     start = local_hf_checkpoint(tmp_path / "start", corpus, extra_rows=1, hidden_size=72, heads=9, kv_heads=3)
+    # With --tp_exchange_capacity counted: each call's exchange bounded by its micro-batch's numeric targets
+    # (one micro-batch per step here, so the step's bound is its numeric positions, which the loss counted).
     output = tmp_path / "run"
     run(deepspeed_command(2, *train_args(corpus, output, steps=2, model=start, lr=None, warmup_steps=None,
-                                         export_hf=output / "hf", save_steps=2, tp=2)), timeout=600)
+                                         export_hf=output / "hf", save_steps=2, tp=2,
+                                         tp_exchange_capacity="counted")), timeout=600)
     logged = metrics(output)
     assert logged[0]["run/tp_size"] == 2 and logged[0]["run/dp_size"] == 1
     assert logged[1]["train/lr"] > 0 and logged[2]["train/lr"] > 0
     assert all(logged[step]["comm/loss_bytes"] > 0 for step in (1, 2))  # the vocab-parallel exchange ran
+    assert all(logged[step]["comm/exchange_rows"] == logged[step]["numeric/positions"] > 0 for step in (1, 2))
     base, trained = load_file(start / "model.safetensors"), load_file(output / "hf" / "model.safetensors")
     assert base.keys() == trained.keys() and not [key for key in base if torch.equal(base[key], trained[key])]
     assert all(base[key].shape == trained[key].shape for key in base)  # every shard gathered back whole

@@ -365,14 +365,16 @@ def test_one_blocks_hidden_gradient_is_the_accumulated_one_bit_for_bit(generator
         assert torch.equal(got, expected)
 
 
-def _hook_at_a_fixed_capacity(rank, world_size, seed):
-    """The installed loss's hook (what train.py's --tp_exchange_capacity tokens reaches: its ce_options) on
-    this rank's vocabulary shard of a model's logits, under the accelerator's plan: its host syncs, and its
-    loss against the whole vocabulary's on one device."""
+def _hook_at_a_fixed_capacity(rank, world_size, seed, capacity="tokens"):
+    """The installed loss's hook (what train.py's --tp_exchange_capacity tokens or counted reaches: its
+    ce_options; counted, the bound the trainer counts for the micro-batch, ``LossReporter.exchange_bounds``)
+    on this rank's vocabulary shard of a model's logits, under the accelerator's plan: its host syncs, and
+    its loss against the whole vocabulary's on one device."""
     import torch.distributed as dist
 
     from smmd_scale.integrations import NumericCausalLMLoss
     from smmd_scale.op_count import count_ops
+    from smmd_train.distributed.sequence_parallel import local_target_counts, step_targets
 
     generator = torch.Generator().manual_seed(seed)
     vocab, targets = problem(generator)
@@ -381,8 +383,11 @@ def _hook_at_a_fixed_capacity(rank, world_size, seed):
     labels = targets.clone()
     bounds = [VOCAB * part // world_size for part in range(world_size + 1)]
     shard = logits[..., bounds[rank]:bounds[rank + 1]].clone().requires_grad_()
+    if capacity == "counted":
+        capacity = int(local_target_counts(step_targets({"labels": labels}), vocab.token_ids)[1])
+        assert 0 < capacity < TOKENS  # (a bound that is neither the tokens nor vacuous)
     hook = NumericCausalLMLoss(loss, 0.5, tp_group=dist.group.WORLD, vocab_start_index=bounds[rank],
-                               ce_options={"numeric_capacity": "tokens"})
+                               ce_options={"numeric_capacity": capacity})
     whole = NumericCausalLMLoss(loss, 0.5)(logits, labels)
     with plan_as(H200):
         with count_ops() as forward:
@@ -394,8 +399,9 @@ def _hook_at_a_fixed_capacity(rank, world_size, seed):
 
 
 @pytest.mark.gloo
-def test_the_installed_hook_at_a_fixed_capacity_reads_nothing_back():
+@pytest.mark.parametrize("capacity", ["tokens", "counted"])
+def test_the_installed_hook_at_a_fixed_capacity_reads_nothing_back(capacity):
     from helpers.distributed import run_ranks, values_or_raise
 
-    sites = values_or_raise(run_ranks(_hook_at_a_fixed_capacity, 2, int(torch.randint(0, 2**31, (1, )))))
+    sites = values_or_raise(run_ranks(_hook_at_a_fixed_capacity, 2, int(torch.randint(0, 2**31, (1, ))), capacity))
     assert sites == [[], []], sites

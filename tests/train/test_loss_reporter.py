@@ -6,6 +6,7 @@ tests/launch/test_launch_launchers.py trains a --framework_loss run end to end."
 
 import ast
 
+import pytest
 from helpers.launching import REPO, train_flags
 
 from smmd_train.components.loss_reporter import ModelLossReporter, NumericLossReporter, loss_reporter
@@ -74,3 +75,47 @@ def test_no_module_but_the_reporter_chooses_between_the_losses():
         if relative not in CHOOSERS:
             offenders += [f"{relative} {site}" for site in choice_sites(path.read_text())]
     assert not offenders, offenders
+
+
+def test_counted_exchange_bounds_reach_each_call_and_are_checked(tmp_path):
+    """``--tp_exchange_capacity counted``: each micro-batch's numeric targets (this rank's, read once per
+    step) bound its call's exchange through the installed hook's options, then the bound is lifted (an
+    evaluation's forward is not a training micro-batch's); a micro-batch whose loss saw more numbers than
+    its bound fails naming both (on a GPU the device asserts it; here the reporter checks the statistics).
+    Without tensor parallelism, or with another setting, nothing is counted."""
+    import torch
+    from helpers import models
+
+    import smmd_scale
+    from smmd_scale import NumericVocab, SMMDLoss
+
+    vocab = NumericVocab(list(range(20, 30)), list(range(10)), 96)
+    labels = [torch.randint(0, 96, (2, 12)) for _ in range(2)]
+    labels[0][:, 3:6] = 25  # (at least 6 numeric targets in the first micro-batch)
+    micro_batches = [{"input_ids": ids, "labels": ids} for ids in labels]
+    expected = [int(((ids[:, 1:] >= 20) & (ids[:, 1:] < 30)).sum()) for ids in labels]
+    reporter = reporter_of(tmp_path, numeric_loss=["smmd"], tp_exchange_capacity="counted")
+    assert reporter.exchange_bounds(micro_batches, 2, vocab) == expected
+    assert reporter.exchange_bounds(micro_batches, 1, vocab) == [None, None]
+    assert reporter_of(tmp_path, numeric_loss=["smmd"]).exchange_bounds(micro_batches, 2, vocab) == [None, None]
+
+    model = models.tiny_llama(96, hidden_size=32, max_positions=64, seed=0)
+    reporter.installed = smmd_scale.install(model, SMMDLoss(vocab))
+
+    class Monitor:
+        def record_micro_batch(self, losses, stats, z=None):
+            self.positions = stats["numeric_tokens"]
+
+    monitor = Monitor()
+    for inputs, bound in zip(micro_batches, expected):
+        reporter.bound_next_exchange(bound)
+        assert reporter.installed.hook.ce_options["numeric_capacity"] == max(bound, 1)
+        reporter.record_micro_batch(monitor, model(**inputs).loss)
+        assert monitor.positions == bound
+    reporter.bound_next_exchange(None)
+    assert "numeric_capacity" not in reporter.installed.hook.ce_options
+    reporter.bound_next_exchange(expected[0] - 1)
+    model(**micro_batches[0])
+    with pytest.raises(RuntimeError, match=rf"saw {expected[0]} numeric-target positions, more than the "
+                                           rf"{expected[0] - 1} counted for it"):
+        reporter.record_micro_batch(monitor, None)

@@ -190,6 +190,9 @@ def test_ce_options_reach_the_installed_loss_and_hparams(tmp_path, tokenizer_dir
     args = parse_args([*argv(tokenizer_dir, corpus, tmp_path / "run"), "--tp_exchange_capacity", "tokens"])
     assert ce_options(RunConfig.from_args(args).loss) == {"numeric_capacity": "tokens"}
     assert "tp_exchange_capacity" not in run_hparams(RunConfig.from_args(args), plan, "single")
+    # counted: no capacity for every call; each micro-batch's bound is set per call (test_loss_reporter)
+    args = parse_args([*argv(tokenizer_dir, corpus, tmp_path / "run"), "--tp_exchange_capacity", "counted"])
+    assert ce_options(RunConfig.from_args(args).loss) == {}
     with pytest.raises(SystemExit):
         parse_args([*argv(tokenizer_dir, corpus, tmp_path / "run"), "--tp_exchange_capacity", "all"])
 

@@ -85,6 +85,15 @@ class LossReporter(ABC):
         """Hand ``monitor`` (``smmd_train.monitor.training.TrainingMonitor``) the parts of the micro-batch whose
         forward just returned ``loss``."""
 
+    def exchange_bounds(self, micro_batches: list, tp_size: int, vocab) -> list:
+        """Per micro-batch, the numeric rows its loss's vocabulary-parallel exchange carries, or None
+        (``--tp_exchange_capacity counted``: see :class:`NumericLossReporter`)."""
+        return [None] * len(micro_batches)
+
+    @abstractmethod
+    def bound_next_exchange(self, bound) -> None:
+        """Set the next forward's exchange bound (one of :meth:`exchange_bounds`; None: the option's own)."""
+
 
 class NumericLossReporter(LossReporter):
     """smmd_scale's CE + numeric loss (``--numeric_loss`` and its options), installed with
@@ -133,8 +142,35 @@ class NumericLossReporter(LossReporter):
         if self.settings.fused_linear and installed.last_path != "fused_linear":
             raise RuntimeError("--fused_linear is installed but this training step computed the logits (the fused "
                                "path runs only for a training-mode forward with labels)")
+        bound = installed.hook.ce_options.get("numeric_capacity")
+        if isinstance(bound, int) and installed.last_stats["numeric_tokens"] > bound:  # (the device asserts it on
+            # a GPU; on the CPU's plan the exchange does not read the bound: checked here, from the statistics)
+            raise RuntimeError(f"--tp_exchange_capacity counted: the micro-batch's loss saw "
+                               f"{installed.last_stats['numeric_tokens']} numeric-target positions, more than the "
+                               f"{bound} counted for it")
         monitor.record_micro_batch(installed.hook.last_losses, installed.last_stats,
                                    z=installed.hook.last_z if self.settings.z_loss else None)
+
+    def exchange_bounds(self, micro_batches: list, tp_size: int, vocab) -> list:
+        """``--tp_exchange_capacity counted`` under tensor parallelism: each micro-batch's numeric-target
+        positions on this rank (its tensor-parallel peers hold the same micro-batch and count the same),
+        counted on the device and read with one host read per optimizer step, beside the step's own counts:
+        each call's exchange then carries exactly that many numeric rows and reads nothing back. Else Nones."""
+        if self.settings.tp_exchange_capacity != "counted" or tp_size == 1:
+            return super().exchange_bounds(micro_batches, tp_size, vocab)
+        import torch
+
+        from ..distributed.sequence_parallel import local_target_counts, step_targets
+
+        return torch.stack([local_target_counts(step_targets(inputs), vocab.token_ids)[1]
+                            for inputs in micro_batches]).tolist()
+
+    def bound_next_exchange(self, bound) -> None:
+        options = self.installed.hook.ce_options
+        if bound is not None:
+            options["numeric_capacity"] = max(int(bound), 1)  # (at least 1: a call without numbers carries 1 row)
+        elif self.settings.tp_exchange_capacity == "counted":
+            options.pop("numeric_capacity", None)
 
 
 class ModelLossReporter(LossReporter):
@@ -172,6 +208,9 @@ class ModelLossReporter(LossReporter):
 
     def record_micro_batch(self, monitor, loss) -> None:
         monitor.record_micro_batch((loss.detach(), loss.detach(), 0.0), None)
+
+    def bound_next_exchange(self, bound) -> None:
+        return None  # (the model's own loss: no exchange of ours to bound)
 
 
 def ce_options(settings) -> dict:

@@ -174,10 +174,12 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       "its config")
     smmd.add_argument("--label_smoothing", type=float, default=0.0,
                       help="CE's label smoothing, as torch.nn.functional.cross_entropy's; in [0, 1)")
-    smmd.add_argument("--tp_exchange_capacity", choices=["grown", "tokens"], default="grown",
+    smmd.add_argument("--tp_exchange_capacity", choices=["grown", "tokens", "counted"], default="grown",
                       help="vocabulary-parallel on a GPU (--tp with vocab_parallel_lm_head): the numeric rows the "
                       "loss's one exchange carries. grown (default): a capacity grown from the counts it reads back, "
-                      "one host read per call; tokens: the micro-batch's tokens, no host read, T x N numeric rows sent")
+                      "one host read per call; tokens: the micro-batch's tokens, no host read, T x N numeric rows "
+                      "sent; counted: each micro-batch's numeric targets, counted with the step's counts (one host "
+                      "read per step), no host read per call, no row beyond the count")
     smmd.add_argument("--framework_loss", action="store_true",
                       help="baseline for throughput comparisons: keep the model's own loss (HF's CE, or DeepSpeed's "
                       "vocab-parallel CE under AutoTP) instead of installing smmd_scale; no numeric metrics")

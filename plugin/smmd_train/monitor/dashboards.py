@@ -68,6 +68,7 @@ STEP_CHARTS = {
     "memory and communication (x = step)": {
         "memory/peak_gib": "peak memory GiB (max over ranks; band from 0)",
         "comm/loss_bytes": "loss exchange bytes per step",
+        "comm/exchange_rows": "numeric rows per loss exchange (--tp_exchange_capacity counted; the step's largest)",
         "comm/loss_backward_bytes": "fused linear head: d hidden all-reduce bytes per step",
     },
     "optimizer (x = step)": {

@@ -10,6 +10,7 @@ Names are a contract (what dashboards key on):
     numeric/accuracy  numeric/mae  numeric/positions
     perf/tokens_per_second  perf/tokens_per_second_per_rank  perf/tflops_per_rank
     perf/step_seconds  perf/count_seconds  memory/peak_gib  comm/loss_bytes  comm/loss_backward_bytes  train/lr
+    comm/exchange_rows (with --tp_exchange_capacity counted)
     train/grad_norm  train/skipped_steps  run/world_size  run/tp_size  run/dp_size  run/sp_size
 
 TensorBoard alone also gets ``memory/zero_gib`` (0 at every step that has ``memory/peak_gib``): the
@@ -29,7 +30,9 @@ Everything is summed over the micro-batches and the data- and sequence-parallel 
 all-reduce per step); with sequence parallelism each rank's losses are its shard's share.
 ``comm/loss_bytes`` is what this rank's loss exchanged in the step's forwards,
 ``comm/loss_backward_bytes`` what the fused linear head's backward all-reduced (``d hidden``,
-the all-reduce the head's own backward runs otherwise). The x axis is the optimizer step.
+the all-reduce the head's own backward runs otherwise), ``comm/exchange_rows`` the numeric rows the
+step's exchanges were bounded to (``--tp_exchange_capacity counted``: each micro-batch's numeric
+targets; the step's largest). The x axis is the optimizer step.
 ``perf/*`` and ``memory/*`` start after the process's first step (its warm-up: lazy
 initialisation, allocator growth). At the end, ``summary/*`` hold one value per run (medians over
 the steps after warm-up, the final losses), which the HParams dashboard compares across runs.
@@ -107,6 +110,7 @@ class TrainingMonitor:
         self._loss_bytes = self._loss_backward_bytes = 0
         self._parts = set()
         self._step_counts = None
+        self._exchange_rows = None
 
     def record_step_counts(self, valid_targets: int, numeric_positions: int, seconds: float = 0.0) -> None:
         """The step's global counts, passed to the loss: its micro-batches' losses are then shares
@@ -114,6 +118,13 @@ class TrainingMonitor:
         counting took, its all-reduce included (``perf/count_seconds``)."""
         self._step_counts = (valid_targets, numeric_positions)
         self._count_seconds = seconds
+
+    def record_exchange_bounds(self, bounds: list) -> None:
+        """``--tp_exchange_capacity counted``: the numeric rows each micro-batch's exchange is bounded to
+        (``comm/exchange_rows``: the step's largest); None entries (not bounded) are not recorded."""
+        bounded = [bound for bound in bounds if bound is not None]
+        if bounded:
+            self._exchange_rows = max(bounded)
 
     def log_run_shape(self) -> None:
         """The run's layout as the first record of metrics.jsonl (in TensorBoard it is in the HParams)."""
@@ -186,6 +197,7 @@ class TrainingMonitor:
             "memory/peak_gib": peak.item(),
             "comm/loss_bytes": float(self._loss_bytes),
             "comm/loss_backward_bytes": float(self._loss_backward_bytes),
+            **({"comm/exchange_rows": float(self._exchange_rows)} if self._exchange_rows is not None else {}),
             "train/lr": float(learning_rate),
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/skipped_steps": float(skipped_steps),
