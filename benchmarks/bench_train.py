@@ -23,7 +23,6 @@ Every run logs to one TensorBoard logdir.
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -78,13 +77,12 @@ def parse_args() -> TrainOptions:
 
 
 def prepare_data(work: Path) -> tuple:
-    import smmd_numeracy as numeracy
+    """The training text and tokenizer: Tier A's arithmetic and its Llama-3-style tokenizer (0..999 one
+    token each; ``smmd_numeracy.tier_a.data_and_tokenizer``)."""
+    from smmd_numeracy import tier_a
 
-    corpus = numeracy.build_corpus(work / "data", train_per_task=3000, test_per_task=10, seed=0)
-    with open(corpus["train"]) as handle:
-        tokenizer = numeracy.train_numeric_tokenizer([json.loads(line)["text"] for line in handle])
-    tokenizer.save_pretrained(work / "tokenizer")
-    return corpus["train"], work / "tokenizer"
+    data = tier_a.data_and_tokenizer(work)
+    return data["train"], Path(data["tokenizer"])
 
 
 def model_with_vocabulary(args: TrainOptions, work: Path, tokenizer_dir: Path) -> str:

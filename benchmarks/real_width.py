@@ -130,16 +130,14 @@ def parse_args(argv=None) -> RealWidthOptions:
 # ----------------------------------------------------------------------------------------------
 
 def prepare_data(work: Path) -> dict:
-    """A small numeracy corpus and a Llama-3-style tokenizer trained on it (0..999 single tokens)."""
-    import smmd_numeracy as numeracy
+    """Tier A's arithmetic and its Llama-3-style tokenizer (0..999 single tokens;
+    ``smmd_numeracy.tier_a.data_and_tokenizer``), and its first held-out question."""
+    from smmd_numeracy import tier_a
 
-    corpus = numeracy.build_corpus(work / "data", train_per_task=200, test_per_task=1, seed=0)
-    with open(corpus["train"]) as handle:
-        tokenizer = numeracy.train_numeric_tokenizer([json.loads(line)["text"] for line in handle])
-    tokenizer.save_pretrained(work / "tokenizer")
-    with open(corpus["qa_test"]) as handle:
+    data = tier_a.data_and_tokenizer(work)
+    with open(data["qa_eval"]) as handle:
         question = json.loads(handle.readline())
-    return {"train": corpus["train"], "tokenizer": work / "tokenizer", "question": question}
+    return {"train": data["train"], "tokenizer": Path(data["tokenizer"]), "question": question}
 
 
 def model_config(args: RealWidthOptions, tokenizer):

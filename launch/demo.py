@@ -314,7 +314,6 @@ def main(argv=None) -> None:
     from smmd_cli.tables import markdown_table
     from transformers import AutoTokenizer
 
-    from smmd_numeracy import train_numeric_tokenizer
     from smmd_train.checkpoint.saving import tag_for_step
     from smmd_train.distributed.launcher import free_port
     from smmd_train.monitor.dashboards import write_experiment
@@ -326,14 +325,7 @@ def main(argv=None) -> None:
     began = time.monotonic()
 
     started = stage("1/4 one-token arithmetic and a Llama-3-style tokenizer (0..999 are single tokens)")
-    data = tier_a.build_data(work / "data", operand_range=settings["operand_range"],
-                             held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
-                             eval_per_split=settings["eval_per_split"], counting_share=settings["counting_share"],
-                             seed=settings["data_seed"])
-    with open(data["train"]) as handle:
-        texts = [json.loads(line)["text"] for line in handle]
-    train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(work / "tokenizer")
-    data["tokenizer"] = str(work / "tokenizer")
+    data = tier_a.data_and_tokenizer(work, settings)
     print(f"    {data['train_pairs']} training pairs (operands 0..{settings['operand_range'] - 1}); held out: "
           f"{data['test_pairs']} test pairs, {data['oor_pairs']} out-of-range pairs; "
           f"{len(AutoTokenizer.from_pretrained(work / 'tokenizer'))} tokens ({time.monotonic() - started:.0f} s)")

@@ -158,6 +158,23 @@ def write_files(out_dir, tables: dict) -> dict:
     return {name: str(out_dir / f"{name}.jsonl") for name in tables}
 
 
+def data_and_tokenizer(work_dir, settings: dict = SETTINGS) -> dict:
+    """``build_data`` of ``settings`` into ``work_dir``/data and a Llama-3-style tokenizer of
+    ``settings["vocab_size"]`` tokens trained on its training text, saved in ``work_dir``/tokenizer (the
+    demo's data, and the training benchmarks' numeric corpus); ``build_data``'s dict with ``tokenizer``."""
+    from .tokenizer import train_numeric_tokenizer
+
+    work_dir = Path(work_dir)
+    data = build_data(work_dir / "data", operand_range=settings["operand_range"],
+                      held_out_share=settings["held_out_share"], oor_band=settings["oor_band"],
+                      eval_per_split=settings["eval_per_split"], counting_share=settings["counting_share"],
+                      seed=settings["data_seed"])
+    with open(data["train"]) as handle:
+        texts = [json.loads(line)["text"] for line in handle]
+    train_numeric_tokenizer(texts, vocab_size=settings["vocab_size"]).save_pretrained(work_dir / "tokenizer")
+    return {**data, "tokenizer": str(work_dir / "tokenizer")}
+
+
 def build_data(out_dir, *, operand_range: int, held_out_share: float, oor_band: int, eval_per_split,
                counting_share: float = 0.0, seed: int = 0, oor_per_split="eval_per_split") -> dict:
     """Write the Tier A files under ``out_dir``; returns their paths and the split sizes.
