@@ -108,7 +108,7 @@ def one_block_on_one_device(accelerator: bool, plan: CallPlan, chunk_size: int, 
     adding each block's product into zeros in the compute dtype and converting back (the same bits
     with one block: adding to 0 and a widening round trip are exact): one block, one device, the
     accelerator's plan."""
-    return accelerator and not plan.tensor_parallel and chunk_size >= head_weight.shape[0]
+    return accelerator and not plan.tensor_parallel and _one_block(head_weight.shape[0], chunk_size)
 
 
 def _rows(tensor: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.Tensor]:
@@ -121,6 +121,11 @@ def _rows(tensor: Optional[torch.Tensor], start: int, end: int) -> Optional[torc
 
 def _blocks(rows: int, chunk_size: int):
     return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
+
+
+def _one_block(rows: int, chunk_size: int) -> bool:
+    """Whether one block covers the head's ``rows`` (the one test of the one-block paths)."""
+    return len(_blocks(rows, chunk_size)) == 1
 
 
 class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
@@ -192,7 +197,7 @@ class _FusedLinearCrossEntropyNumeric(torch.autograd.Function):
             direct = needs_hidden and one_block_on_one_device(ctx.accelerator, plan, ctx.chunk_size, head_weight)
             grad_hidden = (torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
                            if needs_hidden and not direct else None)
-            whole = len(_blocks(head_weight.shape[0], ctx.chunk_size)) == 1  # (its products are the gradients)
+            whole = _one_block(head_weight.shape[0], ctx.chunk_size)  # (its products are the gradients)
             grad_weight = (_Whole() if whole else torch.empty_like(head_weight)) if needs_weight else None
             grad_bias = (_Whole() if whole else torch.empty_like(bias)) if needs_bias else None  # (compute dtype)
             lo, hi = plan.numeric_columns
@@ -295,22 +300,32 @@ class _TargetBlocks:
         return torch.where(self.block[:, None] == blocks, coefficient[:, None], zero(coefficient))
 
 
+def _holds_exactly(compute_dtype: torch.dtype, product_dtype: torch.dtype) -> bool:
+    """Whether the compute dtype holds every product-dtype value exactly (the same dtype, or a wider
+    float: bf16 or fp16 in fp32, fp32 in fp64): then the numeric logits can be read from the block in
+    the compute dtype, as the separate product would give them (``accum_dtype=torch.bfloat16`` under
+    fp32 logits rounds the block, so they keep their own product there)."""
+    return compute_dtype == product_dtype or torch.finfo(compute_dtype).bits > torch.finfo(product_dtype).bits
+
+
 def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_size: int,
                                where: _TargetBlocks) -> tuple:
     """:func:`_forward_sweep_cpu` on an accelerator's plan, in fewer and larger ops: each block's own
     (max, sum of exp) kept, merged once after the pass (with one block: nothing to merge); the target
     logit picked from every block at the row's column and chosen once after the pass
     (:class:`_TargetBlocks`). Also returns, with one block, the numeric logits ``[P, N]`` read from it
-    (no product of their own), else None."""
+    (no product of their own) where the compute dtype holds them exactly (:func:`_holds_exactly`), else
+    None."""
     compute_dtype, options = plan.compute_dtype, plan.options
     blocks = _blocks(head_weight.shape[0], chunk_size)
     logit_sum = numeric_logits = None
+    several = len(blocks) > 1
     picks, shifts, sums = [], [], []
     for start, end in blocks:
         logits = block_logits(hidden, _rows(head_weight, start, end), _rows(bias, start, end), compute_dtype)
         picks.append(logits.gather(1, where.columns(start, end)))  # the raw logit, as exchanged
-        if where.single:  # (raw, before the block is transformed and exponentiated in place)
-            numeric_logits = logits[where.numeric_index]
+        if where.single and _holds_exactly(compute_dtype, plan.spec.dtype):  # (raw: before the block is
+            numeric_logits = logits[where.numeric_index]  # transformed and exponentiated in place)
         if options.logit_softcap is not None:  # the block holds σ, the capped logits cap (1 - 2σ)
             cap = options.logit_softcap
             capped_sigmoid_(logits, options)
@@ -318,21 +333,20 @@ def _forward_sweep_accelerator(hidden, head_weight, bias, plan: CallPlan, chunk_
             shift = logits.amin(dim=-1, keepdim=True).mul_(-2.0 * cap).add_(cap)
             if options.label_smoothing:
                 block_sum = logits.sum(dim=-1).mul_(-2.0 * cap).add_(cap * (end - start))
-            total = torch.add(cap - shift, logits, alpha=-2.0 * cap, out=logits).exp_().sum(dim=-1, keepdim=True)
+            total = torch.add(cap - shift, logits, alpha=-2.0 * cap, out=logits).exp_().sum(dim=-1, keepdim=several)
         else:
             transform_logits_(logits, options)
             if options.label_smoothing:
                 block_sum = logits.sum(dim=-1)
             shift = logits.amax(dim=-1, keepdim=True)
-            total = logits.sub_(shift).exp_().sum(dim=-1, keepdim=True)
+            total = logits.sub_(shift).exp_().sum(dim=-1, keepdim=several)  # ([T, 1] to be merged, else [T])
         if options.label_smoothing:
             logit_sum = block_sum if logit_sum is None else logit_sum + block_sum
         shifts.append(shift)
         sums.append(total)
     target_logits = where.picked(picks)
     if len(blocks) == 1:
-        return (ShiftedLogSumExp(shifts[0].squeeze(1), sums[0].squeeze(1).log()), target_logits, logit_sum,
-                numeric_logits)
+        return ShiftedLogSumExp(shifts[0].squeeze(1), sums[0].log()), target_logits, logit_sum, numeric_logits
     shifts, sums = torch.cat(shifts, dim=1), torch.cat(sums, dim=1)
     shift = shifts.amax(dim=1, keepdim=True)
     return (ShiftedLogSumExp(shift.squeeze(1), (sums * (shifts - shift).exp()).sum(dim=1).log()), target_logits,

@@ -16,7 +16,7 @@ logits at the P numeric-target positions (never a ``[P, V]`` block).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -35,6 +35,7 @@ from .removed import module_attribute, removed_error
 from .sequence_shard import SequenceShard
 from .steps import (
     ShiftedLogSumExp,
+    StatSums,
     call_statistics,
     call_stats,
     claim_single_backward,
@@ -72,8 +73,8 @@ class NumericOutput:
         shape (CE and z 0 at ignored positions, the numeric loss 0 where the target is not numeric).
     stats: detached Python floats (a dict; on an accelerator a mapping made on the device and read from
         it when a value is first asked for, so that the op syncs nothing to the host and a call whose
-        statistics nobody reads launches none of their ops; until then it holds the numeric softmax
-        ``[P, N]`` in float64, so read them, or ``dict(out.stats)``, before keeping many outputs) —
+        statistics nobody reads launches 9 ops fewer; until then it holds a few vectors of the call's
+        positions, ``steps.StatInputs``; ``dict(out.stats)`` to keep them) —
         the numeric loss's parts as means over numeric positions
         (SMMD: ``smmd``, ``mmd`` and ``smooth``; NTL: ``ntl_was`` or ``ntl_mse``), ``numeric_tokens``
         (P), ``numeric_accuracy`` (argmax over the numeric tokens is the target token),
@@ -93,19 +94,21 @@ class NumericOutput:
         raise removed_error("NumericOutput.smmd")
 
 
-class PerTokenLosses(NamedTuple):
+@dataclass(frozen=True)
+class PerTokenLosses:
     """CE, the numeric loss and the z-loss per position, unreduced: ``ce`` and ``z`` ``[T]`` (T =
     targets.numel(), 0 at ignored positions); ``numeric_rows`` ``[P]``, the numeric loss at the plan's
     numeric positions (``plan.positions``; 0 on a fixed-capacity plan's spare rows), and
     :attr:`numeric`, the same scattered to ``[T]`` (0 where the target is not numeric; made when asked
     for: the mean and the sum read the rows). ``plan``: the call's plan; ``stat_sums``: its statistics
     (``steps.stat_sums``), detached, or on an accelerator's plan the function that makes them when they
-    are first read (``steps.call_statistics``)."""
+    are first read (``steps.call_statistics``). Not a tuple (until 0.3.0 it was, with the ``[T]`` numeric
+    loss second): unpacking it fails instead of handing out the rows."""
 
     ce: torch.Tensor
     numeric_rows: torch.Tensor
     plan: CallPlan
-    stat_sums: object
+    stat_sums: StatSums
     z: Optional[torch.Tensor] = None
 
     @property

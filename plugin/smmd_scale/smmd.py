@@ -64,6 +64,7 @@ class SMMDLoss(NumericLoss):
         return self.mode, self.kernel, self.sigmas, self.squash_factor, self.alpha, self.seed
 
     def _kernel_and_degree(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        """(K, deg) on ``device`` in ``dtype``, copied once per (device, dtype)."""
         key = (device, dtype)
         if key not in self._matrices:
             matrices = (self.kernel_matrix.to(device=device, dtype=dtype), self.degree.to(device=device, dtype=dtype))
@@ -92,7 +93,9 @@ class SMMDLoss(NumericLoss):
 
         ``r = q - onehot(target)``. One ``[P, N] x [N, N]`` product gives everything: ``Kr``;
         ``r^T K r``; ``r^T L r = sum(deg * r^2) - r^T K r`` (L = D - K); and ``d/dq = 2 M r`` with
-        ``M r = Kr`` (mmd), ``alpha (deg*r - Kr)`` (smooth) or their sum (smmd).
+        ``M r = Kr`` (mmd), ``alpha (deg*r - Kr)`` (smooth) or their sum (smmd), which is
+        ``(1 - alpha) Kr + alpha deg*r``: the value is then ``r^T M r`` and the smoothness term its
+        difference from the MMD term (two ops fewer than forming ``deg*r - Kr`` first).
         """
         kernel, degree = self._kernel_and_degree(q.device, compute_dtype)
         # (the [P, N] x [N, N] product runs in the logits' precision; q - onehot(target) in one op)
@@ -100,14 +103,17 @@ class SMMDLoss(NumericLoss):
         with torch.autocast(q.device.type, enabled=False):  # in compute_dtype under autocast too, not bf16
             kernel_residual = residual @ kernel
         mmd = (residual * kernel_residual).sum(dim=-1)
-        laplacian_residual = degree * residual - kernel_residual
-        smooth = self.alpha * (residual * laplacian_residual).sum(dim=-1)
-        if self.mode == "mmd":
-            value, metric_residual = mmd, kernel_residual
-        elif self.mode == "smooth":
-            value, metric_residual = smooth, self.alpha * laplacian_residual
+        if self.mode == "smmd":
+            # (lerp: Kr + alpha (deg*r - Kr). Not torch.add(alpha * deg*r, Kr, alpha=1 - alpha), the same
+            # value eagerly, which inductor (torch 2.13, CPU) compiled inside the op to a 7% larger loss)
+            metric_residual = torch.lerp(kernel_residual, degree * residual, self.alpha)
+            value = (residual * metric_residual).sum(dim=-1)
+            smooth = value - mmd
         else:
-            value, metric_residual = mmd + smooth, torch.add(kernel_residual, laplacian_residual, alpha=self.alpha)
+            laplacian_residual = degree * residual - kernel_residual
+            smooth = self.alpha * (residual * laplacian_residual).sum(dim=-1)
+            value, metric_residual = ((mmd, kernel_residual) if self.mode == "mmd" else
+                                      (smooth, self.alpha * laplacian_residual))
         # relu guards float error; its derivative is 0 where the value is <= 0, as torch.relu's (a bool
         # factor keeps the residual's dtype).
         grad_q = (metric_residual * (value > 0)[:, None]) * 2.0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -76,8 +76,9 @@ class NumericGradient:
     row_coefficient: ``[P]`` or None: d value / d full-vocabulary logits also has
                      ``row_coefficient * softmax(full row)`` on every column (losses that weigh by
                      the numeric tokens' probability mass)
-    q:               ``[P, N]`` float64, the softmax over the numeric tokens (the statistics read it:
-                     the numeric accuracy and MAE)
+    predicted:       ``[P]`` int64, each position's most probable numeric token (argmax of q; the numeric
+                     accuracy's)
+    expected:        ``[P]`` float64, each position's expected value ``q @ values`` (the numeric MAE's)
     comm:            the collectives the loss ran itself (a number-level loss on a sequence shard)
     """
 
@@ -85,8 +86,23 @@ class NumericGradient:
     parts: dict
     grad: torch.Tensor
     row_coefficient: Optional[torch.Tensor]
-    q: torch.Tensor
+    predicted: torch.Tensor
+    expected: torch.Tensor
     comm: CommCount = CommCount(0, 0)
+
+
+class StatInputs(NamedTuple):
+    """What a call's statistics are made from, O(P): the loss's statistics ``parts`` (``[P]`` each),
+    :class:`NumericGradient`'s ``predicted`` and ``expected``, and the loss's own collectives ``comm``."""
+
+    parts: dict
+    predicted: torch.Tensor
+    expected: torch.Tensor
+    comm: CommCount
+
+
+# An op's statistics: :func:`stat_sums`' tensor, or the function of :func:`call_statistics` that makes it.
+StatSums = Union[torch.Tensor, Callable[[], torch.Tensor]]
 
 
 _ZEROS: dict = {}
@@ -97,12 +113,21 @@ def zero(like: torch.Tensor):
     x, zero(x))`` dispatches one op, where ``torch.where(mask, x, 0.0)`` makes a scalar tensor for the
     0.0 first. Inside ``torch.compile`` the number 0.0 (a constant of the graph; a cache filled from a
     compiled graph would be a guard that fails on the next call)."""
-    if torch.compiler.is_compiling():
-        return 0.0
+    if torch.compiler.is_compiling() or type(like) is not torch.Tensor or _capturing(like):
+        return 0.0  # (a traced, fake or subclassed tensor, or a CUDA graph's capture: nothing cached from it)
     key = (like.device, like.dtype)
     if key not in _ZEROS:
-        _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+        made = torch.zeros((), dtype=like.dtype, device=like.device)
+        if type(made) is not torch.Tensor:  # (made under a mode that fakes tensors: not kept)
+            return made
+        _ZEROS[key] = made
     return _ZEROS[key]
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``tensor``'s device (a tensor made then lives in the
+    graph's pool, its fill only recorded)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def transform_logits_(logits: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
@@ -357,6 +382,7 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
     slope = transform_slope(logits, plan.options)
     if slope is not None:
         grad = grad * slope
+    values = plan.loss.vocab.on(logits.device, torch.float64)[1]  # (cached per device: no copy per call)
     value = terms.value
     if plan.live is not None:  # a fixed-capacity plan: its spare rows' values are 0 (the gradient's and
         # the statistics' are dropped where they are used). ``where``, not times live: a spare row scores
@@ -364,7 +390,8 @@ def numeric_loss_and_gradient(plan: CallPlan, numeric_logits: torch.Tensor,
         # while position 0's own losses are finite, and NaN * 0 would carry it into the loss.
         value = torch.where(plan.live, value, zero(value))
     return NumericGradient(value=value, parts=terms.parts, grad=grad.to(plan.compute_dtype),
-                           row_coefficient=row_coefficient, q=q, comm=CommCount(terms.comm_calls, terms.comm_bytes))
+                           row_coefficient=row_coefficient, predicted=q.argmax(dim=-1), expected=q @ values,
+                           comm=CommCount(terms.comm_calls, terms.comm_bytes))
 
 
 def numeric_terms_and_gradient(plan: CallPlan, logits: torch.Tensor, mass: Optional[torch.Tensor],
@@ -393,30 +420,29 @@ def numeric_per_token(plan: CallPlan, rows: torch.Tensor, like: torch.Tensor) ->
 STAT_FIELDS = ("correct", "abs_error", "tokens", "numeric_tokens", "comm_calls", "comm_bytes")
 
 
-def call_statistics(plan: CallPlan, numeric: NumericGradient, comm: CommCount):
+def call_statistics(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> StatSums:
     """What an op returns for its statistics: :func:`stat_sums` made now on the CPU's plan (where
     ``NumericOutput.stats`` is a dict, read at once) and inside ``torch.compile`` (part of the graph);
     on an accelerator's plan, a function that makes them when they are first read
-    (:class:`CallStats`), so that a call whose statistics nobody reads launches none of their ~12
-    ops. Until then it holds the pieces they are made from: ``q`` ``[P, N]`` (float64) and the
-    loss's ``[P]`` parts; nothing of the gradient."""
+    (:class:`CallStats`), so that a call whose statistics nobody reads launches 9 ops fewer. Until
+    then it holds :class:`StatInputs`: a few ``[P]`` vectors (P: the plan's rows, on a fixed-capacity
+    plan the call's tokens), nothing ``[P, N]`` and nothing of the gradient."""
     if torch.compiler.is_compiling() or not block_plan.DeviceProperties.of(plan.spec.device).accelerator:
         return stat_sums(plan, numeric, comm)
-    pieces = NumericGradient(value=numeric.value, parts={name: numeric.parts[name] for name in plan.loss.stat_names},
-                             grad=None, row_coefficient=None, q=numeric.q, comm=numeric.comm)
+    pieces = StatInputs({name: numeric.parts[name] for name in plan.loss.stat_names}, numeric.predicted,
+                        numeric.expected, numeric.comm)
     return lambda: stat_sums(plan, pieces, comm)
 
 
-def stat_sums(plan: CallPlan, numeric: NumericGradient, comm: CommCount) -> torch.Tensor:
+def stat_sums(plan: CallPlan, numeric, comm: CommCount) -> torch.Tensor:
     """The call's statistics as one detached float64 tensor: the sum over the numeric positions of
     each of the loss's ``stat_names``, then :data:`STAT_FIELDS` (read on the host once, by
-    :func:`stats_dict`). ``comm``: the call's exchange; the loss's own collectives (``numeric.comm``)
-    are added to it."""
+    :func:`stats_dict`). ``numeric``: a :class:`NumericGradient` or :class:`StatInputs`; ``comm``: the
+    call's exchange; the loss's own collectives (``numeric.comm``) are added to it."""
     double = torch.float64
-    q = numeric.q.detach()
-    values = plan.loss.vocab.on(q.device, double)[1]  # (cached per device: no copy per call)
-    correct = q.argmax(dim=-1) == plan.numeric_targets
-    abs_error = (q @ values - values[plan.numeric_targets]).abs()
+    values = plan.loss.vocab.on(numeric.expected.device, double)[1]  # (cached per device: no copy per call)
+    correct = numeric.predicted == plan.numeric_targets
+    abs_error = (numeric.expected.detach() - values[plan.numeric_targets]).abs()
     # (stack and cat promote to the widest dtype in one op each: no conversion op per statistic)
     per_position = torch.stack([*(numeric.parts[name].detach() for name in plan.loss.stat_names), correct, abs_error])
     if plan.live is not None:  # a fixed-capacity plan's spare rows count for nothing (``where``: they may be
@@ -440,7 +466,7 @@ class CallStats(MutableMapping):
     reads them (no host sync in its forward or backward); a trainer reads them where it syncs anyway
     (at its logging interval). Values set on it need no read."""
 
-    def __init__(self, stat_names: tuple, sums):
+    def __init__(self, stat_names: tuple, sums: StatSums):
         self._pending = (stat_names, sums)
         self._values: Optional[dict] = None
         self._set: dict = {}

@@ -405,3 +405,55 @@ def test_the_installed_hook_at_a_fixed_capacity_reads_nothing_back(capacity):
 
     sites = values_or_raise(run_ranks(_hook_at_a_fixed_capacity, 2, int(torch.randint(0, 2**31, (1, ))), capacity))
     assert sites == [[], []], sites
+
+
+def test_one_block_reads_the_numeric_logits_only_where_the_compute_dtype_holds_them(generator):
+    """With one block the numeric logits come from the block, which is in the compute dtype: exact for
+    a wider one (bf16 products in fp32), rounded for a narrower one (``accum_dtype=torch.bfloat16`` under
+    fp32 logits), where they keep their own product. The statistics (float64 sums of the numeric logits'
+    softmax) then do not depend on how many blocks the head is in (they differed at 1e-4 when the rounded
+    block was read), and agree with the CPU's plan to bf16's rounding."""
+    vocab, targets = problem(generator)
+    loss = build_numeric_loss(vocab, [("smmd", 1.0)])
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator) * 3
+    head = torch.randn(VOCAB, HIDDEN, generator=generator)
+
+    def stats(plan, **options):
+        with plan_as(plan):
+            return dict(linear_numeric_cross_entropy(hidden, head, targets.view(-1), loss, accum_dtype=torch.bfloat16,
+                                                     **options).stats)
+
+    one, several, cpu = stats(H200), stats(H200, block_budget_bytes=TOKENS * 4 * 70), stats(CPU)
+    for key in ("smmd", "mmd", "numeric_mae"):
+        # (one and several blocks: the same numeric logits and the same fixed-capacity rows, so the same
+        # bf16 products; the CPU's plan has its exact rows, and a bf16 product of another shape may round
+        # differently: within a few of bf16's 2^-8 relative steps, summed over the positions)
+        assert one[key] == pytest.approx(several[key], rel=1e-12), key
+        assert one[key] == pytest.approx(cpu[key], rel=2e-2), key
+
+
+def test_the_cached_zero_is_never_a_fake_tensor(generator):
+    """``steps.zero`` caches one 0-dim zero per device and dtype; a trace under FakeTensorMode (what
+    non-strict ``torch.export``, ``make_fx`` and memory estimators run) must not leave a fake one there
+    for the real calls after it (one did, and every later call in the process returned fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from smmd_scale import steps
+
+    vocab, targets = problem(generator)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator)
+    head = torch.randn(VOCAB, HIDDEN, generator=generator)
+    traced = build_numeric_loss(vocab, [("smmd", 1.0)])
+    with plan_as(H200):  # (a real call first fills the loss's own per-device caches with real tensors)
+        linear_numeric_cross_entropy(hidden, head, targets.view(-1), traced)
+    steps._ZEROS.clear()  # (the shared cache empty when the fake trace runs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, plan_as(H200):
+        linear_numeric_cross_entropy(mode.from_tensor(hidden).requires_grad_(), mode.from_tensor(head),
+                                     mode.from_tensor(targets.view(-1)), traced)
+    assert all(type(zero) is torch.Tensor for zero in steps._ZEROS.values()), steps._ZEROS
+    with plan_as(H200):
+        output = linear_numeric_cross_entropy(hidden.clone().requires_grad_(), head, targets.view(-1),
+                                              build_numeric_loss(vocab, [("smmd", 1.0)]))
+        output.total.backward()
+    assert type(output.total) is torch.Tensor and torch.isfinite(output.total) and output.stats["numeric_tokens"] > 0

@@ -169,8 +169,8 @@ class NumericCausalLMLoss:
 
     def _release_last_stats(self) -> None:
         """Before a call: drop the last call's statistics if nobody read them. On an accelerator's plan
-        unread statistics hold what they are made from (the numeric softmax, ``[P, N]`` float64), which
-        would otherwise live through this call's forward beside its own."""
+        unread statistics hold what they are made from (a few vectors of the call's positions, and its
+        plan), which would otherwise live through this call's forward beside its own."""
         if isinstance(self.last_stats, CallStats) and not self.last_stats.read:
             self.last_stats = None
 
