@@ -113,6 +113,25 @@ def test_inductor_compiles_the_op_and_matches_eager(generator, kind):
         check_against_eager(compiled, eager, inputs, targets_with(numbers, generator), rtol=1e-5, atol=1e-6)
 
 
+def test_the_installed_hf_loss_compiles_once_for_every_call(generator):
+    """``torch.compile(model)`` with the installed loss, called with other numbers each time, reading the
+    statistics on one call and not the others (as a logging interval does): one graph, compiled once.
+    Until 2026-11-29 the hook counted its calls in an int (``self.calls += 1``), a guard that failed on
+    every call: a recompilation per call, and eager after Dynamo's limit of 8."""
+    model = models.tiny_llama(96, hidden_size=32, max_positions=64, seed=0)
+    installed = smmd_scale.install(model, SMMDLoss(NumericVocab(list(range(20, 30)), list(range(10)), 96)),
+                                   weight=0.3)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for call in range(10):
+        ids = torch.randint(0, 96, (2, 12), generator=generator)
+        ids[:, 2:2 + call % 7] = torch.randint(20, 30, (2, call % 7), generator=generator)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        if call == 3:
+            assert installed.last_stats["numeric_tokens"] >= 2 * (call % 7)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times in 10 calls"
+
+
 def test_the_installed_hf_loss_adds_no_graph_break_of_ours(generator):
     model = models.tiny_llama(96, hidden_size=32, max_positions=64, seed=0)
     smmd_scale.install(model, SMMDLoss(NumericVocab(list(range(20, 30)), list(range(10)), 96)), weight=0.3)

@@ -45,8 +45,9 @@ class NumericCausalLMLoss:
     :class:`DetachedLosses`, ``last_z`` its z-loss (detached; 0 when off), ``last_counts`` the
     (``num_items_in_batch``, ``num_numeric_in_batch``) they were divided by (None: the call's own counts)
     and ``last_path`` how it ran: ``"logits"`` (on the model's logits) or ``"fused_linear"`` (from the
-    head's input, no logits); ``calls`` counts the calls so far (how :class:`NumericLossCallback` tells a
-    fresh call from the last one it recorded).
+    head's input, no logits). Each call records a new ``last_losses`` object (how :class:`NumericLossCallback`
+    tells a fresh call from the last one it recorded; no counter, which ``torch.compile(model)`` would guard
+    on and compile again for every call).
     """
 
     def __init__(self, numeric_loss: NumericLoss, weight: float = 1.0, tp_group=None, vocab_start_index: int = 0,
@@ -60,7 +61,6 @@ class NumericCausalLMLoss:
         self.last_counts: Optional[tuple] = None
         self.last_path: Optional[str] = None
         self.last_z: Optional[torch.Tensor] = None
-        self.calls = 0
         self.ce_options = dict(ce_options or {})
         if "reduction" in self.ce_options:
             raise ValueError("the loss_function hook returns the mean loss HF expects; reduction is not a ce_option")
@@ -171,6 +171,8 @@ class NumericCausalLMLoss:
         """Before a call: drop the last call's statistics if nobody read them. On an accelerator's plan
         unread statistics hold what they are made from (a few vectors of the call's positions, and its
         plan), which would otherwise live through this call's forward beside its own."""
+        if torch.compiler.is_compiling():  # (a compiled call makes its statistics in the graph: nothing to
+            return  # release, and reading the last ones here would be a guard that compiles again per state)
         if isinstance(self.last_stats, CallStats) and not self.last_stats.read:
             self.last_stats = None
 
@@ -180,7 +182,6 @@ class NumericCausalLMLoss:
         self.last_z = output.z.detach()
         self.last_counts = counts
         self.last_path = path
-        self.calls += 1
 
 
 class InstalledLoss:

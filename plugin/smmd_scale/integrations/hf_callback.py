@@ -125,27 +125,30 @@ class NumericLossCallback(TrainerCallback):
         names = list(self.hook.numeric_loss.stat_names)
         self._training, self._evaluation = _Window(names), _Window(names)
         self._steps = 0  # optimizer steps in the training window (the same on every process)
-        self._calls_recorded = self.hook.calls
-        self._calls_before_first_step = None  # hook.calls when the first step began, until that step is checked
+        # A call is told from the last one by its losses' record (a new object per call: hook.last_losses),
+        # not by a counter: an int the hook increments would make torch.compile(model) compile again per call.
+        self._recorded = self.hook.last_losses
+        self._before_first_step = None  # hook.last_losses when the first step began, until that step is checked
+        self._first_step_began = False
         self._first_step_checked = False
 
     def _record(self, window: _Window) -> None:
         """Add the hook's last call to ``window`` if it is one no window holds yet."""
-        if self.hook.calls > self._calls_recorded:
+        if self.hook.last_losses is not None and self.hook.last_losses is not self._recorded:
             window.add(self.hook)
-        self._calls_recorded = self.hook.calls
+        self._recorded = self.hook.last_losses
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self._first_step_checked:
-            self._calls_before_first_step = self.hook.calls
+            self._before_first_step, self._first_step_began = self.hook.last_losses, True
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         # Before the optimizer applies the first step: a trainer that never calls the hook trains
         # another loss in silence (e.g. TRL's own, a compute_loss_func that does not call the hook).
-        if self._first_step_checked or self._calls_before_first_step is None:
+        if self._first_step_checked or not self._first_step_began:
             return
         self._first_step_checked = True
-        if self.hook.calls == self._calls_before_first_step:
+        if self.hook.last_losses is self._before_first_step:
             model_name = type(model).__name__ if model is not None else "the model"
             raise RuntimeError(f"{self.trainer_name} ran its first training step on {model_name} without calling the "
                                "smmd_scale loss hook, so it trained another loss than CE + weight x numeric (the step "
