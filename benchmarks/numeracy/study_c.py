@@ -118,7 +118,9 @@ def data_for(work_dir: Path, settings: dict, task: dict, ladder: dict) -> dict:
     """The data of one task of the ladder (built once per work dir and task): its validation, test and
     out-of-range items and a training pool of the ladder's longest training length, or as many distinct
     problems as the task has beside the held-out ones (``tier_c.train_pool``)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from smmd_train.model.presets import parameter_count
 
     folder = work_dir / f"data-{task['name']}"
     record = folder / "data.json"
@@ -133,7 +135,8 @@ def data_for(work_dir: Path, settings: dict, task: dict, ladder: dict) -> dict:
             plain_sequences=settings["plain_sequences"], plain_seq_len=settings["plain_seq_len"],
             seed=settings["data_seed"]))
     data = json.loads(record.read_text())
-    return {**data, "cache": str(work_dir / "cache"), "parameters": 0}
+    parameters = parameter_count(AutoConfig.from_pretrained(settings["model"]))
+    return {**data, "cache": str(work_dir / "cache"), "parameters": parameters}
 
 
 def train_c(settings: dict, data: dict, flags: dict, seed: int, output_dir: Path) -> list:
