@@ -53,6 +53,7 @@ class DigitEntropyLoss(NumericLoss):
 
     name = "del"
     gradient = "hand-written"  # terms_for_call; numeric_value is its autograd reference
+    reads_values = False  # a digit's place in its number and which digit it is, never its value
 
     def __init__(self, vocab: NumericVocab, dot_token_ids: Optional[Sequence[int]] = (), place_base: float = 1.02,
                  scale: float = 0.01, sequence_dim: int = -1, ignore_index: int = IGNORE_INDEX):

@@ -111,6 +111,10 @@ class NumericLoss:
     #: names another reference where a loss has none of its own).
     gradient = "autograd"
     gradient_reference: Optional[str] = None
+    #: Whether the loss reads the numeric tokens' values (False: it sees only which token is which, as
+    #: DEL does); a value-structure control (``NumericVocab.shuffled``) changes only a loss that does
+    #: (tests/loss/test_value_control.py holds every registered loss to what it declares).
+    reads_values = True
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -256,6 +260,11 @@ class WeightedNumericLosses(NumericLoss):
     @property
     def name(self) -> str:
         return "+".join(term.name for term, _ in self.terms)
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether a term that counts (weight > 0) reads the values."""
+        return any(term.reads_values for term, weight in self.terms if weight > 0)
 
     @property
     def needs_mass(self) -> bool:

@@ -170,6 +170,28 @@ class NumericVocab:
         digest.update((self.values + 0.0).numpy().astype("<f8").tobytes())
         return int.from_bytes(digest.digest()[:8], "little") >> 2
 
+    def shuffled(self, seed: int) -> "NumericVocab":
+        """The same tokens with their values permuted: the value-structure control of a numeric loss.
+
+        The distinct values are permuted among themselves (tokens that shared a value still share
+        one, ``5`` and ``Ġ5`` alike), by the first permutation that moves a value drawn from a
+        generator seeded with ``seed``: a loss keeps its shape and its targets' tokens, but a value's
+        neighbours are no longer the numbers next to it. Needs two distinct values or more."""
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise Refusal("{seed} must be an integer >= 0", seed=Named("seed", seed))
+        distinct, index = torch.unique(self.values, return_inverse=True)
+        if distinct.numel() < 2:
+            raise Refusal(literal(f"shuffling the values of {self!r} changes nothing: it has one distinct value "
+                                  f"({distinct.item():g})") + "; a value-structure control needs two or more")
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        order = torch.arange(distinct.numel())
+        permutation = order
+        while torch.equal(permutation, order):  # a permutation of k >= 2 values moves one with odds >= 1/2
+            permutation = torch.randperm(distinct.numel(), generator=generator)
+        shuffled = NumericVocab(self.token_ids, distinct[permutation][index], self.vocab_size, tokens=self.tokens)
+        shuffled.tokenizer_size, shuffled.policy = self.tokenizer_size, self.policy
+        return shuffled
+
     def __repr__(self) -> str:
         text = (f"NumericVocab(N={len(self)}, values {self.values.min().item():g}..{self.values.max().item():g}, "
                 f"vocab_size={self.vocab_size}")

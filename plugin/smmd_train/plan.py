@@ -123,6 +123,8 @@ def plan_run(config: RunConfig, world_size: int, accelerator: str, bf16_supporte
         vocab = smmd_scale.NumericVocab.from_tokenizer(tokenizer, policy=loss_settings.numeric_policy,
                                                        max_value=loss_settings.numeric_max_value,
                                                        vocab_size=model.vocab_size)
+        if loss_settings.numeric_values == "shuffled":  # the value-structure control
+            vocab = vocab.shuffled(loss_settings.numeric_values_seed)
         warnings += loss.plan(vocab, dot_token_ids(tokenizer), model.vocab_size)
     except ValueError as error:  # the vocabulary's refusal, or a loss's, in the words of train.py's flags
         raise ValueError(error.worded(VOCAB_FLAGS) if isinstance(error, (Refusal, LossOptionError)) else str(error)) \

@@ -471,6 +471,51 @@ def test_the_plan_holds_the_numeric_vocabulary_and_loss(tmp_path, tokenizer_dir)
     assert framework.numeric_loss is None
 
 
+def test_shuffled_numeric_values_are_the_value_control_and_refused_where_they_would_change_nothing(tmp_path,
+                                                                                                      tokenizer_dir):
+    import torch
+
+    corpus = write_corpus(tmp_path / "train.jsonl", 200)
+    args, parsed = prepared(argv(tokenizer_dir, corpus, tmp_path / "run", numeric_loss=["dist2:0.3"]), until="plan")
+    control = argv(tokenizer_dir, corpus, tmp_path / "run", numeric_loss=["dist2:0.3"], numeric_values="shuffled",
+                   numeric_values_seed=3)
+    shuffled_args, shuffled = prepared(control, until="plan")
+    # the same tokens, their values permuted by the seed, and the loss the run installs reads those
+    vocab = shuffled.numeric_vocab
+    assert vocab.token_id_list == parsed.numeric_vocab.token_id_list and len(vocab) > 900
+    assert torch.equal(vocab.values, parsed.numeric_vocab.shuffled(3).values)
+    assert not torch.equal(vocab.values, parsed.numeric_vocab.values)
+    assert shuffled.numeric_loss.vocab is vocab and parsed.numeric_loss.vocab is parsed.numeric_vocab
+    # the resume record and the HParams column tell the control from the run it controls
+    record, parsed_record = (plan.loss.objective_record(plan.numeric_vocab) for plan in (shuffled, parsed))
+    assert record["--numeric_values"] == "shuffled (seed 3)" and "--numeric_values" not in parsed_record
+    assert record["numeric vocabulary"] != parsed_record["numeric vocabulary"]
+    assert run_hparams(RunConfig.from_args(shuffled_args), shuffled, "python")["numeric_values"] == "shuffled"
+    assert run_hparams(RunConfig.from_args(args), parsed, "python")["numeric_values"] == "parsed"
+    # where nothing trained reads a value, the control would silently be the run it controls: refused
+    for options, names in ((dict(numeric_loss=["smmd:0"]), "--numeric_loss smmd:0 with a weight above 0"),
+                           (dict(framework_loss=True), "with --framework_loss")):
+        with pytest.raises(RunRefused, match=f"--numeric_values shuffled would change nothing.*{names}"):
+            prepared(argv(tokenizer_dir, corpus, tmp_path / "run", numeric_values="shuffled", **options),
+                     until="plan")
+
+
+def test_the_value_control_of_a_digit_loss_that_reads_no_value_is_refused(tmp_path):
+    from helpers.style_tokenizers import qwen_style
+
+    qwen_style().save_pretrained(tmp_path / "tokenizer")
+    corpus = write_corpus(tmp_path / "train.jsonl", 200)
+    options = dict(numeric_policy="digits", numeric_values="shuffled")
+    _, plan = prepared(argv(tmp_path / "tokenizer", corpus, tmp_path / "run", numeric_loss=["del", "dist2:0.3"],
+                            **options), until="plan")
+    assert sorted(plan.numeric_vocab.values.tolist()) == list(range(10)) and plan.numeric_loss.reads_values
+    with pytest.raises(RunRefused, match=r"no loss of --numeric_loss del:1 with a weight above 0 reads the numeric "
+                                         r"tokens' values \(DEL reads which digit a token is"):
+        prepared(argv(tmp_path / "tokenizer", corpus, tmp_path / "run", numeric_loss=["del"], **options), until="plan")
+    with pytest.raises(SystemExit):
+        parse_args(argv(tmp_path / "tokenizer", corpus, tmp_path / "run", numeric_values_seed=-1))
+
+
 def test_a_numeric_term_that_can_drown_ce_warns_with_its_size_and_the_study_s_setting(tmp_path, tokenizer_dir):
     corpus = write_corpus(tmp_path / "train.jsonl", 50)
 

@@ -122,6 +122,11 @@ class NumericLossReporter(LossReporter):
 
     def plan(self, vocab, dot_token_ids, vocab_size: int) -> list:
         self.numeric_loss = numeric_loss(self.settings, vocab, dot_token_ids)
+        if self.settings.numeric_values == "shuffled" and not self.numeric_loss.reads_values:
+            terms = " ".join(f"{name}:{weight:g}" for name, weight in self.settings.numeric_loss)
+            raise ValueError(f"--numeric_values shuffled would change nothing this run trains: no loss of "
+                             f"--numeric_loss {terms} with a weight above 0 reads the numeric tokens' values (DEL "
+                             "reads which digit a token is, not its value); the control is for a loss that reads them")
         return numeric_scale_warnings(self.numeric_loss, vocab_size)
 
     def install(self, engine) -> str:
@@ -190,6 +195,9 @@ class ModelLossReporter(LossReporter):
         return {"--framework_loss": True}
 
     def plan(self, vocab, dot_token_ids, vocab_size: int) -> list:
+        if self.settings.numeric_values == "shuffled":
+            raise ValueError("--numeric_values shuffled would change nothing with --framework_loss: the model's own "
+                             "loss reads no numeric values")
         if self.config.model_data.eval_data:
             return ["--eval_data is not evaluated with --framework_loss: the held-out metrics come from the "
                     "installed numeric loss, which a --framework_loss run does not have"]
@@ -283,6 +291,8 @@ def objective_record(settings, vocab) -> dict:
               "--numeric_policy": settings.numeric_policy}
     if settings.numeric_policy != "digits":  # the digits policy has no bound
         record["--numeric_max_value"] = settings.numeric_max_value
+    if settings.numeric_values != "parsed":  # a run of the parsed values keeps the record it had
+        record["--numeric_values"] = f"{settings.numeric_values} (seed {settings.numeric_values_seed})"
     record["numeric vocabulary"] = vocab_fingerprint(vocab)
     for name, _ in settings.numeric_loss:
         for flag in LOSS_FLAGS[name]:

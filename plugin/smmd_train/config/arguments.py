@@ -165,6 +165,13 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                       help="which tokens are numeric (NumericVocab.from_tokenizer), for every numeric loss")
     smmd.add_argument("--numeric_max_value", type=float, default=999,
                       help="the largest value a numeric token may have (policy 'integers')")
+    smmd.add_argument("--numeric_values", default="parsed", choices=["parsed", "shuffled"],
+                      help="the numeric tokens' values: as parsed, or shuffled (the distinct values permuted among the "
+                      "tokens by --numeric_values_seed, NumericVocab.shuffled): the control that tells whether a "
+                      "numeric loss's effect comes from the values; the logged numeric MAE and expected values are "
+                      "then in the shuffled values")
+    smmd.add_argument("--numeric_values_seed", type=int, default=0,
+                      help="the permutation of --numeric_values shuffled (the same for every --seed)")
     add_loss_options(smmd)
     smmd.add_argument("--fused_linear", action="store_true",
                       help="compute CE + the numeric loss from the LM head's input without materializing the logits "
@@ -232,6 +239,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: Optional[str] 
         problem = option.problem(getattr(args, option.column))
         if problem:
             parser.error(problem)
+    if args.numeric_values_seed < 0:
+        parser.error(f"--numeric_values_seed {args.numeric_values_seed} must be >= 0")
     if not (math.isfinite(args.numeric_max_value) and args.numeric_max_value >= 0):
         parser.error(f"--numeric_max_value {args.numeric_max_value:g} must be a finite number >= 0")
     if not (math.isfinite(args.z_loss) and args.z_loss >= 0):

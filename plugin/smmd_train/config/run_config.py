@@ -102,6 +102,8 @@ class Loss:
     numeric_loss: tuple = setting("--numeric_loss", hparam="numeric_loss")  # ((name, weight), ...)
     numeric_policy: str = setting("--numeric_policy")
     numeric_max_value: float = setting("--numeric_max_value")
+    numeric_values: str = setting("--numeric_values", hparam="numeric_values")  # parsed, or shuffled (a control)
+    numeric_values_seed: int = setting("--numeric_values_seed")
     # Each registered loss option (smmd_scale.registry.all_options) by its column: {"smmd_sigmas": (2.0,), ...}
     note_reader(__name__)  # (the field's flags and HParams columns copy the registry's options)
     options: Mapping = setting(*(option.flag for option in all_options()),

@@ -124,7 +124,8 @@ def open_writer(log_dir: str):
 # shows five columns at first: those flagged ``differs``, then the rest by name. A log root's
 # experiment flags the settings that vary; a run's own flags RUN_SHOWN.
 LOSS_OPTION_COLUMNS = tuple(option.column for option in all_options())
-RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "fused_linear", *LOSS_OPTION_COLUMNS,
+RUN_HPARAMS = ("world_size", "tp_size", "dp_size", "sp_size", "numeric_loss", "numeric_values", "fused_linear",
+               *LOSS_OPTION_COLUMNS,
                "z_loss", "label_smoothing", "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
                "seq_len", "model", "lr", "warmup_steps", "max_steps", "launcher")
 UNUSED_OPTION = "unused"
@@ -142,7 +143,7 @@ def run_hparams(config, plan, launcher: str) -> dict:
     optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
-        "sp_size": topology.sp_size, **plan.loss.hparams(),
+        "sp_size": topology.sp_size, **plan.loss.hparams(), "numeric_values": config.loss.numeric_values,
         "fused_linear": bool(config.loss.fused_linear), **loss_option_hparams(config.loss.options, plan.loss.terms()),
         "z_loss": config.loss.z_loss, "label_smoothing": config.loss.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
