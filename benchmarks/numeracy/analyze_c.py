@@ -18,9 +18,10 @@ from pathlib import Path
 
 from smmd_cli.tables import markdown_table
 
-from benchmarks.numeracy import analyze_a
+from benchmarks.numeracy import analyze_a, stats
 from benchmarks.numeracy.stats import load_rule
 from benchmarks.numeracy.tiers import TIERS
+from smmd_numeracy import tier_c
 
 # name -> (header, higher is better, display scale, unit, columns tested), as analyze_a.METRICS
 METRICS = {
@@ -99,6 +100,7 @@ def summary_markdown(study: dict, runs: list, analysis: dict, selections: list, 
         analyze_a.tables(analysis, METRICS), "",
         *analyze_a.selections_section(selections),
         *analyze_a.decisions_section(analysis, METRICS, load_rule("c")),
+        *control_section(analysis["controls"]),
         analyze_a.INTERVALS_NOTE,
     ]
     return "\n".join(lines) + "\n"
@@ -120,14 +122,69 @@ def rewrite_report(results_path, results_dir) -> dict:
                   recorded["pilot"], results_dir, regenerated_from=Path(results_path).name)
 
 
+def control_rows(runs: list) -> list:
+    """The shuffled-values controls (``tier_c.controlled_arm``) on test exact match, paired by seed: each
+    numeric arm against its control (does its difference from CE come with the values?) and the control
+    against CE, with the paired 95% t-interval. Outside the pre-registered family: no Holm."""
+    by_key = {(run["arm"], run["seed"]): run["eval"]["test"]["exact_match"] for run in runs}
+    rows = []
+    for control in dict.fromkeys(run["arm"] for run in runs if tier_c.controlled_arm(run["arm"])):
+        arm = tier_c.controlled_arm(control)
+        seeds = sorted(seed for name, seed in by_key if name == control)
+        row = {"arm": arm, "control": control, "seeds": seeds}
+        for key, (first, second) in (("arm_minus_control", (arm, control)), ("control_minus_ce", (control, "ce"))):
+            differences = [by_key[first, seed] - by_key[second, seed] for seed in seeds
+                           if (first, seed) in by_key and (second, seed) in by_key]
+            low, high = stats.t_interval(differences)
+            row[key] = {"n": len(differences), "mean": sum(differences) / len(differences) if differences else None,
+                        "t95_low": low, "t95_high": high}
+        rows.append(row)
+    return rows
+
+
+def control_section(rows: list) -> list:
+    """The report's words on the shuffled-values control (preregistration.json tiers.c.grid.shuffled_control)."""
+    head = ["## Shuffled-values control", ""]
+    if not rows:
+        return head + ["No shuffled-values control ran: none was due (it runs for a numeric arm whose paired test "
+                       "exact-match interval against CE excludes 0), or its arm's loss reads no value.", ""]
+
+    def pp(cell: dict) -> str:
+        if cell["n"] < 2:
+            return "n/a"
+        return f"{100 * cell['mean']:+.2f} pp [{100 * cell['t95_low']:+.2f}, {100 * cell['t95_high']:+.2f}]"
+
+    table = [{"arm": row["arm"], "control": row["control"], "seeds": str(len(row["seeds"])),
+              "arm - control (95% t)": pp(row["arm_minus_control"]),
+              "control - ce (95% t)": pp(row["control_minus_ce"]),
+              "reading": _control_reading(row["arm_minus_control"])} for row in rows]
+    return head + ["The arm's loss and weight with the digits' values permuted among the digit tokens (train.py "
+                   "`--numeric_values shuffled`, one permutation for every seed), on the arm's seeds; test exact "
+                   "match, paired by seed, outside the pre-registered family (no Holm).", "",
+                   markdown_table(table, [(key, key, "s") for key in table[0]]), ""]
+
+
+def _control_reading(cell: dict) -> str:
+    if cell["n"] < 2:
+        return "untestable (fewer than 2 paired seeds)"
+    if cell["t95_low"] > 0:
+        return "the arm beat its control: the values carry its difference"
+    if cell["t95_high"] < 0:
+        return "the control beat the arm"
+    return "no different from its control: its difference is not shown to come from the values"
+
+
 def report(study: dict, runs: list, selections: list, throughput: dict, pilot: dict, results_dir,
            regenerated_from: str = None) -> dict:
     # the model folder by its name only: a machine's path does not belong in committed results
     study = {**study, "settings": {**study["settings"], "model": Path(study["settings"]["model"]).name}}
-    analysis = analyze_a.analyze(runs, METRICS)
+    # the pre-registered grid's statistics; the controls (a run only when due) beside them
+    analysis = analyze_a.analyze([run for run in runs if not tier_c.controlled_arm(run["arm"])], METRICS)
+    analysis["controls"] = control_rows(runs)
     summary = summary_markdown(study, runs, analysis, selections, throughput, pilot, regenerated_from)
     return analyze_a.write_files("c", {"study": study, "weights": WEIGHTS_NOTE, "selections": selections,
-                                       "throughput": throughput, "pilot": pilot, "runs": runs},
+                                       "throughput": throughput, "pilot": pilot, "runs": runs,
+                                       "controls": analysis["controls"]},
                                  analysis, summary, results_dir)
 
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 from smmd_cli.options import option, parse_options
 
-from benchmarks.numeracy import analyze_c, stats, study_a
+from benchmarks.numeracy import analyze_a, analyze_c, stats, study_a
 from benchmarks.numeracy.runner import REPO, RunFailed, child_environment, run_watched, write_json
 from smmd_numeracy import tier_c
 from smmd_train.config.arguments import train_command
@@ -355,9 +355,12 @@ def plan(own: OwnOptions, options, base: dict, ladder: dict, env: dict) -> Optio
 
 
 def flags_for(arm: str, grid: dict, weights=tier_c.WEIGHTS) -> dict:
-    """CE's options, or a numeric arm at the weight chosen on validation (chosen before its first run)."""
+    """CE's options, or a numeric arm at the weight chosen on validation (chosen before its first run), or
+    a control at its arm's chosen weight."""
     if arm == "ce":
         return tier_c.arm_flags("ce")
+    if tier_c.controlled_arm(arm):
+        return tier_c.arm_flags(arm, grid["study"]["weights"][tier_c.controlled_arm(arm)])
     if arm not in grid["study"].setdefault("weights", {}):
         data = grid["data"]
         selection = study_a.select_on_validation(
@@ -367,6 +370,33 @@ def flags_for(arm: str, grid: dict, weights=tier_c.WEIGHTS) -> dict:
         grid["study"]["weights"][arm] = float(selection["chosen"][1:])
         print(f"[tier c] {arm}: weight {selection['chosen'][1:]} chosen on validation", flush=True)
     return tier_c.arm_flags(arm, grid["study"]["weights"][arm])
+
+
+def reads_values(arm: str) -> bool:
+    """Whether ``arm``'s loss reads the numeric tokens' values (``NumericLoss.reads_values``)."""
+    from smmd_scale import NumericVocab
+    from smmd_scale.registry import build_numeric_loss
+
+    digits = NumericVocab(list(range(10)), [float(value) for value in range(10)], 10)
+    return build_numeric_loss(digits, [(tier_c.NUMERIC_ARMS[arm], 1.0)]).reads_values
+
+
+def controls_due(runs: list, arms, seeds) -> tuple:
+    """The pre-registered trigger of the shuffled-values control (preregistration.json tiers.c.grid.
+    shuffled_control): the numeric arms whose paired 95% t-interval of test exact match against CE excludes 0,
+    once every grid arm of ``arms`` has finished ``seeds``. Returns ``(controls to run, {arm: why it has
+    none})``."""
+    grid = [run for run in runs if run["arm"] in arms]
+    finished = {(run["arm"], run["seed"]) for run in grid}
+    if any((arm, seed) not in finished for arm in arms for seed in seeds):
+        return [], {}
+    rows = analyze_a.analyze(grid, analyze_c.METRICS)["tests"]["exact_match"]["rows"]
+    excluded = [row["arm"] for row in rows if row["column"] == "test" and row["n"] >= 2
+                and (row["t95_low"] > 0 or row["t95_high"] < 0)]
+    controls = [tier_c.control_of(arm) for arm in excluded if reads_values(arm)]
+    none = {arm: "its loss reads no value (NumericLoss.reads_values): shuffling them changes nothing it trains"
+            for arm in excluded if not reads_values(arm)}
+    return controls, none
 
 
 def main(argv=None) -> None:
@@ -397,4 +427,12 @@ def main(argv=None) -> None:
     weights = QUICK_WEIGHTS if options.quick else tier_c.WEIGHTS
     study_a.run_grid("c", options, settings, prepare, lambda arm, grid: flags_for(arm, grid, weights),
                      evaluator(settings, data), "test", train=train_c)
+    controls, without = controls_due(analyze_a.load_runs(options.work_dir, "c")[1], options.arms, options.seeds)
+    for arm, why in without.items():
+        print(f"[tier c] {arm}: its interval excludes 0, and it has no shuffled-values control: {why}", flush=True)
+    if controls:
+        print(f"[tier c] shuffled-values controls (an interval excludes 0): {', '.join(controls)}", flush=True)
+        study_a.run_grid("c", replace(options, arms=controls), settings, prepare,
+                         lambda arm, grid: flags_for(arm, grid, weights), evaluator(settings, data), "test",
+                         train=train_c)
     study_a.report_and_check("c", options, began, analyze_c.write_report, analyze_c.check_pipeline)

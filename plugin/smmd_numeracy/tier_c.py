@@ -45,12 +45,33 @@ _DIGITS = {"numeric_policy": "digits"}
 # NTL-WAS on raw digit distances (the squash is the identity on 0..9; SMMD's is turned off outright).
 NUMERIC_ARMS = {"smmd": "smmd", "ntl_was": "ntl-was", "dist2": "dist2", "del": "del"}
 ARMS = ("ce", *NUMERIC_ARMS)
+# The shuffled-values control of a numeric arm (``<arm>_shuffled``: preregistration.json tiers.c.grid.
+# shuffled_control): the arm's loss and weight on the digits' values permuted among the digit tokens
+# (train.py --numeric_values shuffled), one permutation for every seed. DEL reads no value: it has none.
+CONTROL_SUFFIX, CONTROL_VALUES_SEED = "_shuffled", 0
+
+
+def control_of(arm: str) -> str:
+    """The shuffled-values control arm of the numeric arm ``arm``."""
+    if arm not in NUMERIC_ARMS:
+        raise ValueError(f"{arm!r} is no numeric arm of Tier C ({', '.join(NUMERIC_ARMS)}): it has no control")
+    return arm + CONTROL_SUFFIX
+
+
+def controlled_arm(arm: str):
+    """The numeric arm that ``arm`` is the shuffled-values control of, or None for a grid arm."""
+    base = arm[:-len(CONTROL_SUFFIX)] if arm.endswith(CONTROL_SUFFIX) else None
+    return base if base in NUMERIC_ARMS else None
 
 
 def arm_flags(arm: str, weight=None) -> dict:
-    """train.py's loss options of ``arm`` (CE alone for ``ce``; a numeric arm needs its chosen weight)."""
+    """train.py's loss options of ``arm`` (CE alone for ``ce``; a numeric arm, or its shuffled-values
+    control, needs the weight chosen on validation)."""
     if arm == "ce":
         return {"numeric_loss": ["smmd:0"], **_DIGITS}
+    if controlled_arm(arm):
+        return {**arm_flags(controlled_arm(arm), weight), "numeric_values": "shuffled",
+                "numeric_values_seed": CONTROL_VALUES_SEED}
     if arm not in NUMERIC_ARMS:
         raise ValueError(f"unknown Tier C arm {arm!r}; choose one of {', '.join(ARMS)}")
     if weight is None:

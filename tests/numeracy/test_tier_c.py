@@ -276,3 +276,80 @@ def test_quick_pipeline_runs_and_checks_itself(tmp_path):
     run_study.main(["--tier", "c", "--quick", "--work_dir", str(tmp_path / "work")])
     results = json.loads((tmp_path / "work" / "results" / "tier_c.json").read_text())
     assert len(results["runs"]) == 4 and results["selections"][0]["arm"] == "smmd"
+
+
+def test_a_control_is_its_arm_on_shuffled_values_and_train_py_reads_its_flags(tmp_path):
+    from smmd_train.config.arguments import parse_args
+
+    assert tier_c.control_of("dist2") == "dist2_shuffled" and tier_c.controlled_arm("dist2_shuffled") == "dist2"
+    assert tier_c.controlled_arm("dist2") is None and tier_c.controlled_arm("ce_shuffled") is None
+    with pytest.raises(ValueError, match="no numeric arm"):
+        tier_c.control_of("ce")
+    flags = tier_c.arm_flags("smmd_shuffled", 1.0)
+    assert flags == {**tier_c.arm_flags("smmd", 1.0), "numeric_values": "shuffled", "numeric_values_seed": 0}
+    settings = dict(tier_c.SETTINGS, model=str(tmp_path), micro_batch_size=64, steps=63, lr=3e-4)
+    command = study_c.train_c(settings, {"train": tmp_path / "train.jsonl", "cache": tmp_path, "seq_len": 10},
+                              flags, 3, tmp_path / "run")
+    args = parse_args([str(part) for part in command[command.index("--deepspeed_config"):]])
+    assert (args.numeric_values, args.numeric_values_seed, args.seed) == ("shuffled", 0, 3)
+    assert args.numeric_loss == [("smmd", 1.0)] and args.smmd_squash_factor == 0.0
+    # the study asks the loss itself whether it reads the values: DEL does not, so it has no control
+    assert [arm for arm in tier_c.NUMERIC_ARMS if not study_c.reads_values(arm)] == ["del"]
+
+
+def _grid(work, arms_and_gains, seeds=range(5), control=None):
+    rng = np.random.default_rng(1)
+    for seed in seeds:
+        base = rng.uniform(0.3, 0.6)
+        _synthetic_run(work / f"ce-seed{seed}", "ce", seed, base)
+        for arm, gain in arms_and_gains.items():
+            _synthetic_run(work / f"{arm}-seed{seed}", arm, seed, base + gain + 0.01 * rng.standard_normal())
+
+
+def test_controls_are_due_for_an_arm_whose_interval_excludes_0_once_the_grid_is_complete(tmp_path):
+    from benchmarks.numeracy import analyze_a
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "study.json").write_text(json.dumps({"tier": "c", "settings": {}}))
+    arms = ["ce", "smmd", "dist2", "del", "ntl_was"]
+    _grid(work, {"smmd": 0.05, "dist2": 0.0, "del": 0.06, "ntl_was": -0.05})
+    runs = analyze_a.load_runs(work, "c")[1]
+    controls, without = study_c.controls_due(runs, arms, list(range(5)))
+    assert sorted(controls) == ["ntl_was_shuffled", "smmd_shuffled"]  # above 0 and below 0 alike
+    assert list(without) == ["del"] and "reads no value" in without["del"]
+    assert study_c.controls_due(runs, arms, list(range(6))) == ([], {})  # seed 5 not finished: not yet
+    assert study_c.controls_due([run for run in runs if run["arm"] != "dist2"], arms, list(range(5))) == ([], {})
+
+
+def test_the_report_sets_a_control_beside_its_arm_outside_the_pre_registered_family(tmp_path):
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    settings = dict(tier_c.SETTINGS, model="smollm2", micro_batch_size=64, pilot=LADDER, steps=63, task="add-99",
+                    operations=["add"], operand_range=100, train_examples=4000, lr=3e-4)
+    (work / "study.json").write_text(json.dumps({"tier": "c", "settings": settings, "weights": {"dist2": 0.3}}))
+    _grid(work, {"dist2": 0.05})
+    analysis = analyze_c.write_report(work, results)
+    assert "No shuffled-values control ran" in analysis["text"]
+    ce = {seed: json.loads((work / f"ce-seed{seed}" / "run.json").read_text())["eval"]["test"]["exact_match"]
+          for seed in range(5)}
+    arm = {seed: json.loads((work / f"dist2-seed{seed}" / "run.json").read_text())["eval"]["test"]["exact_match"]
+           for seed in range(5)}
+    for seed in range(4):  # the control on 4 of the 5 seeds, 2 pp below CE on each
+        _synthetic_run(work / f"dist2_shuffled-seed{seed}", "dist2_shuffled", seed, ce[seed] - 0.02)
+    analysis = analyze_c.write_report(work, results)
+    assert [row["arm"] for row in analysis["tests"]["exact_match"]["rows"]] == ["dist2", "dist2"]  # test, oor
+    assert analysis["tests"]["exact_match"]["pairs"] == 5  # the grid's family, as without the control
+    row = analysis["controls"][0]
+    assert (row["arm"], row["control"], row["seeds"]) == ("dist2", "dist2_shuffled", [0, 1, 2, 3])
+    differences = [arm[seed] - ce[seed] + 0.02 for seed in range(4)]
+    assert row["arm_minus_control"]["mean"] == pytest.approx(np.mean(differences))
+    assert row["control_minus_ce"]["mean"] == pytest.approx(-0.02) and row["control_minus_ce"]["n"] == 4
+    low, high = row["arm_minus_control"]["t95_low"], row["arm_minus_control"]["t95_high"]
+    half = 3.182446 * np.std(differences, ddof=1) / 2  # t(0.975, 3) x sd / sqrt(4)
+    assert (low, high) == pytest.approx((np.mean(differences) - half, np.mean(differences) + half))
+    assert low > 0 and "| dist2 | dist2_shuffled | 4 |" in analysis["text"]
+    assert "the arm beat its control: the values carry its difference" in analysis["text"]
+    again = tmp_path / "again"
+    analyze_c.main(["--from_results", str(results / "tier_c.json"), "--results_dir", str(again)])
+    assert json.loads((again / "tier_c.json").read_text()) == json.loads((results / "tier_c.json").read_text())
