@@ -1,6 +1,7 @@
 """The hang guards: time limits scaled by the host probe, and a failure that says it was one."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,26 @@ def test_the_probe_measures_a_fresh_import_and_prints_json():
     assert completed.returncode == 0, completed.stderr
     reading = json.loads(completed.stdout)
     assert reading["repeats"] == 1 and 0 < reading["cpu_seconds"] and 0 < reading["wall_seconds"]
+
+
+def test_the_background_probe_is_reaped_once_read_so_its_cpu_lands_in_no_later_window(tmp_path):
+    """In a fresh process: start the background probe, read it, then start one more child. Once read (or
+    settled), the probe was reaped: the later child's window holds that child's CPU alone."""
+    code = f"""
+import os, subprocess, sys
+os.environ.pop({host_probe.ENVIRONMENT_KEY!r}, None); os.environ.pop({host_probe.FILE_KEY!r}, None)
+from helpers import host_probe
+host_probe.start_in_background()
+host_probe.reading()
+assert host_probe._PROBE is None
+before = os.times()
+subprocess.run([sys.executable, "-c", "pass"], check=True)
+after = os.times()
+print(after.children_user + after.children_system - before.children_user - before.children_system)
+"""
+    tests = os.path.dirname(os.path.dirname(host_probe.__file__))  # where `helpers` imports from
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": tests}, timeout=host_probe.hang_guard(120))
+    assert completed.returncode == 0, completed.stderr
+    # an interpreter that does nothing: well under the probe's seconds of importing torch
+    assert float(completed.stdout) < 1.0

@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pytest
+from helpers import host_probe
 from helpers.host_probe import hang_guard
 
 from benchmarks.numeracy import study_a
@@ -25,6 +26,7 @@ def test_each_run_counts_its_own_cpu_when_runs_overlap(tmp_path):
         return lambda: run_measured([sys.executable, "-c", BUSY.format(seconds=seconds)], tmp_path / name,
                                     dict(os.environ))
 
+    host_probe.settle()  # the session's background probe, else reaped in this window with its CPU
     before = os.times()
     (_, short_cpu), (_, long_cpu) = study_a.in_parallel(2, [run(short, "short.log"), run(long, "long.log")])
     after = os.times()
