@@ -95,7 +95,8 @@ def parse_args(argv=None) -> tuple:
     if own.exploratory_at:
         task, examples, lr = own.exploratory_at
         exploratory_at = (task, int(examples), float(lr))
-    return replace(own, model=str(Path(own.model).resolve()), exploratory_at=exploratory_at), options
+    model = str(Path(own.model).resolve()) if own.model else None  # None: check_model says how to make one
+    return replace(own, model=model, exploratory_at=exploratory_at), options
 
 
 def check_model(model_dir: Optional[str]) -> None:
@@ -391,12 +392,26 @@ def controls_due(runs: list, arms, seeds) -> tuple:
     if any((arm, seed) not in finished for arm in arms for seed in seeds):
         return [], {}
     rows = analyze_a.analyze(grid, analyze_c.METRICS)["tests"]["exact_match"]["rows"]
-    excluded = [row["arm"] for row in rows if row["column"] == "test" and row["n"] >= 2
+    # a difference the same on every seed has no spread, so no interval (stats.paired_test): not one that excludes 0
+    excluded = [row["arm"] for row in rows if row["column"] == "test" and row["n"] >= 2 and not row["constant"]
                 and (row["t95_low"] > 0 or row["t95_high"] < 0)]
     controls = [tier_c.control_of(arm) for arm in excluded if reads_values(arm)]
     none = {arm: "its loss reads no value (NumericLoss.reads_values): shuffling them changes nothing it trains"
             for arm in excluded if not reads_values(arm)}
     return controls, none
+
+
+def run_controls(options, settings: dict, prepare, weights, evaluate, train=train_c) -> list:
+    """The shuffled-values controls that the complete grid makes due (:func:`controls_due`), each on the
+    grid's seeds at its arm's chosen weight, in the grid's work dir; returns the control arms."""
+    controls, without = controls_due(analyze_a.load_runs(options.work_dir, "c")[1], options.arms, options.seeds)
+    for arm, why in without.items():
+        print(f"[tier c] {arm}: its interval excludes 0, and it has no shuffled-values control: {why}", flush=True)
+    if controls:
+        print(f"[tier c] shuffled-values controls (an interval excludes 0): {', '.join(controls)}", flush=True)
+        study_a.run_grid("c", replace(options, arms=controls), settings, prepare,
+                         lambda arm, grid: flags_for(arm, grid, weights), evaluate, "test", train=train)
+    return controls
 
 
 def main(argv=None) -> None:
@@ -427,12 +442,5 @@ def main(argv=None) -> None:
     weights = QUICK_WEIGHTS if options.quick else tier_c.WEIGHTS
     study_a.run_grid("c", options, settings, prepare, lambda arm, grid: flags_for(arm, grid, weights),
                      evaluator(settings, data), "test", train=train_c)
-    controls, without = controls_due(analyze_a.load_runs(options.work_dir, "c")[1], options.arms, options.seeds)
-    for arm, why in without.items():
-        print(f"[tier c] {arm}: its interval excludes 0, and it has no shuffled-values control: {why}", flush=True)
-    if controls:
-        print(f"[tier c] shuffled-values controls (an interval excludes 0): {', '.join(controls)}", flush=True)
-        study_a.run_grid("c", replace(options, arms=controls), settings, prepare,
-                         lambda arm, grid: flags_for(arm, grid, weights), evaluator(settings, data), "test",
-                         train=train_c)
+    run_controls(options, settings, prepare, weights, evaluator(settings, data))
     study_a.report_and_check("c", options, began, analyze_c.write_report, analyze_c.check_pipeline)

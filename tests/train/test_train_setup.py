@@ -488,9 +488,9 @@ def test_shuffled_numeric_values_are_the_value_control_and_refused_where_they_wo
     assert shuffled.numeric_loss.vocab is vocab and parsed.numeric_loss.vocab is parsed.numeric_vocab
     # the resume record and the HParams column tell the control from the run it controls
     record, parsed_record = (plan.loss.objective_record(plan.numeric_vocab) for plan in (shuffled, parsed))
-    assert record["--numeric_values"] == "shuffled (seed 3)" and "--numeric_values" not in parsed_record
+    assert record["--numeric_values"] == "shuffled (seed 3)" and parsed_record["--numeric_values"] == "parsed"
     assert record["numeric vocabulary"] != parsed_record["numeric vocabulary"]
-    assert run_hparams(RunConfig.from_args(shuffled_args), shuffled, "python")["numeric_values"] == "shuffled"
+    assert run_hparams(RunConfig.from_args(shuffled_args), shuffled, "python")["numeric_values"] == "shuffled (seed 3)"
     assert run_hparams(RunConfig.from_args(args), parsed, "python")["numeric_values"] == "parsed"
     # where nothing trained reads a value, the control would silently be the run it controls: refused
     for options, names in ((dict(numeric_loss=["smmd:0"]), "--numeric_loss smmd:0 with a weight above 0"),

@@ -291,8 +291,8 @@ def objective_record(settings, vocab) -> dict:
               "--numeric_policy": settings.numeric_policy}
     if settings.numeric_policy != "digits":  # the digits policy has no bound
         record["--numeric_max_value"] = settings.numeric_max_value
-    if settings.numeric_values != "parsed":  # a run of the parsed values keeps the record it had
-        record["--numeric_values"] = f"{settings.numeric_values} (seed {settings.numeric_values_seed})"
+    # (a checkpoint from before the flag has no entry, and resumes as "parsed" does)
+    record["--numeric_values"] = settings.numeric_values_label
     record["numeric vocabulary"] = vocab_fingerprint(vocab)
     for name, _ in settings.numeric_loss:
         for flag in LOSS_FLAGS[name]:

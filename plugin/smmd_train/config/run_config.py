@@ -114,6 +114,13 @@ class Loss:
     tp_exchange_capacity: str = setting("--tp_exchange_capacity")  # not the objective: how the exchange is sized
     framework_loss: bool = setting("--framework_loss")
 
+    @property
+    def numeric_values_label(self) -> str:
+        """``parsed``, or ``shuffled (seed S)``: --numeric_values as the resume record and HParams show it."""
+        if self.numeric_values == "parsed":
+            return "parsed"
+        return f"{self.numeric_values} (seed {self.numeric_values_seed})"
+
 
 @dataclass(**SECTION)
 class Checkpointing:

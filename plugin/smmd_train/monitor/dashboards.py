@@ -143,7 +143,7 @@ def run_hparams(config, plan, launcher: str) -> dict:
     optimizer = (ds_config.get("optimizer") or {}).get("params", {})
     values = {
         "world_size": topology.world_size, "tp_size": topology.tp_size, "dp_size": topology.dp_size,
-        "sp_size": topology.sp_size, **plan.loss.hparams(), "numeric_values": config.loss.numeric_values,
+        "sp_size": topology.sp_size, **plan.loss.hparams(), "numeric_values": config.loss.numeric_values_label,
         "fused_linear": bool(config.loss.fused_linear), **loss_option_hparams(config.loss.options, plan.loss.terms()),
         "z_loss": config.loss.z_loss, "label_smoothing": config.loss.label_smoothing,
         "zero_stage": zero.get("stage", 0), "offload": (zero.get("offload_optimizer") or {}).get("device", "none"),
