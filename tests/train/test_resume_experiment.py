@@ -103,6 +103,8 @@ VOCAB = r"numeric vocabulary 1000 tokens, sha256 \w{12} -> %d tokens, sha256 \w{
     (dict(numeric_max_value=99), ["--numeric_max_value 999 -> 99", re.compile(VOCAB % 100)]),
     (dict(numeric_policy="digits"), ["--numeric_policy integers -> digits", re.compile(VOCAB % 10)]),
     (dict(framework_loss=True), ["--framework_loss off -> on"]),
+    (dict(numeric_values="shuffled", numeric_values_seed=2),
+     ["--numeric_values parsed -> shuffled (seed 2)", re.compile(VOCAB % 1000)]),
 ])
 def test_each_change_of_the_objective_is_named(trained, tokenizer_dir, corpus, options, changes):
     lines = refusal(tokenizer_dir, corpus, trained, **options)
