@@ -68,6 +68,7 @@ from smmd_cli.options import option, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RESULTS = REPO / "benchmarks" / "numeracy" / "results" / "tier_a.json"
+PRETRAINED_RESULTS = STUDY_RESULTS.with_name("tier_c.json")  # Tier C: a pretrained model fine-tuned
 # The arms the demo can run beside CE (train.py flags: smmd_numeracy.tier_a.arm_flags; ntl_mse's weight is
 # the one the study chose on validation). Here rather than in the package: --help prints before anything is installed.
 ARM_LABELS = {"smmd": "CE + SMMD", "ntl_was": "CE + 0.3 NTL-WAS", "ntl_mse": "CE + NTL-MSE",
@@ -267,6 +268,30 @@ def study_spread(results: dict, arm: str) -> str:
     return text + " All its comparisons: benchmarks/numeracy/results/tier_a_summary.md."
 
 
+def pretrained_verdict(results: dict) -> str:
+    """The closing word: what Tier C (``results``: its tier_c.json, or {}) found on a pretrained model, each
+    numeric loss's paired difference from CE in test exact match with its 95% t-interval, and where a user
+    reads which loss to choose."""
+    where = ("Which loss and weight to start with for your tokenizer: docs/objective.md, \"Choosing a numeric "
+             "loss\"")
+    if not results:
+        return where + "."
+    settings, cells = results["study"]["settings"], results["cells"]["exact_match"]["test"]
+    operations = ", ".join({"add": "a+b", "sub": "a-b", "dist": "|a-b|"}[name] for name in settings["operations"])
+    arms = []
+    for row in results["tests"]["exact_match"]:
+        if row["column"] == "test" and row["t95_low"] is not None:
+            low, high = 100 * row["t95_low"], 100 * row["t95_high"]
+            outcome = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
+            arms.append(f"{row['arm'].replace('_', '-').upper()} at weight {results['study']['weights'][row['arm']]:g} "
+                        f"{outcome} ({100 * row['mean_difference']:+.1f} pp [{low:+.1f}, {high:+.1f}])")
+    return (f"On a pretrained model (Tier C: SmolLM2-135M-Instruct fine-tuned on {operations} with operands "
+            f"0..{settings['operand_range'] - 1}, {len(results['seeds'])} seeds), CE alone reached "
+            f"{100 * cells['ce']['mean']:.1f}% ± {100 * cells['ce']['std']:.1f} test exact match; "
+            + "; ".join(arms) + ". " + where
+            + "; the report: benchmarks/numeracy/results/tier_c_summary.md.")
+
+
 def study_runs(results: dict, settings: dict, args, rows: list) -> str:
     """Where the demo trained the study's own runs (its settings, seed and layout: one process, one
     thread), what the study recorded for them and whether the demo's rows (CE, the arm) repeat it;
@@ -394,9 +419,12 @@ def main(argv=None) -> None:
     reproduced = study_runs(results, settings, args, rows[:2])
     if reproduced:
         print("\n" + reproduced)
+    closing = pretrained_verdict(json.loads(PRETRAINED_RESULTS.read_text()) if PRETRAINED_RESULTS.is_file() else {})
+    print("\n" + closing)
     seconds = time.monotonic() - began
     (work / "demo_results.json").write_text(json.dumps({"args": asdict(args), "settings": settings, "rows": rows,
-                                                        "tp_check": check, "seconds": seconds}, indent=1))
+                                                        "tp_check": check, "pretrained": closing,
+                                                        "seconds": seconds}, indent=1))
     print(f"\nper-split reports: {work}/*/tier_a_eval.json; everything: {work}/demo_results.json")
     write_experiment(str(work / "tensorboard"), differs=experiment_differs([loss for _, _, loss, _ in plans]))
     print(f"TensorBoard:  tensorboard --logdir {work / 'tensorboard'}")

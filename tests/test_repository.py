@@ -1,6 +1,7 @@
 """Rules of the repository itself: the README's commands are the ones CI runs, code is shared by
-importing installed packages (no sys.path edits, no importing scripts), and the documents that
-docstrings cite exist in the repository."""
+importing installed packages (no sys.path edits, no importing scripts), the documents that
+docstrings cite exist in the repository, and neither code nor committed results hold a path of the
+machine they were written on."""
 
 import re
 
@@ -9,6 +10,10 @@ from helpers.launching import REPO
 # This file names the patterns it looks for, so it is left out.
 SOURCES = sorted(path for folder in ("plugin", "launch", "benchmarks", "tests")
                  for path in (REPO / folder).rglob("*.py") if path.name != "test_repository.py")
+RESULTS = sorted(path for folder in ("benchmarks/results", "benchmarks/numeracy/results")
+                 for path in (REPO / folder).rglob("*") if path.suffix in (".json", ".md"))
+# An absolute path under a machine's own folders: a work, scratch or temporary directory, or a home.
+MACHINE_PATH = re.compile(r"(?<![\w.$])/(?:work|tmp|scratch|root|home|Users)/")
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -40,3 +45,14 @@ def test_cited_documents_exist_and_nothing_cites_what_is_not_in_the_repository()
     assert cited, "nothing cites docs/"
     for document in cited:
         assert (REPO / document).is_file(), document
+
+
+def test_neither_code_defaults_nor_committed_results_hold_a_machine_path():
+    assert len(RESULTS) >= 20, "the results folders moved: point RESULTS at them"
+    for path in RESULTS:
+        assert not MACHINE_PATH.search(path.read_text()), path
+    for path in SOURCES:
+        if path.parts[len(REPO.parts)] != "tests":  # tests may name a stand-in path for a launcher to pick up
+            assert not re.search(r"[\"']" + MACHINE_PATH.pattern, path.read_text()), path
+    planted = '{"command": ["--data", "/tmp/run/train.jsonl"], "model": "/work/models/x"}'
+    assert len(MACHINE_PATH.findall(planted)) == 2 and not MACHINE_PATH.search("ds_configs/zero3.json $HOME/x")

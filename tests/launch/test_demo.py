@@ -91,6 +91,17 @@ def test_demo_end_to_end_at_toy_settings(tmp_path):
     assert "-> equal within it" in completed.stdout
     assert "| CE only |" in completed.stdout and "tensorboard --logdir" in completed.stdout
     assert "cannot" in completed.stdout  # what one seed cannot show
+    # Its closing word is Tier C's (a pretrained model): each numeric arm's paired difference from CE as the
+    # committed report's JSON has it, and where to read which loss to choose.
+    pretrained = json.loads(STUDY_RESULTS.with_name("tier_c.json").read_text())
+    assert results["pretrained"] in completed.stdout and "docs/objective.md" in results["pretrained"]
+    compared = [row for row in pretrained["tests"]["exact_match"] if row["column"] == "test"]
+    assert len(compared) == len(pretrained["study"]["arms"]) - 1
+    for row in compared:
+        low, high = 100 * row["t95_low"], 100 * row["t95_high"]
+        words = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
+        assert f"{row['arm'].replace('_', '-').upper()} at weight {pretrained['study']['weights'][row['arm']]:g} " \
+               f"{words} ({100 * row['mean_difference']:+.1f} pp [{low:+.1f}, {high:+.1f}])" in results["pretrained"]
     assert len(list((work / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the HParams experiment, once
     # It flags (shows first) the settings in which the three runs' HParams rows differ: the numeric loss
     # (CE is smmd:0) and the segment's layout; the segment's launcher (deepspeed, not one process) too.
