@@ -231,6 +231,15 @@ def compare_losses(reference: dict, segment: dict, steps: range) -> dict:
             "within": largest <= TP_TOLERANCE}
 
 
+def compared_with_ce(row: dict) -> str:
+    """A study's paired comparison with CE (a row of its ``tests``) in words: ``"beat CE: +1.2 pp [+0.1,
+    +2.3]"`` where the 95% t-interval (the study's primary one) is above 0, "lost to CE" below it, else "did
+    not beat CE"."""
+    low, high = 100 * row["t95_low"], 100 * row["t95_high"]
+    outcome = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
+    return f"{outcome}: {100 * row['mean_difference']:+.1f} pp [{low:+.1f}, {high:+.1f}]"
+
+
 def study_verdict(results: dict, arm: str) -> dict:
     """The study's cells for CE and ``arm`` (``results``: its tier_a.json, or {}): mean ± std test
     exact match over its seeds, and in words whether ``arm`` beat CE (the paired difference's 95%
@@ -242,10 +251,7 @@ def study_verdict(results: dict, arm: str) -> dict:
                for name in ("ce", arm) if name in cells}
     for row in results["tests"]["exact_match"]:
         if row["arm"] == arm and row["column"] == "test":
-            low, high = 100 * row["t95_low"], 100 * row["t95_high"]
-            outcome = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
-            verdict["outcome"] = (f"{outcome}: {100 * row['mean_difference']:+.1f} pp "
-                                  f"[{low:+.1f}, {high:+.1f}], {row['n']} seeds")
+            verdict["outcome"] = f"{compared_with_ce(row)}, {row['n']} seeds"
     return verdict
 
 
@@ -281,10 +287,9 @@ def pretrained_verdict(results: dict) -> str:
     arms = []
     for row in results["tests"]["exact_match"]:
         if row["column"] == "test" and row["t95_low"] is not None:
-            low, high = 100 * row["t95_low"], 100 * row["t95_high"]
-            outcome = "beat CE" if low > 0 else "lost to CE" if high < 0 else "did not beat CE"
+            words, numbers = compared_with_ce(row).split(": ")
             arms.append(f"{row['arm'].replace('_', '-').upper()} at weight {results['study']['weights'][row['arm']]:g} "
-                        f"{outcome} ({100 * row['mean_difference']:+.1f} pp [{low:+.1f}, {high:+.1f}])")
+                        f"{words} ({numbers})")
     return (f"On a pretrained model (Tier C: SmolLM2-135M-Instruct fine-tuned on {operations} with operands "
             f"0..{settings['operand_range'] - 1}, {len(results['seeds'])} seeds), CE alone reached "
             f"{100 * cells['ce']['mean']:.1f}% ± {100 * cells['ce']['std']:.1f} test exact match; "
